@@ -1,0 +1,127 @@
+"""One batched engine tick: Mimi encode -> KAME LM step -> Mimi decode, for a fixed set of call slots.
+
+Rows are call slots. A row joins by a per-row reset (moshi resets KV caches, conv states and offsets in
+place with masks) and sits out by its execution mask, so calls come and go without disturbing the others
+and the batch shape never changes (which keeps CUDA graphs valid). This class is synchronous and owns no
+thread: the frame loop drives it, and tests step it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from moshi.models.compression import MimiModel
+from moshi.models.lm import LMGen
+
+from .interface import FRAME_SAMPLES
+from .model import KameLM, KameStreamingState
+
+UNGENERATED = -2  # moshi's "not generated yet" token
+
+
+@dataclass(frozen=True)
+class StepResult:
+    pcm: np.ndarray  # [B, FRAME_SAMPLES] float32, zeros where not voiced
+    text: np.ndarray  # [B] int64 text token, UNGENERATED where the row produced nothing
+    voiced: np.ndarray  # [B] bool: the row produced audio codes this step
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    use_sampling: bool = True
+    temp: float = 0.8
+    temp_text: float = 0.7
+    top_k: int = 250
+    top_k_text: int = 25
+
+
+class KameBatch:
+    def __init__(self, lm: KameLM, mimi: MimiModel, batch_size: int, sampling: SamplingConfig | None = None):
+        sampling = sampling or SamplingConfig()
+        self.lm = lm
+        self.mimi = mimi
+        self.batch_size = batch_size
+        self.device = lm.device
+        # support_out_of_sync: a reset row must not make step() return None for every row.
+        self.lm_gen = LMGen(
+            lm,
+            use_sampling=sampling.use_sampling,
+            temp=sampling.temp,
+            temp_text=sampling.temp_text,
+            top_k=sampling.top_k,
+            top_k_text=sampling.top_k_text,
+            support_out_of_sync=True,
+        )
+        self.lm_gen.streaming_forever(batch_size)
+        self.mimi.streaming_forever(batch_size)
+        state = lm._streaming_state
+        assert isinstance(state, KameStreamingState) and state.oracle is not None
+        self._oracle = state.oracle  # [B, 1], read by the (graphed) LM step
+        pin = self.device.type == "cuda"
+        self._pcm_in = torch.zeros(batch_size, 1, FRAME_SAMPLES, dtype=torch.float32, pin_memory=pin)
+        self._oracle_in = torch.zeros(batch_size, 1, dtype=torch.long, pin_memory=pin)
+        self._active = np.zeros(batch_size, dtype=bool)
+        self._fresh = np.zeros(batch_size, dtype=bool)  # joined, first encode not done yet
+        self._mask_cache: dict[bytes, torch.Tensor] = {}
+
+    def _mask(self, rows: np.ndarray) -> torch.Tensor:
+        key = rows.tobytes()
+        mask = self._mask_cache.get(key)
+        if mask is None:
+            mask = torch.from_numpy(rows.copy()).to(self.device)
+            if len(self._mask_cache) < 4096:
+                self._mask_cache[key] = mask
+        return mask
+
+    def reset_rows(self, rows: np.ndarray) -> None:
+        """A new call takes these rows: clear their LM, oracle and Mimi state."""
+        if not rows.any():
+            return
+        mask = self._mask(rows)
+        self.lm_gen.reset_streaming(mask)
+        self.mimi.reset_streaming(mask)
+        self._fresh |= rows
+
+    @torch.no_grad()
+    def step(self, pcm: np.ndarray, active: np.ndarray, oracle: np.ndarray) -> StepResult:
+        """Advance every active row by one 80 ms frame.
+
+        pcm: [B, FRAME_SAMPLES] float32 caller audio (silence for inactive rows); active: [B] bool;
+        oracle: [B] int64, the oracle token each row feeds this step.
+        """
+        B = self.batch_size
+        assert pcm.shape == (B, FRAME_SAMPLES), pcm.shape
+        self._pcm_in[:, 0].copy_(torch.from_numpy(np.ascontiguousarray(pcm, dtype=np.float32)))
+        self._oracle_in[:, 0].copy_(torch.from_numpy(np.ascontiguousarray(oracle, dtype=np.int64)))
+        # In place into the buffer the captured graph reads.
+        self._oracle.copy_(self._oracle_in, non_blocking=True)
+        active_mask = self._mask(active)
+        self.lm_gen.set_exec_mask(active_mask)
+        self.mimi.set_exec_mask(active_mask)
+
+        codes = self.mimi.encode(self._pcm_in.to(self.device, non_blocking=True))
+        first = self._fresh & active
+        if first.any():
+            # moshi's first-frame rule, per row: the first encoded frame carries the encoder's left
+            # padding; reset the row's Mimi state so the next frame gets it again.
+            self.mimi.reset_streaming(self._mask(first))
+            self._fresh &= ~first
+
+        out = self.lm_gen.step(codes)  # [B, 1 + dep_q, 1]
+        assert out is not None  # support_out_of_sync never returns None
+        audio = out[:, 1:, :]
+        voiced = (audio >= 0).all(dim=2).all(dim=1) & active_mask
+        # Never decode UNGENERATED: give those rows a valid code and keep their decoder frozen.
+        audio = torch.where(voiced[:, None, None], audio, torch.zeros_like(audio))
+        self.mimi.set_exec_mask(voiced)
+        pcm_out = self.mimi.decode(audio)[:, 0, :] * voiced[:, None]
+        text = out[:, 0, 0]  # moshi already wrote UNGENERATED for rows that produced nothing
+        # One device->host copy per tick.
+        packed = torch.cat([pcm_out.float(), text[:, None].float(), voiced[:, None].float()], dim=1).cpu().numpy()
+        return StepResult(
+            pcm=packed[:, :FRAME_SAMPLES].astype(np.float32, copy=False),
+            text=packed[:, FRAME_SAMPLES].astype(np.int64),
+            voiced=packed[:, FRAME_SAMPLES + 1] > 0.5,
+        )

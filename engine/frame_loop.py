@@ -1,0 +1,285 @@
+"""The real-time 80 ms frame loop over a fixed set of call slots.
+
+One thread owns the model. Each tick it takes one caller frame per active slot (silence and an underrun
+if it is late: the loop never waits for one slow call), one oracle token per slot, steps the whole batch
+once and hands each slot its 80 ms of audio and its text piece. Everything the asyncio side calls
+(`join`, `leave`, `push_audio`, `set_oracle`, `caller_turn`) only touches small locked structures and
+returns at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import sentencepiece
+
+from . import metrics
+from .batch import UNGENERATED, KameBatch
+from .interface import FRAME_SAMPLES, FRAME_SECONDS, EngineClosed, EngineFull
+from .oracle_buffer import OracleBuffer
+
+log = logging.getLogger(__name__)
+
+_SILENCE = np.zeros(FRAME_SAMPLES, dtype=np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotOutput:
+    pcm: np.ndarray  # [FRAME_SAMPLES] float32
+    token: int  # text token, UNGENERATED if none
+    piece: str  # SentencePiece piece ('' for padding / none)
+    voiced: bool  # real audio from the model (False: silence stands in)
+    index: int  # frame number since the call joined
+    oracle_token: int  # the oracle token this slot fed on this step
+    held: bool  # muted by the forced response delay
+
+
+SlotSink = Callable[[SlotOutput], None]
+
+
+@dataclass
+class Slot:
+    """One call's seat: its input queue, oracle cursor, timing and counters."""
+
+    row: int
+    call_id: str
+    sink: SlotSink
+    oracle: OracleBuffer
+    inbox: deque[np.ndarray] = field(default_factory=deque)
+    needs_reset: bool = True
+    got_audio: bool = False  # underruns count only once the caller's audio has started
+    frames_out: int = 0
+    underruns: int = 0
+    overruns: int = 0
+    # Forced response delay: muted while the caller speaks and until `release_at` ticks.
+    caller_speaking: bool = False
+    release_at: int = -1
+
+
+@dataclass
+class LoopStats:
+    ticks: int = 0
+    deadline_misses: int = 0
+    last_tick_s: float = 0.0
+    tick_s: deque[float] = field(default_factory=lambda: deque(maxlen=2048))
+
+
+class FrameLoop:
+    def __init__(
+        self,
+        batch: KameBatch,
+        tokenizer: sentencepiece.SentencePieceProcessor,
+        *,
+        max_queued_frames: int = 4,
+        forced_delay_ms: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.batch = batch
+        self.tokenizer = tokenizer
+        self.max_calls = batch.batch_size
+        self.max_queued_frames = max_queued_frames
+        self.forced_delay_frames = math.ceil(forced_delay_ms / (FRAME_SECONDS * 1000)) if forced_delay_ms else 0
+        self.clock = clock
+        self.stats = LoopStats()
+        self._slots: list[Slot | None] = [None] * self.max_calls
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._running = threading.Event()
+        self._closed = False
+        self._tick_no = 0
+        self._vocab = tokenizer.vocab_size()
+        self._silent_pieces = {batch.lm.text_padding_token_id, batch.lm.end_of_text_padding_id}
+        metrics.ENGINE_SLOTS_TOTAL.set(self.max_calls)
+
+    # ---- called from any thread (the asyncio side) ----
+
+    @property
+    def free_slots(self) -> int:
+        with self._lock:
+            return sum(s is None for s in self._slots)
+
+    def join(self, call_id: str, sink: SlotSink) -> int:
+        with self._lock:
+            if self._closed:
+                raise EngineClosed("engine is stopping")
+            for row, slot in enumerate(self._slots):
+                if slot is None:
+                    lm = self.batch.lm
+                    oracle = OracleBuffer(lm.oracle_start_token_id, lm.text_padding_token_id)
+                    self._slots[row] = Slot(row, call_id, sink, oracle)
+                    metrics.ENGINE_SLOTS_BUSY.set(self.max_calls - sum(s is None for s in self._slots))
+                    return row
+        raise EngineFull(f"all {self.max_calls} call slots are busy")
+
+    def leave(self, row: int, call_id: str) -> None:
+        with self._lock:
+            slot = self._slots[row]
+            if slot is not None and slot.call_id == call_id:
+                self._slots[row] = None  # its row sits out (exec mask off) until a new call resets it
+            metrics.ENGINE_SLOTS_BUSY.set(self.max_calls - sum(s is None for s in self._slots))
+
+    def push_audio(self, row: int, call_id: str, pcm: np.ndarray) -> None:
+        if pcm.shape != (FRAME_SAMPLES,):
+            raise ValueError(f"expected {FRAME_SAMPLES} samples, got {pcm.shape}")
+        with self._lock:
+            slot = self._slots[row]
+            if slot is None or slot.call_id != call_id:
+                return
+            slot.got_audio = True
+            slot.inbox.append(pcm.astype(np.float32, copy=False))
+            if len(slot.inbox) > self.max_queued_frames:
+                # Audio faster than real time: drop the oldest frame so latency stays bounded.
+                slot.inbox.popleft()
+                slot.overruns += 1
+                metrics.ENGINE_OVERRUNS.inc()
+
+    def set_oracle(self, row: int, call_id: str, candidate_id: int, text: str) -> list[int]:
+        """Make `text` (a whole draft, tokenized as a whole) the slot's newest oracle candidate."""
+        tokens = self.tokenizer.encode(text) if text else []
+        with self._lock:
+            slot = self._slots[row]
+            if slot is not None and slot.call_id == call_id:
+                slot.oracle.set_candidate(candidate_id, tokens)
+        return tokens
+
+    def caller_turn(self, row: int, call_id: str, speaking: bool) -> None:
+        """The caller started (True) or ended (False) a turn: drives the forced response delay."""
+        with self._lock:
+            slot = self._slots[row]
+            if slot is None or slot.call_id != call_id:
+                return
+            if speaking:
+                slot.caller_speaking = True
+            elif slot.caller_speaking:
+                slot.caller_speaking = False
+                slot.release_at = self._tick_no + self.forced_delay_frames
+
+    # ---- the tick ----
+
+    def _held(self, slot: Slot) -> bool:
+        if not self.forced_delay_frames:
+            return False
+        return slot.caller_speaking or self._tick_no < slot.release_at
+
+    def tick(self) -> list[tuple[Slot, SlotOutput]]:
+        """One synchronous engine step for every active slot. Returns what was delivered."""
+        B = self.max_calls
+        pcm = np.zeros((B, FRAME_SAMPLES), dtype=np.float32)
+        active = np.zeros(B, dtype=bool)
+        reset = np.zeros(B, dtype=bool)
+        oracle = np.full(B, self.batch.lm.text_padding_token_id, dtype=np.int64)
+        held = np.zeros(B, dtype=bool)
+        with self._lock:
+            slots = list(self._slots)
+            for row, slot in enumerate(slots):
+                if slot is None:
+                    continue
+                active[row] = True
+                if slot.needs_reset:
+                    reset[row] = True
+                    slot.needs_reset = False
+                if slot.inbox:
+                    pcm[row] = slot.inbox.popleft()
+                elif slot.got_audio:
+                    slot.underruns += 1
+                    metrics.ENGINE_UNDERRUNS.inc()
+                held[row] = self._held(slot)
+                if not held[row]:  # while held the oracle waits: padding, cursor unmoved
+                    oracle[row] = slot.oracle.next_token()
+            self._tick_no += 1
+        self.batch.reset_rows(reset)
+        result = self.batch.step(pcm, active, oracle)
+        delivered = []
+        for row, slot in enumerate(slots):
+            if slot is None:
+                continue
+            token = int(result.text[row])
+            voiced = bool(result.voiced[row]) and not held[row]
+            out = SlotOutput(
+                pcm=result.pcm[row] if voiced else _SILENCE,
+                token=token,
+                piece=self._piece(token) if not held[row] else "",
+                voiced=voiced,
+                index=slot.frames_out,
+                oracle_token=int(oracle[row]),
+                held=bool(held[row]),
+            )
+            slot.frames_out += 1
+            try:
+                slot.sink(out)
+            except Exception:  # a broken consumer must not stop the other calls
+                log.exception("call %s: output sink failed", slot.call_id)
+            delivered.append((slot, out))
+        return delivered
+
+    def _piece(self, token: int) -> str:
+        if token == UNGENERATED or token in self._silent_pieces or not 0 <= token < self._vocab:
+            return ""
+        return self.tokenizer.id_to_piece(token)
+
+    # ---- the real-time thread ----
+
+    def warmup(self, ticks: int = 4) -> None:
+        """Run every row a few times (first calls are slow; on CUDA this captures the graphs), then clear."""
+        B = self.max_calls
+        everyone = np.ones(B, dtype=bool)
+        self.batch.reset_rows(everyone)
+        pad = np.full(B, self.batch.lm.text_padding_token_id, dtype=np.int64)
+        for _ in range(ticks):
+            self.batch.step(np.zeros((B, FRAME_SAMPLES), dtype=np.float32), everyone, pad)
+        self.batch.reset_rows(everyone)
+
+    def start(self, warmup_ticks: int = 4) -> None:
+        if self._thread is not None:
+            return
+        self.warmup(warmup_ticks)
+        self._running.set()
+        self._thread = threading.Thread(target=self._run, name="kame-frame-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._running.clear()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _run(self) -> None:
+        import torch
+
+        torch.set_grad_enabled(False)
+        deadline = self.clock()
+        while self._running.is_set():
+            now = self.clock()
+            if now < deadline:
+                time.sleep(deadline - now)
+            started = self.clock()
+            try:
+                self.tick()
+            except Exception:
+                log.exception("engine tick failed; resetting every slot")
+                with self._lock:
+                    for slot in self._slots:
+                        if slot is not None:
+                            slot.needs_reset = True
+            finished = self.clock()
+            elapsed = finished - started
+            self.stats.ticks += 1
+            self.stats.last_tick_s = elapsed
+            self.stats.tick_s.append(elapsed)
+            metrics.ENGINE_TICK_SECONDS.observe(elapsed)
+            # Tick k owns [deadline, deadline + 80 ms): finishing later means its frame was late.
+            if finished > deadline + FRAME_SECONDS:
+                self.stats.deadline_misses += 1
+                metrics.ENGINE_DEADLINE_MISSES.inc()
+            deadline += FRAME_SECONDS
+            if finished > deadline + FRAME_SECONDS:
+                deadline = finished  # far behind: re-anchor instead of bursting to catch up

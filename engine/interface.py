@@ -1,0 +1,105 @@
+"""The one boundary between the phone edge and the engine.
+
+Telephony talks to an `Engine` and the `CallSession`s it opens; nothing else from `engine/` is imported
+by `telephony/`. Everything that crosses is plain data (numpy arrays, strings, frozen dataclasses), so
+the engine can later live in another process or on another node behind the same two protocols.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+SAMPLE_RATE = 24_000  # Mimi's rate
+FRAME_SAMPLES = 1_920  # one Mimi frame
+FRAME_SECONDS = FRAME_SAMPLES / SAMPLE_RATE  # 0.08 s
+
+
+class EngineError(Exception):
+    """Base class for errors the engine reports to its callers."""
+
+
+class EngineFull(EngineError):
+    """Every call slot is taken."""
+
+
+class EngineClosed(EngineError):
+    """The engine is stopping or stopped; no new calls."""
+
+
+@dataclass(frozen=True, slots=True)
+class BotAudio:
+    """The bot's next 80 ms: `pcm` is float32 mono at 24 kHz, exactly FRAME_SAMPLES long."""
+
+    pcm: np.ndarray
+    text: str  # text piece the model emitted with this frame ('' for padding)
+    index: int  # frame number since the call joined
+    voiced: bool  # False while the model has produced no real audio yet (the row's first frames)
+
+
+@dataclass(frozen=True, slots=True)
+class CallerTranscript:
+    """What the STT heard from the caller so far in the current turn."""
+
+    text: str
+    final: bool
+    at: float  # time.monotonic() when the transcript arrived
+
+
+@dataclass(frozen=True, slots=True)
+class OracleUpdate:
+    """A new candidate reply from the LLM became this call's oracle."""
+
+    text: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineNotice:
+    """Something the call's owner should know (an error of the back-end, an underrun burst)."""
+
+    kind: Literal["stt_error", "llm_error", "reset"]
+    detail: str
+
+
+EngineOutput = BotAudio | CallerTranscript | OracleUpdate | EngineNotice
+
+
+@runtime_checkable
+class CallSession(Protocol):
+    """One call's seat in the engine. Created by `Engine.open_call`, ended by `close`."""
+
+    call_id: str
+
+    def push_audio(self, pcm: np.ndarray) -> None:
+        """Queue the caller's audio: float32 mono 24 kHz, exactly FRAME_SAMPLES. Never blocks."""
+        ...
+
+    def outputs(self) -> AsyncIterator[EngineOutput]:
+        """The call's outputs, in order, until the call is closed."""
+        ...
+
+    async def close(self) -> None:
+        """Leave the engine. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The engine as the phone edge sees it."""
+
+    @property
+    def max_calls(self) -> int: ...
+
+    @property
+    def free_slots(self) -> int: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    async def open_call(self, call_id: str) -> CallSession:
+        """Seat a call; raises EngineFull or EngineClosed."""
+        ...

@@ -1,0 +1,46 @@
+"""Every Prometheus metric the engine exports, in one place. Call sites use the helpers below."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# Buckets sized around the 80 ms frame: a tick that passes 80 ms is a deadline miss.
+_TICK_BUCKETS_MS = (2, 5, 10, 15, 20, 30, 40, 50, 60, 70, 80, 100, 150, 250, 500, 1000)
+_LAG_BUCKETS_MS = (10, 20, 40, 80, 120, 160, 250, 400, 600, 1000, 2000, 5000)
+
+ENGINE_TICK_SECONDS = Histogram(
+    "kame_engine_tick_seconds",
+    "Wall time of one batched 80 ms engine tick (encode + LM step + decode).",
+    buckets=[b / 1000 for b in _TICK_BUCKETS_MS],
+)
+ENGINE_DEADLINE_MISSES = Counter(
+    "kame_engine_deadline_misses_total",
+    "Ticks that started later than their 80 ms deadline (the loop fell behind real time).",
+)
+ENGINE_SLOTS_BUSY = Gauge("kame_engine_slots_busy", "Call slots in use.")
+ENGINE_SLOTS_TOTAL = Gauge("kame_engine_slots_total", "Call slots configured (--max-calls).")
+ENGINE_UNDERRUNS = Counter(
+    "kame_engine_underruns_total",
+    "Slot-ticks where the caller's frame had not arrived in time and silence was fed instead.",
+)
+ENGINE_OVERRUNS = Counter(
+    "kame_engine_input_overruns_total",
+    "Caller frames dropped because a slot's input queue was full (audio faster than real time).",
+)
+ORACLE_LAG_SECONDS = Histogram(
+    "kame_oracle_lag_seconds",
+    "From the transcript update that triggered an LLM request to its first oracle token in the slot.",
+    buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
+)
+LLM_TTFT_SECONDS = Histogram(
+    "kame_llm_ttft_seconds",
+    "LLM time to first streamed token.",
+    buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
+)
+LLM_ERRORS = Counter("kame_llm_errors_total", "LLM request failures by kind.", ["kind"])
+STT_ERRORS = Counter("kame_stt_errors_total", "Speech-to-text failures.")
+STT_PARTIAL_SECONDS = Histogram(
+    "kame_stt_partial_latency_seconds",
+    "From the end of a caller frame to the partial transcript that includes it.",
+    buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
+)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One-shot set-up for a fresh Debian machine: system packages, Redis, and the .venv.
+# Safe to run again: each step is skipped when already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+need=()
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v flite >/dev/null || need+=(flite)
+command -v sox >/dev/null || need+=(sox)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "setup: installing system packages: ${need[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+# Redis on 127.0.0.1:6379 (the tests talk to a real one).
+if ! (redis-cli -h 127.0.0.1 -p 6379 ping 2>/dev/null | grep -q PONG); then
+  echo "setup: starting redis-server on 127.0.0.1:6379"
+  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no \
+    --dir /tmp --logfile /tmp/kame-phone-redis.log
+  for _ in $(seq 50); do redis-cli ping 2>/dev/null | grep -q PONG && break; sleep 0.1; done
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPIP=".venv/bin/python -m pip"
+$VPIP install -q --upgrade pip
+# torch first, pinned: 2.13.0's CPU wheel is on local disk here; any other version downloads GBs.
+.venv/bin/python -c "import torch" 2>/dev/null || $VPIP install -q "torch==2.13.0"
+$VPIP install -q -e ".[dev]"
+# moshi pins torch<2.10 and aiohttp<3.12; its real needs are in pyproject.toml.
+.venv/bin/python -c "import moshi" 2>/dev/null || $VPIP install -q --no-deps "moshi==0.2.13"
+echo "setup: done (.venv ready)"

@@ -1,0 +1,46 @@
+"""Every Prometheus metric the phone edge exports, in one place. Call sites use these constants."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS_MS = (20, 40, 80, 120, 160, 240, 320, 480, 640, 800, 1000, 1500, 2000, 3000, 5000)
+_MEDIA_BUCKETS_MS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 50)
+
+FIRST_AUDIO_SECONDS = Histogram(
+    "kame_first_audio_seconds",
+    "From the stream's start event to the bot's first voiced audio sent to the carrier.",
+    buckets=[b / 1000 for b in _LATENCY_BUCKETS_MS],
+)
+TURN_LATENCY_SECONDS = Histogram(
+    "kame_turn_latency_seconds",
+    "From the end of the caller's turn to the bot's next voiced audio.",
+    buckets=[b / 1000 for b in _LATENCY_BUCKETS_MS],
+)
+TURN_OVERLAPS = Counter(
+    "kame_turn_overlaps_total",
+    "Turns where the bot started speaking before the caller's turn ended.",
+)
+CALLS_ACTIVE = Gauge("kame_calls_active", "Calls with an open media stream.")
+CALLS_TOTAL = Counter("kame_calls_total", "Calls by outcome.", ["outcome"])
+TWILIO_PROTOCOL_ERRORS = Counter(
+    "kame_twilio_protocol_errors_total",
+    "Bad or unexpected Media Streams input by kind.",
+    ["kind"],
+)
+WEBHOOK_REJECTIONS = Counter(
+    "kame_webhook_rejections_total",
+    "HTTP webhooks and WebSocket upgrades refused, by reason.",
+    ["endpoint", "reason"],
+)
+REDIS_ERRORS = Counter("kame_redis_errors_total", "Failed writes or reads against Redis.")
+MEDIA_INBOUND_SECONDS = Histogram(
+    "kame_media_inbound_seconds",
+    "From a frame's last inbound packet to its 80 ms frame handed to the engine.",
+    buckets=[b / 1000 for b in _MEDIA_BUCKETS_MS],
+)
+MEDIA_OUTBOUND_SECONDS = Histogram(
+    "kame_media_outbound_seconds",
+    "From engine output to the outbound media message being sent.",
+    buckets=[b / 1000 for b in _MEDIA_BUCKETS_MS],
+)

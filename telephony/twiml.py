@@ -1,0 +1,121 @@
+"""TwiML answers for the voice webhook, built with the twilio library, plus a parser for tests and the
+simulated caller. Pure, no I/O."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import xml.etree.ElementTree as ET
+from collections.abc import Mapping
+from typing import NamedTuple
+from urllib.parse import urlsplit
+
+from twilio.twiml.voice_response import Connect, Stream, VoiceResponse
+
+# Twilio: each <Parameter>'s name and value together must be under 500 characters.
+MAX_PARAMETER_CHARS = 500
+# Twilio refuses TwiML responses over 64 kB (error 11750).
+MAX_TWIML_BYTES = 64_000
+# Characters XML 1.0 cannot carry at all; ElementTree would write them and Twilio would reject the TwiML.
+_XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+
+
+def _check_text(what: str, text: str) -> None:
+    if _XML_INVALID.search(text):
+        raise ValueError(f"{what} contains characters XML cannot carry")
+
+
+def _is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_stream_url(stream_url: str, allow_insecure_ws: bool) -> None:
+    parts = urlsplit(stream_url)
+    if not parts.netloc:
+        raise ValueError("stream url must be absolute (wss://host/path)")
+    if parts.query or parts.fragment:
+        # <Stream url> does not support query strings; per-call data goes in <Parameter>.
+        raise ValueError("stream url must not carry a query string; use parameters")
+    if parts.scheme == "wss":
+        return
+    # Twilio itself only connects to wss://. Plain ws:// is for a simulated caller on this machine.
+    if parts.scheme == "ws" and (allow_insecure_ws or _is_loopback(parts.hostname)):
+        return
+    raise ValueError(f"stream url scheme must be wss (ws only for local dev), got {parts.scheme!r}")
+
+
+def connect_stream_twiml(
+    stream_url: str,
+    status_callback_url: str,
+    parameters: Mapping[str, str],
+    *,
+    allow_insecure_ws: bool = False,
+) -> str:
+    """`<Response><Connect><Stream url statusCallback statusCallbackMethod="POST"><Parameter/>…` as XML.
+
+    ws:// is accepted for loopback hosts, or anywhere with `allow_insecure_ws` (local dev only).
+    """
+    _check_stream_url(stream_url, allow_insecure_ws)
+    if urlsplit(status_callback_url).scheme not in ("https", "http"):
+        raise ValueError("statusCallback must be an absolute http(s) URL")
+    stream = Stream(url=stream_url, status_callback=status_callback_url, status_callback_method="POST")
+    for name, value in parameters.items():
+        if not name:
+            raise ValueError("parameter name must not be empty")
+        if len(name) + len(value) >= MAX_PARAMETER_CHARS:
+            raise ValueError(f"parameter {name!r}: name + value must be under {MAX_PARAMETER_CHARS} chars")
+        _check_text(f"parameter {name!r}", name + value)
+        stream.parameter(name=name, value=value)
+    connect = Connect()
+    connect.append(stream)
+    response = VoiceResponse()
+    response.append(connect)
+    xml = response.to_xml()
+    if len(xml.encode("utf-8")) > MAX_TWIML_BYTES:
+        raise ValueError(f"TwiML over {MAX_TWIML_BYTES} bytes")
+    return xml
+
+
+def busy_twiml(message: str) -> str:
+    """Say `message`, then hang up: the answer when no stream can be opened (at capacity)."""
+    _check_text("message", message)
+    response = VoiceResponse()
+    response.say(message)
+    response.hangup()
+    return response.to_xml()
+
+
+class ConnectStream(NamedTuple):
+    url: str
+    status_callback: str | None
+    parameters: dict[str, str]
+
+
+def parse_connect_stream(twiml: str) -> ConnectStream:
+    """Read <Response><Connect><Stream> back: url, statusCallback and the <Parameter>s, in order.
+
+    For tests and the simulated caller, on TwiML from our own server (not hardened for hostile XML).
+    """
+    root = ET.fromstring(twiml)
+    if root.tag != "Response":
+        raise ValueError(f"root element is <{root.tag}>, not <Response>")
+    stream = root.find("./Connect/Stream")
+    if stream is None:
+        raise ValueError("no <Connect><Stream> in TwiML")
+    url = stream.get("url")
+    if not url:
+        raise ValueError("<Stream> has no url")
+    parameters: dict[str, str] = {}
+    for param in stream.findall("./Parameter"):
+        name, value = param.get("name"), param.get("value")
+        if name is None or value is None:
+            raise ValueError("<Parameter> needs name and value")
+        parameters[name] = value
+    return ConnectStream(url, stream.get("statusCallback"), parameters)

@@ -1,0 +1,249 @@
+"""The batched frame loop on the tiny model: slots joining and leaving, per-call oracles, underruns,
+the forced response delay, and the real-time thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from prometheus_client import REGISTRY
+
+from engine.batch import UNGENERATED, KameBatch, SamplingConfig
+from engine.frame_loop import FrameLoop, SlotOutput
+from engine.interface import FRAME_SAMPLES, EngineFull
+
+GREEDY = SamplingConfig(use_sampling=False)
+
+
+def _loop(bundle, slots: int = 3, **kw) -> FrameLoop:
+    return FrameLoop(KameBatch(bundle.lm, bundle.mimi, slots, GREEDY), bundle.tokenizer, **kw)
+
+
+def _caller_audio(seed: int, frames: int) -> list[np.ndarray]:
+    """A different, deterministic 'voice' per call: a few tones plus noise."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(frames * FRAME_SAMPLES) / 24_000
+    f = rng.uniform(150, 900, size=3)
+    x = sum(np.sin(2 * np.pi * fi * t) for fi in f) / 3 + 0.05 * rng.standard_normal(t.shape)
+    return [x[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES].astype(np.float32) for i in range(frames)]
+
+
+def _metric(name: str) -> float:
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.outputs: list[SlotOutput] = []
+
+    def __call__(self, out: SlotOutput) -> None:
+        self.outputs.append(out)
+
+
+def test_first_frame_of_a_call_is_never_decoded(tiny_bundle) -> None:
+    loop = _loop(tiny_bundle)
+    rec = Recorder()
+    row = loop.join("CA1", rec)
+    for frame in _caller_audio(1, 3):
+        loop.push_audio(row, "CA1", frame)
+        loop.tick()
+    first, second = rec.outputs[0], rec.outputs[1]
+    assert first.token == UNGENERATED and not first.voiced and not first.pcm.any()
+    assert second.voiced and second.pcm.shape == (FRAME_SAMPLES,) and second.pcm.any()
+
+
+def _script(loop: FrameLoop, events: dict[int, list[tuple]], ticks: int) -> dict[str, Recorder]:
+    """Drive the loop tick by tick; events[t] = [("join", call, audio, oracle_text) | ("leave", call)]."""
+    rows: dict[str, int] = {}
+    recs: dict[str, Recorder] = {}
+    feeds: dict[str, list[np.ndarray]] = {}
+    for t in range(ticks):
+        for ev in events.get(t, []):
+            if ev[0] == "join":
+                _, call, audio, oracle = ev
+                recs[call] = Recorder()
+                rows[call] = loop.join(call, recs[call])
+                feeds[call] = list(audio)
+                loop.set_oracle(rows[call], call, 1, oracle)
+            else:
+                loop.leave(rows[ev[1]], ev[1])
+                feeds.pop(ev[1])
+        for call, audio in feeds.items():
+            if audio:
+                loop.push_audio(rows[call], call, audio.pop(0))
+        loop.tick()
+    return recs
+
+
+def test_join_and_leave_mid_stream_leave_other_calls_untouched(tiny_bundle, tiny_checkpoint) -> None:
+    from engine.checkpoint import load_kame
+
+    n = 14
+    x_audio = _caller_audio(7, n)
+    # Reference: call X alone in row 0 of a 3-slot engine.
+    alone = _script(_loop(tiny_bundle), {0: [("join", "X", x_audio, "What time do you open on Monday?")]}, n)
+    # Same call, now joining while Y runs, Y leaving and Z joining in the middle of X's call.
+    busy = _loop(load_kame(str(tiny_checkpoint)))
+    events = {
+        0: [("join", "Y", _caller_audio(8, 30), "Your order shipped yesterday.")],
+        3: [("join", "X", x_audio, "What time do you open on Monday?")],
+        7: [("leave", "Y")],
+        9: [("join", "Z", _caller_audio(9, 30), "Please hold.")],
+    }
+    recs = _script(busy, events, n + 3)
+    ref, got = alone["X"].outputs, recs["X"].outputs
+    assert len(got) == n
+    # X sat in row 1 this time; its tokens and audio must match the run alone exactly.
+    assert [o.token for o in got] == [o.token for o in ref]
+    assert [o.oracle_token for o in got] == [o.oracle_token for o in ref]
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_allclose(a.pcm, b.pcm, rtol=0, atol=1e-6)
+    # And Y's run was not disturbed by X joining: compare Y with Y alone.
+    y_alone = _script(_loop(load_kame(str(tiny_checkpoint))),
+                      {0: [("join", "Y", _caller_audio(8, 30), "Your order shipped yesterday.")]}, 7)
+    assert [o.token for o in recs["Y"].outputs] == [o.token for o in y_alone["Y"].outputs]
+
+
+def test_each_slot_feeds_only_its_own_oracle(tiny_bundle) -> None:
+    loop = _loop(tiny_bundle)
+    lm, sp = tiny_bundle.lm, tiny_bundle.tokenizer
+    seen: list[np.ndarray] = []
+    hook = lm.oracle_emb.register_forward_hook(lambda _m, args, _o: seen.append(args[0][:, 0].clone().numpy()))
+    a, b = Recorder(), Recorder()
+    row_a = loop.join("A", a)
+    loop.join("idle", Recorder())
+    loop.leave(1, "idle")
+    row_c = loop.join("C", b)
+    assert (row_a, row_c) == (0, 1)
+    toks_a = loop.set_oracle(row_a, "A", 1, "Thank you for calling.")
+    toks_c = loop.set_oracle(row_c, "C", 1, "Your card is now blocked.")
+    assert toks_a == sp.encode("Thank you for calling.") and toks_a != toks_c
+    ticks = max(len(toks_a), len(toks_c)) + 3
+    for _ in range(ticks):
+        loop.tick()
+    hook.remove()
+    fed = np.stack(seen)  # [ticks, B]
+    start, pad = lm.oracle_start_token_id, lm.text_padding_token_id
+    expect_a = [start, *toks_a] + [pad] * (ticks - len(toks_a) - 1)
+    expect_c = [start, *toks_c] + [pad] * (ticks - len(toks_c) - 1)
+    assert fed[:, 0].tolist() == expect_a
+    assert fed[:, 1].tolist() == expect_c
+    assert set(fed[:, 2].tolist()) == {pad}  # the empty slot never sees anyone's oracle
+    assert [o.oracle_token for o in a.outputs] == expect_a
+
+
+def test_newest_candidate_wins_and_growing_draft_continues_without_gaps(tiny_bundle) -> None:
+    loop = _loop(tiny_bundle)
+    lm, sp = tiny_bundle.lm, tiny_bundle.tokenizer
+    start, pad = lm.oracle_start_token_id, lm.text_padding_token_id
+    rec = Recorder()
+    row = loop.join("A", rec)
+    first = sp.encode("The store opens at nine")
+    loop.set_oracle(row, "A", 1, "The store")
+    for _ in range(len(sp.encode("The store")) + 3):  # drains, then pads
+        loop.tick()
+    loop.set_oracle(row, "A", 1, "The store opens at nine")  # same candidate grew
+    for _ in range(len(first)):
+        loop.tick()
+    fed = [o.oracle_token for o in rec.outputs]
+    real = [t for t in fed if t != pad]
+    assert real == [start, *first]  # one boundary, every token once, in order, none skipped
+    loop.set_oracle(row, "A", 2, "Sorry, we open at ten")  # a new candidate supersedes
+    loop.tick()
+    loop.tick()
+    assert [o.oracle_token for o in rec.outputs[-2:]] == [start, sp.encode("Sorry, we open at ten")[0]]
+
+
+def test_late_frames_get_silence_and_count_underruns(tiny_bundle) -> None:
+    loop = _loop(tiny_bundle)
+    rec = Recorder()
+    row = loop.join("A", rec)
+    loop.tick()  # caller audio not started yet: not an underrun
+    before = _metric("kame_engine_underruns_total")
+    audio = _caller_audio(3, 8)
+    loop.push_audio(row, "A", audio[0])
+    loop.tick()
+    loop.tick()
+    loop.tick()
+    assert loop._slots[row].underruns == 2
+    assert _metric("kame_engine_underruns_total") - before == 2
+    over_before = _metric("kame_engine_input_overruns_total")
+    for frame in audio:  # 8 frames at once: more than the queue bound of 4
+        loop.push_audio(row, "A", frame)
+    assert loop._slots[row].overruns == 4
+    assert _metric("kame_engine_input_overruns_total") - over_before == 4
+
+
+def test_capacity_and_bad_frames(tiny_bundle) -> None:
+    loop = _loop(tiny_bundle, slots=2)
+    loop.join("A", Recorder())
+    loop.join("B", Recorder())
+    with pytest.raises(EngineFull):
+        loop.join("C", Recorder())
+    with pytest.raises(ValueError, match="1920"):
+        loop.push_audio(0, "A", np.zeros(100, dtype=np.float32))
+    loop.leave(0, "A")
+    assert loop.free_slots == 1
+    loop.push_audio(0, "A", np.zeros(FRAME_SAMPLES, dtype=np.float32))  # after leave: ignored
+
+
+def test_forced_response_delay_holds_silence_and_padding(tiny_bundle) -> None:
+    loop = _loop(tiny_bundle, forced_delay_ms=240)  # 3 frames
+    lm = tiny_bundle.lm
+    start, pad = lm.oracle_start_token_id, lm.text_padding_token_id
+    rec = Recorder()
+    row = loop.join("A", rec)
+    loop.caller_turn(row, "A", True)
+    toks = loop.set_oracle(row, "A", 1, "We open at nine")
+    for _ in range(4):
+        loop.tick()
+    loop.caller_turn(row, "A", False)  # the caller's turn ends here
+    for _ in range(3 + 2):
+        loop.tick()
+    held = [o.held for o in rec.outputs]
+    assert held == [True] * 7 + [False] * 2
+    assert all(not o.voiced and not o.pcm.any() and o.piece == "" for o in rec.outputs[:7])
+    assert [o.oracle_token for o in rec.outputs] == [pad] * 7 + [start, toks[0]]
+    assert rec.outputs[8].voiced
+
+
+def test_no_forced_delay_by_default(tiny_bundle) -> None:
+    loop = _loop(tiny_bundle)
+    rec = Recorder()
+    row = loop.join("A", rec)
+    loop.caller_turn(row, "A", True)
+    loop.set_oracle(row, "A", 1, "Hello")
+    loop.tick()
+    loop.tick()
+    assert not any(o.held for o in rec.outputs)
+    assert rec.outputs[0].oracle_token == tiny_bundle.lm.oracle_start_token_id
+
+
+def test_real_time_thread_streams_and_reports_ticks(tiny_bundle) -> None:
+    loop = _loop(tiny_bundle)
+    got = threading.Event()
+    outs: list[SlotOutput] = []
+
+    def sink(out: SlotOutput) -> None:
+        outs.append(out)
+        if len(outs) >= 10:
+            got.set()
+
+    ticks_before = _metric("kame_engine_tick_seconds_count")
+    loop.start(warmup_ticks=2)
+    try:
+        row = loop.join("A", sink)
+        for frame in _caller_audio(5, 12):
+            loop.push_audio(row, "A", frame)
+            time.sleep(0.08)
+            if got.is_set():
+                break
+        assert got.wait(10)
+    finally:
+        loop.stop()
+    assert [o.index for o in outs[:10]] == list(range(10))
+    assert loop.stats.ticks >= 10
+    assert _metric("kame_engine_tick_seconds_count") - ticks_before >= 10
+    assert _metric("kame_engine_slots_busy") == 1
