@@ -140,13 +140,19 @@ class FrameLoop:
                 slot.overruns += 1
                 metrics.ENGINE_OVERRUNS.inc()
 
-    def set_oracle(self, row: int, call_id: str, candidate_id: int, text: str) -> list[int]:
-        """Make `text` (a whole draft, tokenized as a whole) the slot's newest oracle candidate."""
+    def set_oracle(
+        self, row: int, call_id: str, candidate_id: int, text: str, triggered_at: float | None = None
+    ) -> list[int]:
+        """Make `text` (a whole draft, tokenized as a whole) the slot's newest oracle candidate.
+
+        `triggered_at` (this loop's clock) is when the transcript update behind it arrived: the oracle lag
+        is measured from there to the tick that feeds the candidate's boundary token.
+        """
         tokens = self.tokenizer.encode(text) if text else []
         with self._lock:
             slot = self._slots[row]
             if slot is not None and slot.call_id == call_id:
-                slot.oracle.set_candidate(candidate_id, tokens)
+                slot.oracle.set_candidate(candidate_id, tokens, triggered_at)
         return tokens
 
     def caller_turn(self, row: int, call_id: str, speaking: bool) -> None:
@@ -193,6 +199,9 @@ class FrameLoop:
                 held[row] = self._held(slot)
                 if not held[row]:  # while held the oracle waits: padding, cursor unmoved
                     oracle[row] = slot.oracle.next_token()
+                    if slot.oracle.lag_from is not None and oracle[row] == slot.oracle.start_token:
+                        metrics.ORACLE_LAG_SECONDS.observe(max(0.0, self.clock() - slot.oracle.lag_from))
+                        slot.oracle.lag_from = None
             self._tick_no += 1
         self.batch.reset_rows(reset)
         result = self.batch.step(pcm, active, oracle)

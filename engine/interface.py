@@ -38,6 +38,7 @@ class BotAudio:
     text: str  # text piece the model emitted with this frame ('' for padding)
     index: int  # frame number since the call joined
     voiced: bool  # False while the model has produced no real audio yet (the row's first frames)
+    produced_at: float = 0.0  # time.monotonic() when the engine finished the frame
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,3 +44,8 @@ MEDIA_OUTBOUND_SECONDS = Histogram(
     "From engine output to the outbound media message being sent.",
     buckets=[b / 1000 for b in _MEDIA_BUCKETS_MS],
 )
+STREAM_EVENTS = Counter(
+    "kame_twilio_stream_events_total",
+    "Media Stream status callbacks from Twilio by event (stream-started, stream-stopped, stream-error).",
+    ["event"],
+)

@@ -1,0 +1,223 @@
+"""`LocalEngine`: the engine in this process, behind the `Engine`/`CallSession` boundary.
+
+The frame loop runs in its own thread; this module bridges it to asyncio: outputs hop onto the event loop
+with `call_soon_threadsafe`, and nothing here ever waits on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .batch import KameBatch, SamplingConfig
+from .checkpoint import KameBundle, load_kame
+from .frame_loop import FrameLoop, SlotOutput
+from .interface import (
+    BotAudio,
+    CallerTranscript,
+    EngineClosed,
+    EngineNotice,
+    EngineOutput,
+    OracleUpdate,
+)
+
+log = logging.getLogger(__name__)
+
+
+class CallBackendHooks(Protocol):
+    """What the engine needs from a call's STT + LLM back-end (engine.backend.CallBackend)."""
+
+    def feed_audio(self, pcm24k: np.ndarray) -> None: ...
+    def feed_bot_text(self, piece: str) -> None: ...
+    async def start(self) -> None: ...
+    async def aclose(self) -> None: ...
+
+
+@dataclass
+class BackendCallbacks:
+    """Given to the back-end factory: how a back-end reports into its call."""
+
+    on_transcript: Callable[[str, bool, float], None]  # text, final, at (monotonic)
+    on_oracle: Callable[[int, str, float], None]  # candidate id, whole draft text, triggered_at
+    on_notice: Callable[[str, str], None]  # kind, detail
+
+
+BackendFactory = Callable[[str, BackendCallbacks], CallBackendHooks]
+
+
+@dataclass
+class EngineConfig:
+    checkpoint: str = "SakanaAI/kame"
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    max_calls: int = 8
+    context: int | None = None  # KV window in frames (3000 = 240 s)
+    forced_delay_ms: float = 0.0
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    warmup_ticks: int = 4
+    max_queued_frames: int = 4
+    output_queue_frames: int = 64  # per call; ~5 s of audio if the consumer stalls
+
+
+_CLOSED = object()
+
+
+class LocalCallSession:
+    def __init__(self, engine: LocalEngine, call_id: str, row: int, queue_size: int) -> None:
+        self.call_id = call_id
+        self.row = row
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=queue_size)
+        self._closed = False
+        self._dropped = 0
+        self.backend: CallBackendHooks | None = None
+
+    # -- called from the frame-loop thread --
+    def _sink(self, out: SlotOutput) -> None:
+        self._loop.call_soon_threadsafe(self._deliver, out, time.monotonic())
+
+    # -- event loop --
+    def _put(self, item: object) -> None:
+        if self._closed:
+            return
+        if self._queue.full():
+            self._queue.get_nowait()  # a stalled consumer loses the oldest output, never the loop
+            self._dropped += 1
+            if self._dropped in (1, 100, 1000):
+                log.warning("call %s: output consumer is behind, %d outputs dropped", self.call_id, self._dropped)
+        self._queue.put_nowait(item)
+
+    def _deliver(self, out: SlotOutput, produced_at: float) -> None:
+        if self._closed:
+            return
+        self._put(BotAudio(pcm=out.pcm, text=out.piece, index=out.index, voiced=out.voiced, produced_at=produced_at))
+        if self.backend is not None and out.piece:
+            self.backend.feed_bot_text(out.piece)
+
+    def _on_transcript(self, text: str, final: bool, at: float) -> None:
+        self._engine.frame_loop.caller_turn(self.row, self.call_id, speaking=not final)
+        self._put(CallerTranscript(text=text, final=final, at=at))
+
+    def _on_oracle(self, candidate_id: int, text: str, triggered_at: float) -> None:
+        self._engine.frame_loop.set_oracle(self.row, self.call_id, candidate_id, text, triggered_at)
+        self._put(OracleUpdate(text=text, at=time.monotonic()))
+
+    def _on_notice(self, kind: str, detail: str) -> None:
+        self._put(EngineNotice(kind=kind, detail=detail))  # type: ignore[arg-type]
+
+    # -- CallSession --
+    def push_audio(self, pcm: np.ndarray) -> None:
+        if self._closed:
+            return
+        self._engine.frame_loop.push_audio(self.row, self.call_id, pcm)
+        if self.backend is not None:
+            self.backend.feed_audio(pcm)
+
+    async def outputs(self) -> AsyncIterator[EngineOutput]:
+        while True:
+            item = await self._queue.get()
+            if item is _CLOSED:
+                return
+            yield item  # type: ignore[misc]
+
+    def set_oracle_text(self, text: str, candidate_id: int | None = None) -> None:
+        """Feed a draft directly (tests and tools; the back-end normally does this)."""
+        cid = candidate_id if candidate_id is not None else int(time.monotonic() * 1000)
+        self._on_oracle(cid, text, time.monotonic())
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._forget(self)
+        if self.backend is not None:
+            try:
+                await self.backend.aclose()
+            except Exception:
+                log.exception("call %s: back-end close failed", self.call_id)
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queue.put_nowait(_CLOSED)
+
+
+class LocalEngine:
+    """The KAME engine in this process: one frame-loop thread, many call slots."""
+
+    def __init__(
+        self, bundle: KameBundle, config: EngineConfig, backend_factory: BackendFactory | None = None
+    ) -> None:
+        self.config = config
+        self.bundle = bundle
+        self.backend_factory = backend_factory
+        batch = KameBatch(bundle.lm, bundle.mimi, config.max_calls, config.sampling)
+        self.frame_loop = FrameLoop(
+            batch,
+            bundle.tokenizer,
+            max_queued_frames=config.max_queued_frames,
+            forced_delay_ms=config.forced_delay_ms,
+        )
+        self._sessions: dict[str, LocalCallSession] = {}
+        self._ready = False
+        self._closing = False
+
+    @classmethod
+    async def load(cls, config: EngineConfig, backend_factory: BackendFactory | None = None) -> LocalEngine:
+        """Load the checkpoint off the event loop (it takes seconds to minutes)."""
+        bundle = await asyncio.to_thread(load_kame, config.checkpoint, config.device, None, config.context)
+        return cls(bundle, config, backend_factory)
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.frame_loop.start, self.config.warmup_ticks)
+        self._ready = True
+        log.info("engine ready: %d call slots on %s", self.max_calls, self.config.device)
+
+    async def stop(self) -> None:
+        self._closing = True
+        self._ready = False
+        for session in list(self._sessions.values()):
+            await session.close()
+        await asyncio.to_thread(self.frame_loop.stop)
+
+    @property
+    def max_calls(self) -> int:
+        return self.frame_loop.max_calls
+
+    @property
+    def free_slots(self) -> int:
+        return 0 if self._closing else self.frame_loop.free_slots
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    async def open_call(self, call_id: str) -> LocalCallSession:
+        if self._closing or not self._ready:
+            raise EngineClosed("engine is not serving")
+        old = self._sessions.get(call_id)
+        if old is not None:  # the same call reconnecting: the new stream replaces the old seat
+            await old.close()
+        session = LocalCallSession(self, call_id, row=-1, queue_size=self.config.output_queue_frames)
+        session.row = self.frame_loop.join(call_id, session._sink)  # raises EngineFull
+        self._sessions[call_id] = session
+        if self.backend_factory is not None:
+            callbacks = BackendCallbacks(session._on_transcript, session._on_oracle, session._on_notice)
+            try:
+                session.backend = self.backend_factory(call_id, callbacks)
+                await session.backend.start()
+            except Exception:
+                # The call still gets the front-end alone.
+                log.exception("call %s: back-end failed to start; front-end only", call_id)
+                session.backend = None
+        return session
+
+    def _forget(self, session: LocalCallSession) -> None:
+        if self._sessions.get(session.call_id) is session:
+            del self._sessions[session.call_id]
+        self.frame_loop.leave(session.row, session.call_id)

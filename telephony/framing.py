@@ -1,0 +1,96 @@
+"""Between Twilio's 20 ms mu-law packets at 8 kHz and the engine's 80 ms float32 frames at 24 kHz.
+
+One `InboundFramer` and one `OutboundFramer` per call; each owns its direction's resampler state.
+Pure: no I/O, no tasks. The caller parses the Media Streams JSON and base64 and sends the bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.interface import FRAME_SAMPLES
+from telephony.mulaw import float_to_ulaw, ulaw_to_float
+from telephony.resample import RATIO, Downsampler24to8, Upsampler8to24
+
+PACKET_BYTES = 160  # 20 ms of 8 kHz mu-law: what Twilio sends, and what we send back
+FRAME_BYTES = FRAME_SAMPLES // RATIO  # 640: one engine frame on the line
+
+
+@dataclass(frozen=True, slots=True)
+class InboundFrame:
+    """80 ms of the caller's audio, ready for `CallSession.push_audio`."""
+
+    pcm: np.ndarray  # [FRAME_SAMPLES] float32, 24 kHz
+    last_arrival: float  # time.monotonic() when the packet that completed this frame arrived
+    index: int  # frame number since the framer started (or was reset)
+
+
+@dataclass(eq=False)  # stateful; compare by identity
+class InboundFramer:
+    """Decode, upsample and cut the caller's packets into engine frames of exactly FRAME_SAMPLES."""
+
+    upsampler: Upsampler8to24 = field(default_factory=Upsampler8to24)
+    _pending: np.ndarray = field(init=False, repr=False)  # [FRAME_SAMPLES] float32, first _filled valid
+    _filled: int = field(init=False, default=0)
+    _emitted: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self._pending = np.zeros(FRAME_SAMPLES, dtype=np.float32)
+
+    @property
+    def pending_samples(self) -> int:
+        """24 kHz samples waiting for the rest of their frame."""
+        return self._filled
+
+    def push(self, payload: bytes, arrived_at: float | None = None) -> list[InboundFrame]:
+        """Add one packet's mu-law bytes (any length); return the frames it completed, usually 0 or 1.
+
+        `arrived_at` is the packet's time.monotonic() receive time; it defaults to now.
+        """
+        if arrived_at is None:
+            arrived_at = time.monotonic()
+        audio = self.upsampler.process(ulaw_to_float(payload))
+        frames: list[InboundFrame] = []
+        while len(audio):
+            take = min(FRAME_SAMPLES - self._filled, len(audio))
+            self._pending[self._filled : self._filled + take] = audio[:take]
+            self._filled += take
+            audio = audio[take:]
+            if self._filled == FRAME_SAMPLES:
+                # A copy: the consumer keeps the frame while we refill the buffer.
+                frames.append(InboundFrame(self._pending.copy(), arrived_at, self._emitted))
+                self._emitted += 1
+                self._filled = 0
+        return frames
+
+    def reset(self) -> None:
+        """Drop partial audio and filter state, as at the start of a call."""
+        self.upsampler.reset()
+        self._filled = 0
+        self._emitted = 0
+
+
+@dataclass(eq=False)  # stateful; compare by identity
+class OutboundFramer:
+    """Turn the bot's 80 ms frames into mu-law for Twilio: FRAME_SAMPLES in, FRAME_BYTES out."""
+
+    downsampler: Downsampler24to8 = field(default_factory=Downsampler24to8)
+
+    def encode(self, frame: np.ndarray) -> bytes:
+        """One engine frame (float32, 24 kHz, exactly FRAME_SAMPLES) to FRAME_BYTES of mu-law."""
+        if frame.shape != (FRAME_SAMPLES,):
+            raise ValueError(f"expected a frame of shape ({FRAME_SAMPLES},), got {frame.shape}")
+        # FRAME_SAMPLES is a multiple of RATIO, so the decimation phase never drifts between frames.
+        return float_to_ulaw(self.downsampler.process(frame))
+
+    def encode_packets(self, frame: np.ndarray) -> list[bytes]:
+        """Like `encode`, cut into PACKET_BYTES pieces (4 per frame), for one media message each."""
+        data = self.encode(frame)
+        return [data[i : i + PACKET_BYTES] for i in range(0, len(data), PACKET_BYTES)]
+
+    def reset(self) -> None:
+        """Forget filter state, as at the start of a call."""
+        self.downsampler.reset()

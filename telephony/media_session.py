@@ -1,0 +1,335 @@
+"""One Twilio Media Streams WebSocket: caller audio to the engine, the bot's audio back, in real time.
+
+Two tasks per stream, both owned here: the receive loop (this object's `run`) and the output pump that
+forwards the engine's 80 ms frames as μ-law media messages the moment the engine makes them (the engine
+ticks in real time, so Twilio's playout buffer stays a frame or two deep and `clear` is rarely needed).
+Bad input is counted, logged with the call id and dropped; it never reaches another call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from engine.interface import (
+    BotAudio,
+    CallerTranscript,
+    CallSession,
+    EngineError,
+    EngineNotice,
+    OracleUpdate,
+)
+
+from . import metrics
+from .framing import InboundFramer, OutboundFramer
+from .logs import call_id_var
+from .turns import TurnTracker
+from .twilio_messages import (
+    BINARY_FRAME,
+    DUPLICATE_START,
+    FLOODING,
+    MEDIA_BEFORE_START,
+    OVERSIZE,
+    SILENT_SOCKET,
+    WRONG_STREAM_SID,
+    ConnectedMessage,
+    DtmfMessage,
+    MarkMessage,
+    MediaMessage,
+    ProtocolError,
+    StartMessage,
+    StopMessage,
+    clear_message,
+    mark_message,
+    media_message,
+    parse_twilio_message,
+)
+
+if TYPE_CHECKING:
+    from .server import ServerContext
+
+log = logging.getLogger(__name__)
+
+TOKEN_PARAMETER = "token"  # the <Parameter> carrying the call's admission token
+
+
+@dataclass
+class StreamState:
+    """What one stream knows about its call; the receive loop and the output pump share it."""
+
+    call_sid: str | None = None
+    stream_sid: str | None = None
+    started_at: float | None = None  # monotonic, at the `start` event
+    first_media_at: float | None = None
+    inbound_packets: int = 0
+    frames_sent: int = 0
+    first_audio_sent: bool = False
+    marks_sent: int = 0
+    marks_played: int = 0
+    last_mark_played: str | None = None
+    bot_words: list[str] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+class MediaStreamSession:
+    def __init__(self, ws: web.WebSocketResponse, ctx: ServerContext, *, peer: str = "?") -> None:
+        self.ws = ws
+        self.ctx = ctx
+        self.peer = peer
+        self.state = StreamState()
+        self.engine_call: CallSession | None = None
+        self.inbound = InboundFramer()
+        self.outbound = OutboundFramer()
+        self.turns = TurnTracker()
+        self._pump: asyncio.Task[None] | None = None
+        self._ended = False
+        self._end_reason = "completed"
+
+    # ---- errors ----
+
+    def _protocol_error(self, kind: str, detail: str) -> None:
+        metrics.TWILIO_PROTOCOL_ERRORS.labels(kind=kind).inc()
+        n = self.state.errors[kind] = self.state.errors.get(kind, 0) + 1
+        if n <= 3 or n % 100 == 0:  # a flood of bad frames must not flood the logs too
+            log.warning("twilio protocol error %s (#%d) from %s: %s", kind, n, self.peer, detail)
+
+    # ---- the receive loop ----
+
+    async def run(self) -> None:
+        try:
+            while not self.ws.closed:
+                try:
+                    msg = await self.ws.receive(timeout=self.ctx.config.silent_socket_s)
+                except asyncio.TimeoutError:
+                    self._protocol_error(SILENT_SOCKET, f"no message for {self.ctx.config.silent_socket_s:.0f}s")
+                    self._end_reason = "silent_socket"
+                    break
+                if msg.type == WSMsgType.TEXT:
+                    await self._on_text(msg.data)
+                elif msg.type == WSMsgType.BINARY:
+                    self._protocol_error(BINARY_FRAME, f"{len(msg.data)} bytes")
+                elif msg.type == WSMsgType.ERROR:
+                    exc = self.ws.exception()
+                    if getattr(exc, "code", None) == WSCloseCode.MESSAGE_TOO_BIG:
+                        self._protocol_error(OVERSIZE, "WebSocket message over the size limit")
+                        self._end_reason = "oversize"
+                    else:
+                        log.warning("websocket error: %s", exc)
+                        self._end_reason = "socket_error"
+                    break
+                else:  # CLOSE, CLOSING, CLOSED
+                    break
+        finally:
+            await self.end(self._end_reason)
+
+    async def _on_text(self, raw: str) -> None:
+        try:
+            message = parse_twilio_message(raw)
+        except ProtocolError as e:
+            self._protocol_error(e.kind, e.detail)
+            return
+        if isinstance(message, MediaMessage):  # the hot path first
+            self._on_media(message)
+        elif isinstance(message, StartMessage):
+            await self._on_start(message)
+        elif isinstance(message, MarkMessage):
+            if self._check_sid(message.stream_sid):
+                self._on_mark(message.mark.name)
+        elif isinstance(message, DtmfMessage):
+            if self._check_sid(message.stream_sid):
+                await self._on_dtmf(message.dtmf.digit)
+        elif isinstance(message, StopMessage):
+            if self._check_sid(message.stream_sid):
+                self._end_reason = "completed"
+                await self.ws.close()
+        elif isinstance(message, ConnectedMessage):
+            log.debug("stream connected from %s (protocol %s)", self.peer, message.protocol)
+
+    def _check_sid(self, stream_sid: str) -> bool:
+        if self.state.stream_sid is None:
+            self._protocol_error(MEDIA_BEFORE_START, "event before start")
+            return False
+        if stream_sid != self.state.stream_sid:
+            self._protocol_error(WRONG_STREAM_SID, "streamSid does not match this stream")
+            return False
+        return True
+
+    async def _on_start(self, message: StartMessage) -> None:
+        if self.state.stream_sid is not None:
+            self._protocol_error(DUPLICATE_START, "second start on one stream")
+            return
+        start = message.start
+        call_sid = start.call_sid
+        call_id_var.set(call_sid)
+        token = start.custom_parameters.get(TOKEN_PARAMETER)
+        if not self.ctx.admission.claim(call_sid, token):
+            metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason="bad_token").inc()
+            log.warning("stream for %s rejected: no matching admission token", call_sid)
+            self._end_reason = "rejected"
+            await self.ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"not admitted")
+            return
+        await self.ctx.replace_stream(call_sid, self)
+        try:
+            self.engine_call = await self.ctx.engine.open_call(call_sid)
+        except EngineError as e:
+            log.error("engine refused the call: %s", e)
+            self._end_reason = "engine_full"
+            await self.ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"engine busy")
+            return
+        self.state.call_sid = call_sid
+        self.state.stream_sid = message.stream_sid
+        self.state.started_at = time.monotonic()
+        metrics.CALLS_ACTIVE.inc()
+        log.info("stream %s started (tracks %s)", message.stream_sid, ",".join(start.tracks))
+        await self.ctx.store.update(
+            call_sid,
+            stream_sid=message.stream_sid,
+            state="streaming",
+            started_at=time.time(),
+            node=self.ctx.config.node_id,
+        )
+        self._pump = asyncio.create_task(self._pump_outputs(), name=f"pump-{call_sid}")
+
+    def _on_media(self, message: MediaMessage) -> None:
+        if not self._check_sid(message.stream_sid):
+            return
+        if message.media.track != "inbound":
+            return
+        now = time.monotonic()
+        st = self.state
+        if st.first_media_at is None:
+            st.first_media_at = now
+        st.inbound_packets += 1
+        allowed = (now - st.first_media_at) / 0.02 + self.ctx.config.flood_burst_packets
+        if st.inbound_packets > allowed:
+            # Faster than real time: drop rather than let the caller push the engine behind.
+            st.inbound_packets -= 1
+            self._protocol_error(FLOODING, "inbound audio faster than real time")
+            return
+        assert self.engine_call is not None
+        for frame in self.inbound.push(message.media.payload, arrived_at=now):
+            self.engine_call.push_audio(frame.pcm)
+            metrics.MEDIA_INBOUND_SECONDS.observe(time.monotonic() - frame.last_arrival)
+            ended = self.turns.caller_frame(frame.pcm, frame.last_arrival)
+            if ended is not None and ended.overlap:
+                metrics.TURN_OVERLAPS.inc()
+                metrics.TURN_LATENCY_SECONDS.observe(0.0)
+                self._store_soon(self.ctx.store.add_latency(st.call_sid, "turn", 0.0))
+
+    def _on_mark(self, name: str) -> None:
+        # Twilio echoes a mark once the audio queued before it has played (or was cleared).
+        self.state.marks_played += 1
+        self.state.last_mark_played = name
+
+    async def _on_dtmf(self, digit: str) -> None:
+        log.info("dtmf received")  # the digit itself may be a PIN: not logged
+        assert self.state.call_sid is not None
+        await self.ctx.store.append_dtmf(self.state.call_sid, digit)
+
+    # ---- engine -> Twilio ----
+
+    async def _pump_outputs(self) -> None:
+        assert self.engine_call is not None and self.state.call_sid is not None
+        call_sid, stream_sid = self.state.call_sid, self.state.stream_sid
+        assert stream_sid is not None
+        every = self.ctx.config.mark_every_frames
+        try:
+            async for out in self.engine_call.outputs():
+                if isinstance(out, BotAudio):
+                    if out.text:
+                        self.state.bot_words.append(out.text)
+                    if not out.voiced:
+                        continue
+                    await self.ws.send_str(media_message(stream_sid, self.outbound.encode(out.pcm)))
+                    sent = time.monotonic()
+                    if out.produced_at:
+                        metrics.MEDIA_OUTBOUND_SECONDS.observe(sent - out.produced_at)
+                    self._after_send(out, sent)
+                    if self.state.frames_sent % every == 0:
+                        await self.ws.send_str(mark_message(stream_sid, f"f{self.state.frames_sent}"))
+                        self.state.marks_sent += 1
+                elif isinstance(out, CallerTranscript):
+                    if out.final:
+                        self._flush_bot_turn()
+                        await self.ctx.store.append_turn(call_sid, "caller", out.text)
+                elif isinstance(out, OracleUpdate):
+                    await self.ctx.store.append_oracle(call_sid, out.text)
+                elif isinstance(out, EngineNotice):
+                    log.warning("engine notice %s: %s", out.kind, out.detail)
+                    if out.kind == "reset":
+                        await self.clear()
+        except (ConnectionResetError, RuntimeError) as e:  # socket gone under us: the receive loop ends the call
+            log.info("output pump stopped: %s", e)
+
+    def _after_send(self, out: BotAudio, sent: float) -> None:
+        st = self.state
+        st.frames_sent += 1
+        if not st.first_audio_sent and st.started_at is not None:
+            st.first_audio_sent = True
+            first = sent - st.started_at
+            metrics.FIRST_AUDIO_SECONDS.observe(first)
+            self._store_soon(self.ctx.store.add_latency(st.call_sid, "first_audio", first))
+        reply = self.turns.bot_frame(out.pcm, sent)
+        if reply is not None:
+            metrics.TURN_LATENCY_SECONDS.observe(reply.latency_s)
+            self._store_soon(self.ctx.store.add_latency(st.call_sid, "turn", reply.latency_s))
+
+    def _flush_bot_turn(self) -> None:
+        words = "".join(self.state.bot_words).replace("\u2581", " ").strip()
+        self.state.bot_words.clear()
+        if words and self.state.call_sid:
+            self._store_soon(self.ctx.store.append_turn(self.state.call_sid, "bot", words))
+
+    def _store_soon(self, coro) -> None:  # type: ignore[no-untyped-def]
+        # Store writes only enqueue (they never wait on Redis), so awaiting them inline is cheap;
+        # from sync code, hand them to the context's task set.
+        self.ctx.spawn(coro)
+
+    async def clear(self) -> None:
+        """Drop the audio Twilio has queued but not played (barge-in, hang-up, engine reset)."""
+        if self.state.stream_sid and not self.ws.closed:
+            with contextlib.suppress(ConnectionResetError, RuntimeError):
+                await self.ws.send_str(clear_message(self.state.stream_sid))
+
+    # ---- the end ----
+
+    async def end(self, reason: str) -> None:
+        """Idempotent: close the engine seat, record the outcome, close the socket."""
+        if self._ended:
+            return
+        self._ended = True
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+        if self.engine_call is not None:
+            await self.engine_call.close()
+        call_sid = self.state.call_sid
+        if call_sid is None and reason in ("rejected", "engine_full"):
+            metrics.CALLS_TOTAL.labels(outcome=reason).inc()
+        if call_sid is not None:
+            metrics.CALLS_ACTIVE.dec()
+            metrics.CALLS_TOTAL.labels(outcome=reason).inc()
+            self._flush_bot_turn()
+            if reason != "replaced":
+                self.ctx.forget_stream(call_sid, self)
+                await self.ctx.store.end(call_sid, reason)
+            log.info(
+                "stream ended (%s): %d packets in, %d frames out, %d/%d marks played",
+                reason, self.state.inbound_packets, self.state.frames_sent, self.state.marks_played,
+                self.state.marks_sent,
+            )
+        if not self.ws.closed:
+            await self.ws.close()
+
+    async def replace(self) -> None:
+        """A newer stream for the same call takes over: stop playing and step aside."""
+        await self.clear()
+        await self.end("replaced")
+

@@ -1,0 +1,312 @@
+"""The aiohttp service: Twilio webhooks, the Media Streams socket, health, metrics and the admin API."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import signal
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from engine.interface import Engine
+
+from . import metrics
+from .admission import Admission
+from .call_store import CallRecord, CallStore
+from .config import ServiceConfig
+from .logs import call_id_var
+from .media_session import TOKEN_PARAMETER, MediaStreamSession
+from .signatures import (
+    SIGNATURE_HEADER,
+    public_url_for,
+    validate_webhook,
+    validate_websocket,
+    websocket_signature_url,
+)
+from .twiml import busy_twiml, connect_stream_twiml
+
+log = logging.getLogger(__name__)
+
+VOICE_PATH = "/twilio/voice"
+MEDIA_PATH = "/twilio/media"
+STATUS_PATH = "/twilio/stream-status"
+_CALL_SID = re.compile(r"^CA[0-9a-fA-F]{32}$")
+BUSY_MESSAGE = "All our lines are busy right now. Please call again in a few minutes. Goodbye."
+
+
+class ServerContext:
+    """Shared state of one service instance. The engine arrives after the model has loaded."""
+
+    def __init__(self, config: ServiceConfig, store: CallStore, engine: Engine | None = None) -> None:
+        self.config = config
+        self.store = store
+        self.engine: Engine | None = engine
+        self.admission = Admission(config.reservation_ttl_s)
+        self.streams: dict[str, MediaStreamSession] = {}
+        self.no_streams = asyncio.Event()  # set whenever no call is streaming (drain waits on it)
+        self.no_streams.set()
+        self.draining = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)  # keep a reference until done
+        task.add_done_callback(self._tasks.discard)
+
+    @property
+    def capacity_left(self) -> int:
+        if self.engine is None or not self.engine.ready or self.draining:
+            return 0
+        return self.engine.free_slots - self.admission.reserved
+
+    async def replace_stream(self, call_sid: str, session: MediaStreamSession) -> None:
+        old = self.streams.get(call_sid)
+        self.streams[call_sid] = session
+        self.no_streams.clear()
+        if old is not None and old is not session:
+            log.warning("a second stream for this call replaces the first")
+            await old.replace()
+
+    def forget_stream(self, call_sid: str, session: MediaStreamSession) -> None:
+        if self.streams.get(call_sid) is session:
+            del self.streams[call_sid]
+            self.admission.release(call_sid)
+        if not self.streams:
+            self.no_streams.set()
+
+    def webhook_ok(self, request: web.Request, form: Any, endpoint: str) -> bool:
+        token = self.config.twilio_auth_token
+        if token is None:  # --insecure-dev, loopback only
+            return True
+        url = public_url_for(request.raw_path, self.config.base_url)
+        ok = validate_webhook(token, url, form, request.headers.get(SIGNATURE_HEADER))
+        if not ok:
+            reason = "missing_signature" if SIGNATURE_HEADER not in request.headers else "bad_signature"
+            metrics.WEBHOOK_REJECTIONS.labels(endpoint=endpoint, reason=reason).inc()
+            log.warning("%s: %s from %s", endpoint, reason, request.remote)
+        return ok
+
+
+def _ctx(request: web.Request) -> ServerContext:
+    return request.app[CONTEXT]
+
+
+CONTEXT: web.AppKey[ServerContext] = web.AppKey("kame_context", ServerContext)
+
+
+async def handle_voice(request: web.Request) -> web.Response:
+    ctx = _ctx(request)
+    form = await request.post()
+    if not ctx.webhook_ok(request, form, "voice"):
+        return web.Response(status=403, text="invalid Twilio signature")
+    call_sid = str(form.get("CallSid", ""))
+    if not _CALL_SID.match(call_sid):
+        return web.Response(status=400, text="CallSid missing or malformed")
+    call_id_var.set(call_sid)
+    record = CallRecord(
+        call_sid=call_sid,
+        from_number=str(form.get("From") or "") or None,
+        to_number=str(form.get("To") or "") or None,
+        node=ctx.config.node_id,
+    )
+    if ctx.capacity_left <= 0:
+        log.warning("no capacity (draining=%s): answering busy", ctx.draining)
+        metrics.CALLS_TOTAL.labels(outcome="busy").inc()
+        await ctx.store.create(record)
+        await ctx.store.end(call_sid, "busy")
+        return web.Response(text=busy_twiml(BUSY_MESSAGE), content_type="text/xml")
+    token = ctx.admission.issue(call_sid)
+    await ctx.store.create(record)
+    twiml = connect_stream_twiml(
+        ctx.config.ws_base_url + MEDIA_PATH,
+        ctx.config.base_url + STATUS_PATH,
+        {TOKEN_PARAMETER: token},
+        allow_insecure_ws=ctx.config.insecure_dev,
+    )
+    log.info("answering with a media stream")
+    return web.Response(text=twiml, content_type="text/xml")
+
+
+async def handle_media(request: web.Request) -> web.StreamResponse:
+    ctx = _ctx(request)
+    token = ctx.config.twilio_auth_token
+    if token is not None:
+        url = websocket_signature_url(ctx.config.base_url, request.path)
+        if not validate_websocket(token, url, request.headers.get(SIGNATURE_HEADER)):
+            reason = "missing_signature" if SIGNATURE_HEADER not in request.headers else "bad_signature"
+            metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason=reason).inc()
+            log.warning("media upgrade refused (%s) from %s", reason, request.remote)
+            return web.Response(status=403, text="invalid Twilio signature")
+    if ctx.engine is None or not ctx.engine.ready:
+        return web.Response(status=503, text="engine not ready")
+    ws = web.WebSocketResponse(max_msg_size=ctx.config.max_message_bytes, autoping=True)
+    await ws.prepare(request)
+    await MediaStreamSession(ws, ctx, peer=str(request.remote)).run()
+    return ws
+
+
+async def handle_stream_status(request: web.Request) -> web.Response:
+    ctx = _ctx(request)
+    form = await request.post()
+    if not ctx.webhook_ok(request, form, "stream_status"):
+        return web.Response(status=403, text="invalid Twilio signature")
+    event = str(form.get("StreamEvent", "unknown"))
+    if event not in ("stream-started", "stream-stopped", "stream-error"):
+        event = "unknown"
+    call_id_var.set(str(form.get("CallSid", "")) or None)
+    metrics.STREAM_EVENTS.labels(event=event).inc()
+    if event == "stream-error":
+        log.error("Twilio reports a stream error: %s", str(form.get("StreamError", ""))[:300])
+    else:
+        log.info("Twilio stream status: %s", event)
+    return web.Response(status=204)
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    body = await asyncio.to_thread(generate_latest, REGISTRY)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def handle_healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "alive"})
+
+
+async def handle_readyz(request: web.Request) -> web.Response:
+    ctx = _ctx(request)
+    checks = {
+        "model_loaded": bool(ctx.engine is not None and ctx.engine.ready),
+        "store_reachable": await ctx.store.ping(),
+        "not_draining": not ctx.draining,
+    }
+    ready = all(checks.values())
+    body = {"ready": ready, "checks": checks, "capacity_left": max(ctx.capacity_left, 0)}
+    return web.json_response(body, status=200 if ready else 503)
+
+
+def _admin_ok(ctx: ServerContext, request: web.Request) -> bool:
+    expected = ctx.config.admin_token
+    given = request.headers.get("Authorization", "")
+    if not expected or not given.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(given.removeprefix("Bearer ").encode(), expected.encode())
+
+
+def _unauthorized() -> web.Response:
+    return web.json_response(
+        {"error": "bearer token required (ADMIN_TOKEN)"}, status=401, headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+async def handle_calls(request: web.Request) -> web.Response:
+    ctx = _ctx(request)
+    if not _admin_ok(ctx, request):
+        return _unauthorized()
+    try:
+        limit = max(1, min(int(request.query.get("limit", "50")), 500))
+    except ValueError:
+        return web.json_response({"error": "limit must be an integer"}, status=400)
+    records = await ctx.store.list_recent(limit)
+    return web.json_response({"calls": [r.to_dict() for r in records]}, dumps=json.dumps)
+
+
+async def handle_call(request: web.Request) -> web.Response:
+    ctx = _ctx(request)
+    if not _admin_ok(ctx, request):
+        return _unauthorized()
+    record = await ctx.store.get(request.match_info["call_sid"])
+    if record is None:
+        return web.json_response({"error": "no such call"}, status=404)
+    return web.json_response(record.to_dict())
+
+
+def build_app(ctx: ServerContext) -> web.Application:
+    app = web.Application(client_max_size=256 * 1024)
+    app[CONTEXT] = ctx
+    app.router.add_post(VOICE_PATH, handle_voice)
+    app.router.add_get(MEDIA_PATH, handle_media)
+    app.router.add_post(STATUS_PATH, handle_stream_status)
+    app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get("/healthz", handle_healthz)
+    app.router.add_get("/readyz", handle_readyz)
+    app.router.add_get("/calls", handle_calls)
+    app.router.add_get("/calls/{call_sid}", handle_call)
+    return app
+
+
+class ServiceHandle:
+    """A running service on host:port (port 0 picks a free one, for tests)."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.runner = web.AppRunner(build_app(ctx), handle_signals=False)
+        self.port = 0
+
+    async def start(self) -> ServiceHandle:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.ctx.config.host, self.ctx.config.port)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        return self
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.ctx.config.host}:{self.port}"
+
+    async def drain(self, timeout_s: float) -> None:
+        """Take no new calls; wait for the calls in progress to finish."""
+        self.ctx.draining = True
+        try:
+            await asyncio.wait_for(self.ctx.no_streams.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("drain timed out with %d calls still up: ending them", len(self.ctx.streams))
+        for session in list(self.ctx.streams.values()):
+            await session.end("drain_timeout")
+
+    async def aclose(self) -> None:
+        await self.runner.cleanup()
+
+
+async def run_service(
+    config: ServiceConfig,
+    store: CallStore,
+    load_engine: Callable[[], Awaitable[Any]],
+) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: no new calls, finish the current ones, exit.
+
+    HTTP comes up first so /healthz answers while the model loads; /readyz turns 200 once it has.
+    """
+    ctx = ServerContext(config, store)
+    handle = await ServiceHandle(ctx).start()
+    if config.insecure_dev:
+        log.warning("!!! --insecure-dev: Twilio signatures are NOT checked; listening on %s only !!!", config.host)
+    log.info("listening on %s:%d (public %s)", config.host, handle.port, config.base_url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine = None
+    try:
+        loading = asyncio.create_task(load_engine())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({loading, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if loading.done():
+            engine = loading.result()
+            ctx.engine = engine
+            log.info("ready: %d call slots", engine.max_calls)
+            await stopped
+        else:
+            loading.cancel()
+        log.info("stopping: draining %d calls (up to %.0fs)", len(ctx.streams), config.drain_timeout_s)
+        await handle.drain(config.drain_timeout_s)
+    finally:
+        if engine is not None:
+            await engine.stop()
+        await store.aclose()
+        await handle.aclose()
+        log.info("stopped")

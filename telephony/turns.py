@@ -1,0 +1,65 @@
+"""Who is speaking, measured on the line itself: caller turns from inbound audio energy, the bot's
+speech from what we send. Gives the turn latency (end of the caller's turn to the bot's next audio)
+independently of the STT, so it can be trusted when the STT is slow or off."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def level_dbfs(pcm: np.ndarray) -> float:
+    rms = float(np.sqrt(np.mean(np.square(pcm, dtype=np.float64)))) if len(pcm) else 0.0
+    return 20.0 * np.log10(max(rms, 1e-9))
+
+
+@dataclass(frozen=True, slots=True)
+class TurnEnd:
+    at: float  # when the caller's last voiced frame arrived
+    overlap: bool  # the bot was already speaking when the caller's turn ended
+
+
+@dataclass(frozen=True, slots=True)
+class BotReply:
+    latency_s: float  # from the caller's turn end to this first bot audio
+
+
+@dataclass
+class TurnTracker:
+    threshold_dbfs: float = -38.0
+    caller_hangover_s: float = 0.6  # silence that ends a caller turn (a pause inside a sentence is shorter)
+    bot_hangover_s: float = 0.3
+    caller_speaking: bool = False
+    last_caller_voice: float = 0.0
+    bot_speaking_since: float | None = None
+    last_bot_voice: float = 0.0
+    waiting_since: float | None = None  # a turn ended and the bot has not answered yet
+
+    def caller_frame(self, pcm: np.ndarray, at: float) -> TurnEnd | None:
+        if level_dbfs(pcm) > self.threshold_dbfs:
+            self.caller_speaking = True
+            self.last_caller_voice = at
+            self.waiting_since = None  # the caller is still (or again) talking
+            return None
+        if self.caller_speaking and at - self.last_caller_voice >= self.caller_hangover_s:
+            self.caller_speaking = False
+            ended = self.last_caller_voice
+            overlap = self.bot_speaking_since is not None and self.bot_speaking_since < ended
+            self.waiting_since = None if overlap else ended
+            return TurnEnd(at=ended, overlap=overlap)
+        return None
+
+    def bot_frame(self, pcm: np.ndarray, at: float) -> BotReply | None:
+        if level_dbfs(pcm) <= self.threshold_dbfs:
+            if self.bot_speaking_since is not None and at - self.last_bot_voice >= self.bot_hangover_s:
+                self.bot_speaking_since = None
+            return None
+        if self.bot_speaking_since is None:
+            self.bot_speaking_since = at
+        self.last_bot_voice = at
+        if self.waiting_since is not None:
+            latency = max(0.0, at - self.waiting_since)
+            self.waiting_since = None
+            return BotReply(latency_s=latency)
+        return None
