@@ -54,8 +54,8 @@ class KameBatch:
             top_k_text=sampling.top_k_text,
             support_out_of_sync=True,
         )
-        self.lm_gen.streaming_forever(batch_size)
-        self.mimi.streaming_forever(batch_size)
+        # Entered for the life of this object; `close()` leaves streaming so the modules can be reused.
+        self._streaming = [self.lm_gen.streaming(batch_size), self.mimi.streaming(batch_size)]
         state = lm._streaming_state
         assert isinstance(state, KameStreamingState) and state.oracle is not None
         self._oracle = state.oracle  # [B, 1], read by the (graphed) LM step
@@ -65,6 +65,12 @@ class KameBatch:
         self._active = np.zeros(batch_size, dtype=bool)
         self._fresh = np.zeros(batch_size, dtype=bool)  # joined, first encode not done yet
         self._mask_cache: dict[bytes, torch.Tensor] = {}
+
+    def close(self) -> None:
+        """Free the streaming state (KV caches, graphs)."""
+        for stack in self._streaming:
+            stack.close()
+        self._streaming = []
 
     def _mask(self, rows: np.ndarray) -> torch.Tensor:
         key = rows.tobytes()

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class CallBackendHooks(Protocol):
-    """What the engine needs from a call's STT + LLM back-end (engine.backend.CallBackend)."""
+    """What the engine needs from one call's STT + LLM back-end (engine.backend.CallBackend)."""
 
     def feed_audio(self, pcm24k: np.ndarray) -> None: ...
     def feed_bot_text(self, piece: str) -> None: ...
@@ -40,16 +40,18 @@ class CallBackendHooks(Protocol):
     async def aclose(self) -> None: ...
 
 
-@dataclass
-class BackendCallbacks:
-    """Given to the back-end factory: how a back-end reports into its call."""
+class BackendProvider(Protocol):
+    """Opens a back-end per call (engine.backend.BackendServices); shared by every call of the engine."""
 
-    on_transcript: Callable[[str, bool, float], None]  # text, final, at (monotonic)
-    on_oracle: Callable[[int, str, float], None]  # candidate id, whole draft text, triggered_at
-    on_notice: Callable[[str, str], None]  # kind, detail
+    def open_call(
+        self,
+        call_id: str,
+        on_transcript: Callable[[str, bool, float], None],  # text, final, at (monotonic)
+        on_oracle: Callable[[str, float, int], None],  # whole draft text, triggered_at, candidate id
+        on_error: Callable[[str, str], None],  # kind, detail
+    ) -> CallBackendHooks: ...
 
-
-BackendFactory = Callable[[str, BackendCallbacks], CallBackendHooks]
+    async def aclose(self) -> None: ...
 
 
 @dataclass
@@ -105,7 +107,7 @@ class LocalCallSession:
         self._engine.frame_loop.caller_turn(self.row, self.call_id, speaking=not final)
         self._put(CallerTranscript(text=text, final=final, at=at))
 
-    def _on_oracle(self, candidate_id: int, text: str, triggered_at: float) -> None:
+    def _on_oracle(self, text: str, triggered_at: float, candidate_id: int) -> None:
         self._engine.frame_loop.set_oracle(self.row, self.call_id, candidate_id, text, triggered_at)
         self._put(OracleUpdate(text=text, at=time.monotonic()))
 
@@ -130,7 +132,7 @@ class LocalCallSession:
     def set_oracle_text(self, text: str, candidate_id: int | None = None) -> None:
         """Feed a draft directly (tests and tools; the back-end normally does this)."""
         cid = candidate_id if candidate_id is not None else int(time.monotonic() * 1000)
-        self._on_oracle(cid, text, time.monotonic())
+        self._on_oracle(text, time.monotonic(), cid)
 
     async def close(self) -> None:
         if self._closed:
@@ -151,11 +153,11 @@ class LocalEngine:
     """The KAME engine in this process: one frame-loop thread, many call slots."""
 
     def __init__(
-        self, bundle: KameBundle, config: EngineConfig, backend_factory: BackendFactory | None = None
+        self, bundle: KameBundle, config: EngineConfig, backend: BackendProvider | None = None
     ) -> None:
         self.config = config
         self.bundle = bundle
-        self.backend_factory = backend_factory
+        self.backend = backend
         batch = KameBatch(bundle.lm, bundle.mimi, config.max_calls, config.sampling)
         self.frame_loop = FrameLoop(
             batch,
@@ -168,10 +170,10 @@ class LocalEngine:
         self._closing = False
 
     @classmethod
-    async def load(cls, config: EngineConfig, backend_factory: BackendFactory | None = None) -> LocalEngine:
+    async def load(cls, config: EngineConfig, backend: BackendProvider | None = None) -> LocalEngine:
         """Load the checkpoint off the event loop (it takes seconds to minutes)."""
         bundle = await asyncio.to_thread(load_kame, config.checkpoint, config.device, None, config.context)
-        return cls(bundle, config, backend_factory)
+        return cls(bundle, config, backend)
 
     async def start(self) -> None:
         await asyncio.to_thread(self.frame_loop.start, self.config.warmup_ticks)
@@ -184,6 +186,8 @@ class LocalEngine:
         for session in list(self._sessions.values()):
             await session.close()
         await asyncio.to_thread(self.frame_loop.stop)
+        if self.backend is not None:
+            await self.backend.aclose()
 
     @property
     def max_calls(self) -> int:
@@ -206,10 +210,11 @@ class LocalEngine:
         session = LocalCallSession(self, call_id, row=-1, queue_size=self.config.output_queue_frames)
         session.row = self.frame_loop.join(call_id, session._sink)  # raises EngineFull
         self._sessions[call_id] = session
-        if self.backend_factory is not None:
-            callbacks = BackendCallbacks(session._on_transcript, session._on_oracle, session._on_notice)
+        if self.backend is not None:
             try:
-                session.backend = self.backend_factory(call_id, callbacks)
+                session.backend = self.backend.open_call(
+                    call_id, session._on_transcript, session._on_oracle, session._on_notice
+                )
                 await session.backend.start()
             except Exception:
                 # The call still gets the front-end alone.

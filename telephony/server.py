@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -252,6 +253,8 @@ class ServiceHandle:
         site = web.TCPSite(self.runner, self.ctx.config.host, self.ctx.config.port)
         await site.start()
         self.port = self.runner.addresses[0][1]
+        if self.ctx.config.port != self.port:  # port 0: the public URL must name the port we got
+            self.ctx.config = dataclasses.replace(self.ctx.config, port=self.port)
         return self
 
     @property

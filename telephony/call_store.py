@@ -1,0 +1,620 @@
+"""Per-call state store: one `CallRecord` per Twilio CallSid, in Redis or in process.
+
+Writes come from the media loop, so they must never wait on the network. Every write method
+turns into one or more `_Op`s, applied by one pure function (`_apply`) in memory, or queued in a
+bounded buffer that a background task flushes to Redis in order. The Lua script that applies an
+op in Redis mirrors `_apply`, so both stores and the read-side merge of unflushed ops agree.
+
+Redis layout (prefix `kame:` by default), every key with the retention TTL refreshed on each write:
+  <p>call:<sid>                 hash of scalar fields, plus `seq:<writer>` (last op applied per writer)
+  <p>call:<sid>:turns|oracle|dtmf|turn_latencies   lists, appended with RPUSH
+  <p>calls                      sorted set of CallSids scored by last write, for `list_recent`
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import json
+import logging
+import random
+import time
+import urllib.parse
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, get_args
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, ReadOnlyError, RedisError, ResponseError
+
+from telephony.metrics import REDIS_ERRORS
+
+logger = logging.getLogger(__name__)
+
+CallState = Literal["ringing", "streaming", "ended"]
+Role = Literal["caller", "bot"]
+LatencyName = Literal["first_audio", "turn"]
+_ListName = Literal["turns", "oracle", "dtmf", "turn_latencies_s"]
+
+DEFAULT_TTL_S = 24 * 3600.0  # short on purpose: transcripts and phone numbers are personal data
+DEFAULT_MAX_PENDING = 10_000
+DEFAULT_MAX_RECORDS = 10_000
+DEFAULT_KEY_PREFIX = "kame:"
+_MASKED_DIGIT = "*"  # DTMF can carry PINs or card numbers, so it is masked like a transcript
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    role: Role
+    text: str | None  # None when transcripts are not stored
+    at: float  # epoch seconds
+
+
+@dataclass(frozen=True, slots=True)
+class OracleNote:
+    text: str | None  # None when transcripts are not stored
+    at: float  # epoch seconds
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """Everything kept about one call. Timestamps are epoch seconds; latencies are seconds."""
+
+    call_sid: str
+    stream_sid: str | None = None
+    from_number: str | None = None
+    to_number: str | None = None
+    node: str | None = None  # the instance that holds the media stream
+    state: CallState = "ringing"
+    created_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    ended_at: float | None = None
+    end_reason: str | None = None
+    first_audio_s: float | None = None
+    dtmf: list[str] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    oracle: list[OracleNote] = field(default_factory=list)
+    turn_latencies_s: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CallRecord:
+        data = dict(data)
+        data["turns"] = [Turn(**t) for t in data.get("turns", ())]
+        data["oracle"] = [OracleNote(**o) for o in data.get("oracle", ())]
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> CallRecord:
+        return cls.from_dict(json.loads(text))
+
+
+# Scalar fields `update` may set, by type. call_sid and created_at are fixed at create time.
+_STR_FIELDS = frozenset({"stream_sid", "from_number", "to_number", "node", "state", "end_reason"})
+_FLOAT_FIELDS = frozenset({"started_at", "ended_at", "first_audio_s"})
+_UPDATABLE = _STR_FIELDS | _FLOAT_FIELDS
+_LIST_NAMES: tuple[_ListName, ...] = get_args(_ListName)
+
+
+class CallStoreUnavailable(RuntimeError):
+    """A read could not reach the backing store (writes never raise this; they are buffered)."""
+
+
+class CallStore(Protocol):
+    """Async per-call state. Write methods return at once; reads may touch the network."""
+
+    async def create(self, record: CallRecord) -> None: ...
+    async def update(self, call_sid: str, **fields: Any) -> None: ...
+    async def append_turn(self, call_sid: str, role: Role, text: str, at: float | None = None) -> None: ...
+    async def append_oracle(self, call_sid: str, text: str, at: float | None = None) -> None: ...
+    async def append_dtmf(self, call_sid: str, digit: str) -> None: ...
+    async def add_latency(self, call_sid: str, name: LatencyName, seconds: float) -> None: ...
+    async def end(self, call_sid: str, reason: str, at: float | None = None) -> None: ...
+    async def get(self, call_sid: str) -> CallRecord | None: ...
+    async def list_recent(self, limit: int = 50) -> list[CallRecord]: ...
+    async def ping(self) -> bool: ...
+    async def flush(self) -> None: ...
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Op:
+    """One write. `kind`: create (if absent), set (fields), end (once), push (append to a list)."""
+
+    seq: int  # per store instance, strictly increasing; makes Redis retries idempotent
+    call_sid: str
+    kind: Literal["create", "set", "end", "push"]
+    fields: dict[str, str | float | None] = field(default_factory=dict)
+    list_name: _ListName | None = None
+    item: Turn | OracleNote | str | float | None = None
+    submitted: float = field(default_factory=time.time)  # epoch s; orders `list_recent` by activity
+
+
+def _apply(record: CallRecord | None, op: _Op) -> CallRecord | None:
+    """Apply `op` to `record` in place (or build it, for create). Ops on an unknown call are dropped:
+    a late write must not resurrect an expired record. Mirrored by `_APPLY_LUA`."""
+    if op.kind == "create":
+        return record if record is not None else CallRecord(call_sid=op.call_sid, **op.fields)  # type: ignore[arg-type]
+    if record is None:
+        return None
+    if op.kind == "end" and record.state == "ended":
+        return record  # first end wins: the stream stop and the status callback both end a call
+    if op.kind == "push":
+        assert op.list_name is not None and op.item is not None, op
+        getattr(record, op.list_name).append(op.item)
+    else:
+        for name, value in op.fields.items():
+            setattr(record, name, value)
+    return record
+
+
+class _OpStore:
+    """Write methods shared by both stores: validate, build ops, hand them to `_submit`."""
+
+    def __init__(self, *, store_transcripts: bool) -> None:
+        self.store_transcripts = store_transcripts
+        self._seq = itertools.count(1)
+
+    def _submit(self, ops: Sequence[_Op]) -> None:
+        raise NotImplementedError
+
+    def _op(self, call_sid: str, kind: Any, **kw: Any) -> _Op:
+        return _Op(seq=next(self._seq), call_sid=call_sid, kind=kind, **kw)
+
+    def _push(self, call_sid: str, list_name: _ListName, item: Turn | OracleNote | str | float) -> _Op:
+        return self._op(call_sid, "push", list_name=list_name, item=item)
+
+    async def create(self, record: CallRecord) -> None:
+        """Store a new call unless one with this CallSid exists (a retried webhook is harmless)."""
+        if record.state not in get_args(CallState):
+            raise ValueError(f"bad call state {record.state!r}")
+        skip = {*_LIST_NAMES, "call_sid"}
+        scalars = {f.name: getattr(record, f.name) for f in dataclasses.fields(CallRecord) if f.name not in skip}
+        ops = [self._op(record.call_sid, "create", fields=scalars)]
+        # Lists in the given record become ordinary appends, so the transcript switch applies to them.
+        ops += [self._push(record.call_sid, "dtmf", self._digit(d)) for d in record.dtmf]
+        ops += [self._push(record.call_sid, "turns", self._turn(t.role, t.text, t.at)) for t in record.turns]
+        ops += [self._push(record.call_sid, "oracle", self._note(o.text, o.at)) for o in record.oracle]
+        ops += [self._push(record.call_sid, "turn_latencies_s", float(s)) for s in record.turn_latencies_s]
+        self._submit(ops)
+
+    async def update(self, call_sid: str, **fields: Any) -> None:
+        for name, value in fields.items():
+            if name not in _UPDATABLE:
+                raise TypeError(f"update() cannot set {name!r}")
+            if name == "state" and value not in get_args(CallState):
+                raise ValueError(f"bad call state {value!r}")
+            if name in _FLOAT_FIELDS and value is not None:
+                fields[name] = float(value)
+        if fields:
+            self._submit([self._op(call_sid, "set", fields=fields)])
+
+    async def append_turn(self, call_sid: str, role: Role, text: str, at: float | None = None) -> None:
+        self._submit([self._push(call_sid, "turns", self._turn(role, text, at))])
+
+    async def append_oracle(self, call_sid: str, text: str, at: float | None = None) -> None:
+        self._submit([self._push(call_sid, "oracle", self._note(text, at))])
+
+    async def append_dtmf(self, call_sid: str, digit: str) -> None:
+        self._submit([self._push(call_sid, "dtmf", self._digit(digit))])
+
+    async def add_latency(self, call_sid: str, name: LatencyName, seconds: float) -> None:
+        if name == "first_audio":
+            self._submit([self._op(call_sid, "set", fields={"first_audio_s": float(seconds)})])
+        elif name == "turn":
+            self._submit([self._push(call_sid, "turn_latencies_s", float(seconds))])
+        else:
+            raise ValueError(f"unknown latency {name!r}")
+
+    async def end(self, call_sid: str, reason: str, at: float | None = None) -> None:
+        ended_at = time.time() if at is None else float(at)
+        fields = {"state": "ended", "end_reason": reason, "ended_at": ended_at}
+        self._submit([self._op(call_sid, "end", fields=fields)])
+
+    def _turn(self, role: str, text: str | None, at: float | None) -> Turn:
+        if role not in get_args(Role):
+            raise ValueError(f"bad turn role {role!r}")
+        at = time.time() if at is None else float(at)
+        return Turn(role=role, text=text if self.store_transcripts else None, at=at)  # type: ignore[arg-type]
+
+    def _note(self, text: str | None, at: float | None) -> OracleNote:
+        at = time.time() if at is None else float(at)
+        return OracleNote(text=text if self.store_transcripts else None, at=at)
+
+    def _digit(self, digit: str) -> str:
+        return str(digit) if self.store_transcripts else _MASKED_DIGIT
+
+
+class MemoryCallStore(_OpStore):
+    """Single-node store for when no Redis is configured. Bounded like the Redis one: a call expires
+    `ttl_s` after its last write, and past `max_records` the least recently written is evicted."""
+
+    def __init__(
+        self,
+        *,
+        ttl_s: float = DEFAULT_TTL_S,
+        max_records: int = DEFAULT_MAX_RECORDS,
+        store_transcripts: bool = True,
+    ) -> None:
+        super().__init__(store_transcripts=store_transcripts)
+        assert ttl_s > 0 and max_records > 0, (ttl_s, max_records)
+        self.ttl_s = ttl_s
+        self.max_records = max_records
+        # CallSid -> (record, monotonic expiry), least recently written first: the front expires first.
+        self._records: collections.OrderedDict[str, tuple[CallRecord, float]] = collections.OrderedDict()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._records and next(iter(self._records.values()))[1] <= now:
+            self._records.popitem(last=False)
+
+    def _submit(self, ops: Sequence[_Op]) -> None:
+        self._expire()
+        for op in ops:
+            entry = self._records.get(op.call_sid)
+            record = _apply(None if entry is None else entry[0], op)
+            if record is None:
+                continue
+            self._records[op.call_sid] = (record, time.monotonic() + self.ttl_s)
+            self._records.move_to_end(op.call_sid)
+            while len(self._records) > self.max_records:
+                self._records.popitem(last=False)
+
+    async def get(self, call_sid: str) -> CallRecord | None:
+        self._expire()
+        entry = self._records.get(call_sid)
+        return None if entry is None else CallRecord.from_dict(entry[0].to_dict())  # a copy
+
+    async def list_recent(self, limit: int = 50) -> list[CallRecord]:
+        """Live calls, most recently written first."""
+        self._expire()
+        newest = itertools.islice(reversed(self._records.values()), limit)
+        return [CallRecord.from_dict(record.to_dict()) for record, _ in newest]
+
+    async def ping(self) -> bool:
+        return True
+
+    async def flush(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        self._records.clear()
+
+
+# Applies one _Op atomically. KEYS: 1 hash, 2 turns, 3 oracle, 4 dtmf, 5 turn_latencies, 6 index.
+# ARGV: 1 kind, 2 writer seq field, 3 seq, 4 ttl ms, 5 call sid, 6 activity time (epoch s),
+# 7 payload (JSON fields, or the list item), 8 list KEYS position (push).
+# The index is scored by last activity, so entries older than the TTL are exactly the expired calls.
+_APPLY_LUA = """
+local h = KEYS[1]
+local kind = ARGV[1]
+if redis.call('EXISTS', h) == 1 then
+  -- a batch retried after a dropped reply must not apply twice
+  if tonumber(ARGV[3]) <= tonumber(redis.call('HGET', h, ARGV[2]) or '0') then return 0 end
+  if kind == 'create' or (kind == 'end' and redis.call('HGET', h, 'state') == 'ended') then
+    kind = 'noop'
+  end
+elseif kind ~= 'create' then
+  return 0
+end
+if kind == 'push' then
+  redis.call('RPUSH', KEYS[tonumber(ARGV[8])], ARGV[7])
+elseif kind ~= 'noop' then
+  for f, v in pairs(cjson.decode(ARGV[7])) do
+    if v == cjson.null then redis.call('HDEL', h, f) else redis.call('HSET', h, f, v) end
+  end
+end
+redis.call('HSET', h, ARGV[2], ARGV[3])
+redis.call('ZADD', KEYS[6], 'GT', ARGV[6], ARGV[5])
+redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', '(' .. (tonumber(ARGV[6]) - tonumber(ARGV[4]) / 1000))
+for i = 1, 6 do redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
+return 1
+"""
+
+_KEY_SUFFIXES = ("", ":turns", ":oracle", ":dtmf", ":turn_latencies")  # KEYS 1-5, see _APPLY_LUA
+_LIST_KEY_POS = {"turns": 2, "oracle": 3, "dtmf": 4, "turn_latencies_s": 5}
+# Errors that mean "Redis is not usable right now", even when returned for a single op.
+_TRANSIENT_OP_ERRORS = (NoScriptError, ReadOnlyError)
+
+
+def _safe_url(url: str) -> str:
+    """The URL without user or password, for logs."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path}"
+
+
+def _log_writer_death(task: asyncio.Task[None]) -> None:
+    # The next write restarts the writer; this only makes a bug visible instead of silent.
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        REDIS_ERRORS.inc()
+        logger.error("call store: writer task died; restarting on next write", exc_info=exc)
+
+
+def _encode_scalar(value: str | float | None) -> str | None:
+    return None if value is None else (repr(value) if isinstance(value, float) else str(value))
+
+
+class RedisCallStore(_OpStore):
+    """Redis-backed store. Writes go to a bounded in-memory buffer, flushed in order by one
+    background task with retry and backoff; reads merge the ops not yet flushed for that call."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        ttl_s: float = DEFAULT_TTL_S,
+        store_transcripts: bool = True,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        batch_size: int = 256,
+        retry_initial_s: float = 0.1,
+        retry_max_s: float = 5.0,
+        close_timeout_s: float = 5.0,
+    ) -> None:
+        super().__init__(store_transcripts=store_transcripts)
+        assert ttl_s >= 0.001 and max_pending > 0 and batch_size > 0, (ttl_s, max_pending, batch_size)
+        self._redis = client  # must use decode_responses=True (see open_call_store)
+        self.key_prefix = key_prefix
+        self.ttl_s = ttl_s
+        self.max_pending = max_pending
+        self._batch_size = batch_size
+        self._retry_initial_s = retry_initial_s
+        self._retry_max_s = retry_max_s
+        self.close_timeout_s = close_timeout_s
+        self._script = client.register_script(_APPLY_LUA)
+        # Each store instance writes its own `seq:<id>` field, so idempotency survives many writers.
+        self._seq_field = f"seq:{uuid.uuid4().hex[:12]}"
+        self._pending: collections.deque[_Op] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._progress = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+        self._closed = False
+        self.dropped_ops = 0  # ops lost to the buffer bound (or written after aclose)
+
+    @property
+    def pending_ops(self) -> int:
+        return len(self._pending)
+
+    def _call_keys(self, call_sid: str) -> list[str]:
+        base = f"{self.key_prefix}call:{call_sid}"
+        return [base + suffix for suffix in _KEY_SUFFIXES]
+
+    @property
+    def _index_key(self) -> str:
+        return f"{self.key_prefix}calls"
+
+    # ---- write side: never awaits, never raises for Redis trouble ----
+
+    def _submit(self, ops: Sequence[_Op]) -> None:
+        if self._closed:
+            self._drop(len(ops), "store is closed")
+            return
+        for op in ops:
+            if len(self._pending) >= self.max_pending:
+                self._pending.popleft()  # drop the oldest: the newest state matters most mid-call
+                self._drop(1, f"buffer full ({self.max_pending} ops)")
+            self._pending.append(op)
+        self._wakeup.set()
+        self._ensure_writer()
+
+    def _ensure_writer(self) -> None:
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._run_writer(), name="call-store")
+            self._writer.add_done_callback(_log_writer_death)
+
+    def _drop(self, n: int, why: str) -> None:
+        before = self.dropped_ops
+        self.dropped_ops += n
+        if before == 0 or before // 1000 != self.dropped_ops // 1000:  # don't log every op in an outage
+            logger.warning("call store: dropped %d op(s), %d in total: %s", n, self.dropped_ops, why)
+        self._progress.set()
+
+    async def _run_writer(self) -> None:
+        delay = self._retry_initial_s
+        while True:
+            if not self._pending:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = list(itertools.islice(self._pending, self._batch_size))
+            try:
+                await self._write_batch(batch)
+            except (RedisError, OSError) as exc:  # OSError covers socket errors and TimeoutError
+                REDIS_ERRORS.inc()
+                msg = "call store: Redis write failed (%s: %s); %d ops buffered, retry in %.1fs"
+                logger.warning(msg, type(exc).__name__, exc, len(self._pending), delay)
+                await asyncio.sleep(delay * random.uniform(0.8, 1.0))
+                delay = min(delay * 2, self._retry_max_s)
+                continue
+            if delay != self._retry_initial_s:
+                logger.info("call store: Redis writes recovered; %d ops buffered", len(self._pending))
+            delay = self._retry_initial_s
+            # Only the head can have been dropped meanwhile, so pop by seq, not by count.
+            while self._pending and self._pending[0].seq <= batch[-1].seq:
+                self._pending.popleft()
+            self._progress.set()
+
+    async def _write_batch(self, batch: list[_Op]) -> None:
+        # MULTI/EXEC: a batch lands whole or not at all, so per-call order survives a retry.
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for op in batch:
+                keys, args = self._encode(op)
+                await self._script(keys=keys, args=args, client=pipe)
+            results = await pipe.execute(raise_on_error=False)
+        for op, result in zip(batch, results, strict=True):
+            if isinstance(result, _TRANSIENT_OP_ERRORS):
+                raise result
+            if isinstance(result, ResponseError):
+                # A poison op (e.g. a foreign key of the wrong type) would block the queue forever.
+                REDIS_ERRORS.inc()
+                logger.error("call store: Redis rejected %s op for %s: %s", op.kind, op.call_sid, result)
+
+    def _encode(self, op: _Op) -> tuple[list[str], list[str | int | float]]:
+        keys = [*self._call_keys(op.call_sid), self._index_key]
+        args: list[str | int | float] = [op.kind, self._seq_field, op.seq, max(1, round(self.ttl_s * 1000))]
+        args += [op.call_sid, repr(op.submitted)]
+        if op.kind == "push":
+            item = op.item
+            if isinstance(item, Turn | OracleNote):
+                payload = json.dumps(dataclasses.asdict(item), separators=(",", ":"))
+            else:
+                payload = _encode_scalar(item) or ""
+            assert op.list_name is not None
+            args += [payload, _LIST_KEY_POS[op.list_name]]
+        else:
+            fields = {k: _encode_scalar(v) for k, v in op.fields.items()}
+            args.append(json.dumps(fields, separators=(",", ":")))
+        return keys, args
+
+    async def flush(self) -> None:
+        """Wait until every op submitted so far is in Redis (or dropped). Bound it with
+        `asyncio.timeout`: while Redis is down this waits for it."""
+        if not self._pending:
+            return
+        target = self._pending[-1].seq
+        self._ensure_writer()
+        while self._pending and self._pending[0].seq <= target:
+            self._progress.clear()
+            await self._progress.wait()
+
+    async def aclose(self) -> None:
+        """Flush (up to `close_timeout_s`), stop the writer and close the client."""
+        try:
+            async with asyncio.timeout(self.close_timeout_s):
+                await self.flush()
+        except TimeoutError:
+            logger.warning("call store: closing with %d ops not written to Redis", len(self._pending))
+        self._closed = True
+        if self._writer is not None:
+            self._writer.cancel()
+            try:
+                await self._writer
+            except asyncio.CancelledError:
+                pass
+        await self._redis.aclose()
+
+    # ---- read side: Redis state plus this instance's unflushed ops ----
+
+    async def get(self, call_sid: str) -> CallRecord | None:
+        pending = [op for op in self._pending if op.call_sid == call_sid]  # snapshot BEFORE the read
+        ((record, applied),) = await self._read([call_sid])
+        return self._merge(record, applied, pending)
+
+    async def list_recent(self, limit: int = 50) -> list[CallRecord]:
+        """Live calls, most recently written first."""
+        pending: dict[str, list[_Op]] = collections.defaultdict(list)
+        for op in list(self._pending):
+            pending[op.call_sid].append(op)
+        # Calls with unflushed writes are the most recent; then the index, page by page.
+        sids = sorted(pending, key=lambda sid: pending[sid][-1].seq, reverse=True)
+        records: list[CallRecord] = []
+        seen: set[str] = set()
+        start = 0
+        while True:
+            batch = [sid for sid in sids if sid not in seen]
+            seen.update(batch)
+            for sid, (record, applied) in zip(batch, await self._read(batch), strict=True):
+                if (merged := self._merge(record, applied, pending.get(sid, ()))) is not None:
+                    records.append(merged)
+            if len(records) >= limit:
+                return records[:limit]
+            sids = await self._guard(self._redis.zrevrange(self._index_key, start, start + limit - 1))
+            if not sids:
+                return records
+            start += len(sids)
+
+    @staticmethod
+    def _merge(record: CallRecord | None, applied: int, ops: Iterable[_Op]) -> CallRecord | None:
+        for op in ops:
+            if op.seq > applied:  # ops at or below `applied` were already in the Redis snapshot
+                record = _apply(record, op)
+        return record
+
+    async def _read(self, sids: Sequence[str]) -> list[tuple[CallRecord | None, int]]:
+        """Each call's record (None if absent) and the last seq this instance applied to it."""
+        if not sids:
+            return []
+
+        async def run() -> list[Any]:
+            async with self._redis.pipeline(transaction=True) as pipe:  # one consistent snapshot
+                for sid in sids:
+                    base, *lists = self._call_keys(sid)
+                    pipe.hgetall(base)
+                    for key in lists:
+                        pipe.lrange(key, 0, -1)
+                return await pipe.execute()
+
+        raw = await self._guard(run())
+        n = len(_KEY_SUFFIXES)
+        return [self._decode(sid, raw[i * n : (i + 1) * n]) for i, sid in enumerate(sids)]
+
+    def _decode(self, call_sid: str, raw: list[Any]) -> tuple[CallRecord | None, int]:
+        fields, turns, oracle, dtmf, latencies = raw
+        if not fields:
+            return None, 0
+        kw: dict[str, Any] = {k: v for k, v in fields.items() if k in _STR_FIELDS}
+        kw |= {k: float(v) for k, v in fields.items() if k in _FLOAT_FIELDS or k == "created_at"}
+        kw |= {"turns": [Turn(**json.loads(t)) for t in turns], "dtmf": dtmf}
+        kw |= {"oracle": [OracleNote(**json.loads(o)) for o in oracle]}
+        record = CallRecord(call_sid=call_sid, turn_latencies_s=[float(x) for x in latencies], **kw)
+        return record, int(fields.get(self._seq_field, 0))
+
+    async def _guard(self, aw: Any) -> Any:
+        try:
+            return await aw
+        except (RedisError, OSError) as exc:
+            REDIS_ERRORS.inc()
+            logger.warning("call store: Redis read failed (%s: %s)", type(exc).__name__, exc)
+            raise CallStoreUnavailable(f"call store read failed: {type(exc).__name__}") from exc
+
+    async def ping(self) -> bool:
+        """Health check. Not counted in REDIS_ERRORS: probes would double-count an outage."""
+        try:
+            return bool(await self._redis.ping())
+        except (RedisError, OSError):
+            return False
+
+
+def open_call_store(
+    redis_url: str | None,
+    *,
+    key_prefix: str = DEFAULT_KEY_PREFIX,
+    ttl_s: float = DEFAULT_TTL_S,
+    store_transcripts: bool = True,
+    max_pending: int = DEFAULT_MAX_PENDING,
+    max_records: int = DEFAULT_MAX_RECORDS,
+    socket_timeout_s: float = 2.0,
+    retry_max_s: float = 5.0,
+) -> CallStore:
+    """A Redis store for `redis_url`, or an in-process one (single node only) when it is None.
+    Connects lazily, so this never blocks."""
+    if not redis_url:
+        logger.warning("call store: no REDIS_URL; keeping call state in process (single node only)")
+        return MemoryCallStore(ttl_s=ttl_s, max_records=max_records, store_transcripts=store_transcripts)
+    client = aioredis.Redis.from_url(
+        redis_url,
+        decode_responses=True,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=socket_timeout_s,
+        retry=Retry(NoBackoff(), 0),  # the writer task owns retry and backoff
+    )
+    msg = "call store: Redis at %s, prefix %r, retention %.0fs, transcripts %s"
+    logger.info(msg, _safe_url(redis_url), key_prefix, ttl_s, "on" if store_transcripts else "off")
+    return RedisCallStore(
+        client,
+        key_prefix=key_prefix,
+        ttl_s=ttl_s,
+        store_transcripts=store_transcripts,
+        max_pending=max_pending,
+        retry_max_s=retry_max_s,
+    )

@@ -1,0 +1,429 @@
+"""Call store against a real Redis (127.0.0.1:6379, or KAME_TEST_REDIS_URL) and in process.
+
+The outage tests start their own redis-server on a free port, so they can kill and restart it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
+
+from telephony.call_store import (
+    CallRecord,
+    CallStore,
+    CallStoreUnavailable,
+    MemoryCallStore,
+    OracleNote,
+    RedisCallStore,
+    Turn,
+    open_call_store,
+)
+
+REDIS_URL = os.environ.get("KAME_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+T0 = 1_700_000_000.0  # fixed epoch seconds, so records compare exactly
+NONBLOCKING_S = 0.25  # generous for a loaded CI box; a write that waited on Redis takes >= 0.5 s here
+
+
+def redis_errors() -> float:
+    return REGISTRY.get_sample_value("kame_redis_errors_total") or 0.0
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    """A key prefix of its own per test; every key under it is deleted afterwards."""
+    p = f"kame-test:{uuid.uuid4().hex[:10]}:"
+    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        await client.ping()
+    except Exception as exc:  # noqa: BLE001 - turn any connection failure into one clear message
+        pytest.fail(f"these tests need a Redis at {REDIS_URL} (scripts/setup.sh starts one): {exc!r}")
+    yield p
+    keys = [k async for k in client.scan_iter(match=p + "*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+@pytest.fixture
+async def raw(prefix: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+def make_store(kind: str, prefix: str, url: str = REDIS_URL, **kw: object) -> CallStore:
+    if kind == "memory":
+        return MemoryCallStore(**kw)  # type: ignore[arg-type]
+    return open_call_store(url, key_prefix=prefix, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=["memory", "redis"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+async def flushed(store: CallStore, within_s: float = 10.0) -> None:
+    async with asyncio.timeout(within_s):
+        await store.flush()
+
+
+async def keys_under(raw: aioredis.Redis, prefix: str) -> list[str]:
+    return sorted([k async for k in raw.scan_iter(match=prefix + "*")])
+
+
+def new_call(sid: str, created_at: float = T0) -> CallRecord:
+    return CallRecord(call_sid=sid, from_number="+15550001111", to_number="+15559990000", created_at=created_at)
+
+
+async def test_record_lifecycle(kind: str, prefix: str) -> None:
+    store = make_store(kind, prefix)
+    await store.create(new_call("CA1"))
+    await store.create(new_call("CA0", created_at=T0 - 60))
+    await store.create(CallRecord(call_sid="CA1", from_number="+1999", created_at=T0 + 5))  # retry: ignored
+    assert (await store.get("CA1")) == new_call("CA1")
+
+    await store.update("CA1", state="streaming", stream_sid="MZ1", started_at=T0 + 1, node="gpu-a")
+    await store.append_turn("CA1", "caller", "hello there", at=T0 + 2)
+    await store.append_oracle("CA1", "Greet them back.", at=T0 + 2.5)
+    await store.append_turn("CA1", "bot", "hi, how can I help?", at=T0 + 3)
+    await store.append_dtmf("CA1", "4")
+    await store.append_dtmf("CA1", "#")
+    await store.add_latency("CA1", "first_audio", 0.42)
+    await store.add_latency("CA1", "turn", 0.31)
+    await store.add_latency("CA1", "turn", 0.27)
+    await store.end("CA1", "caller_hangup — raccroché", at=T0 + 9)  # non-ASCII goes through Lua's cjson
+    await store.end("CA1", "completed", at=T0 + 10)  # the status callback comes later: first end wins
+    await store.append_turn("CA404", "caller", "no such call")  # a write to an unknown call is dropped
+
+    expected = CallRecord(
+        call_sid="CA1",
+        stream_sid="MZ1",
+        from_number="+15550001111",
+        to_number="+15559990000",
+        node="gpu-a",
+        state="ended",
+        created_at=T0,
+        started_at=T0 + 1,
+        ended_at=T0 + 9,
+        end_reason="caller_hangup — raccroché",
+        first_audio_s=0.42,
+        dtmf=["4", "#"],
+        turns=[Turn("caller", "hello there", T0 + 2), Turn("bot", "hi, how can I help?", T0 + 3)],
+        oracle=[OracleNote("Greet them back.", T0 + 2.5)],
+        turn_latencies_s=[0.31, 0.27],
+    )
+    # Read straight after the writes: for Redis most of them are still buffered and merged in.
+    assert await store.get("CA1") == expected
+    assert await store.get("CA404") is None
+    assert [r.call_sid for r in await store.list_recent(10)] == ["CA1", "CA0"]
+    assert CallRecord.from_json(expected.to_json()) == expected
+
+    await flushed(store)
+    if kind == "redis":  # a second instance has nothing buffered: this is what Redis holds
+        other = make_store(kind, prefix)
+        assert await other.get("CA1") == expected
+        assert [r.call_sid for r in await other.list_recent(1)] == ["CA1"]
+        await other.aclose()
+    await store.aclose()
+
+
+async def test_update_rejects_unknown_fields(kind: str, prefix: str) -> None:
+    store = make_store(kind, prefix)
+    with pytest.raises(TypeError):
+        await store.update("CA1", created_at=1.0)
+    with pytest.raises(ValueError):
+        await store.update("CA1", state="dialing")
+    with pytest.raises(ValueError):
+        await store.add_latency("CA1", "ttfb", 0.1)  # type: ignore[arg-type]
+    await store.aclose()
+
+
+async def test_ttl_set_and_honoured(kind: str, prefix: str, raw: aioredis.Redis) -> None:
+    store = make_store(kind, prefix, ttl_s=1.0)
+    await store.create(new_call("CA1", created_at=time.time()))
+    await store.append_turn("CA1", "caller", "hi")
+    await store.append_oracle("CA1", "say hi")
+    await store.append_dtmf("CA1", "1")
+    await store.add_latency("CA1", "turn", 0.2)
+    await flushed(store)
+    if kind == "redis":
+        keys = await keys_under(raw, prefix)
+        assert len(keys) == 6  # hash, four lists, index
+        for key in keys:
+            assert 0 < await raw.pttl(key) <= 1000, key
+    assert (await store.get("CA1")) is not None
+
+    await asyncio.sleep(1.3)
+    assert await store.get("CA1") is None
+    assert await store.list_recent(10) == []
+    if kind == "redis":
+        assert await keys_under(raw, prefix) == []
+    await store.aclose()
+
+
+async def test_no_transcripts_stores_no_texts(kind: str, prefix: str, raw: aioredis.Redis) -> None:
+    store = make_store(kind, prefix, store_transcripts=False)
+    secret = "my account number is 99417"
+    record = new_call("CA1")
+    record.turns.append(Turn("caller", secret + " (given at create)", T0))
+    await store.create(record)
+    await store.append_turn("CA1", "caller", secret, at=T0 + 1)
+    await store.append_turn("CA1", "bot", "thanks, " + secret, at=T0 + 2)
+    await store.append_oracle("CA1", "They said " + secret, at=T0 + 3)
+    await store.append_dtmf("CA1", "9")
+    await store.add_latency("CA1", "turn", 0.3)
+    await flushed(store)
+
+    got = await store.get("CA1")
+    assert got is not None
+    assert got.turns == [Turn("caller", None, T0), Turn("caller", None, T0 + 1), Turn("bot", None, T0 + 2)]
+    assert got.oracle == [OracleNote(None, T0 + 3)]
+    assert got.dtmf == ["*"]  # digits can be PINs: counted, not kept
+    assert got.turn_latencies_s == [0.3]
+    assert "99417" not in got.to_json()
+    if kind == "redis":  # and nothing in Redis itself holds the text or the digit
+        base = f"{prefix}call:CA1"
+        lists = {name: await raw.lrange(f"{base}:{name}", 0, -1) for name in ("turns", "oracle", "dtmf")}
+        assert lists["dtmf"] == ["*"] and len(lists["turns"]) == 3 and len(lists["oracle"]) == 1
+        assert "99417" not in str(lists) + str(await raw.hgetall(base))
+    await store.aclose()
+
+
+async def test_concurrent_appends_all_land(kind: str, prefix: str) -> None:
+    # Two Redis stores stand for two nodes writing the same call (webhook node and media node).
+    stores = [make_store(kind, prefix)] + ([make_store(kind, prefix)] if kind == "redis" else [])
+    await stores[0].create(new_call("CA1"))
+    await flushed(stores[0])
+
+    async def talker(n: int) -> None:
+        store = stores[n % len(stores)]
+        for i in range(25):
+            await store.append_turn("CA1", "caller" if n % 2 else "bot", f"{n}-{i}", at=T0 + i)
+            await store.add_latency("CA1", "turn", n + i / 100)
+            if i % 5 == 0:
+                await asyncio.sleep(0)  # interleave with the other talkers and the writer tasks
+
+    await asyncio.gather(*(talker(n) for n in range(40)))
+    for store in stores:
+        await flushed(store)
+    fresh = make_store(kind, prefix) if kind == "redis" else stores[0]
+    got = await fresh.get("CA1")
+    assert got is not None
+    texts = [t.text for t in got.turns]
+    assert sorted(texts) == sorted(f"{n}-{i}" for n in range(40) for i in range(25))  # none lost, none twice
+    assert len(got.turn_latencies_s) == 40 * 25
+    for n in range(40):  # each task's own appends stay in order
+        mine = [t for t in texts if t and t.startswith(f"{n}-")]
+        assert mine == [f"{n}-{i}" for i in range(25)]
+    for store in {*stores, fresh}:
+        await store.aclose()
+
+
+async def test_retry_after_lost_reply_applies_once(prefix: str) -> None:
+    """The connection can drop after Redis ran a batch but before the reply came back. The writer
+    then retries the batch; the per-writer sequence number in the hash must make that a no-op."""
+    store = make_store("redis", prefix, retry_max_s=0.05)
+    assert isinstance(store, RedisCallStore)
+    real_write, lost = store._write_batch, []
+
+    async def write_then_lose_reply(batch: list) -> None:  # type: ignore[type-arg]
+        await real_write(batch)
+        if not lost:
+            lost.append(len(batch))
+            raise aioredis.ConnectionError("connection reset after EXEC")
+
+    store._write_batch = write_then_lose_reply  # type: ignore[method-assign]
+    errors_before = redis_errors()
+    await store.create(new_call("CA1"))
+    for i in range(5):
+        await store.append_turn("CA1", "caller", f"t{i}", at=T0 + i)
+    await store.end("CA1", "completed", at=T0 + 9)
+    await flushed(store)
+    assert lost == [7] and redis_errors() == errors_before + 1
+    other = make_store("redis", prefix)
+    got = await other.get("CA1")
+    assert got is not None and [t.text for t in got.turns] == [f"t{i}" for i in range(5)]
+    await other.aclose()
+    await store.aclose()
+
+
+async def test_memory_store_is_bounded() -> None:
+    store = MemoryCallStore(max_records=3)
+    for i in range(5):
+        await store.create(new_call(f"CA{i}", created_at=T0 + i))
+    assert [r.call_sid for r in await store.list_recent(10)] == ["CA4", "CA3", "CA2"]
+    assert await store.get("CA0") is None
+
+
+async def test_open_call_store_without_url_is_memory(caplog: pytest.LogCaptureFixture) -> None:
+    store = open_call_store(None)
+    assert isinstance(store, MemoryCallStore)
+    assert "no REDIS_URL" in caplog.text
+
+
+async def test_password_never_logged(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("DEBUG")
+    store = open_call_store("redis://user:hunter2@127.0.0.1:1/0", socket_timeout_s=0.2)
+    assert isinstance(store, RedisCallStore)
+    store.close_timeout_s = 0.1  # nothing will ever flush
+    errors_before = redis_errors()
+    await store.create(new_call("CA1"))
+    await wait_for(lambda: redis_errors() > errors_before)  # the writer failed and logged
+    with pytest.raises(CallStoreUnavailable):
+        await store.get("CA1")
+    await store.aclose()
+    assert "Redis write failed" in caplog.text and "Redis read failed" in caplog.text
+    assert "127.0.0.1" in caplog.text and "hunter2" not in caplog.text
+
+
+# ---- Redis outages, with a redis-server of the test's own ----
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A throwaway redis-server. AOF with fsync on every write, so a SIGKILL loses nothing that was
+    acknowledged: then "nothing lost" below is about the store, not about Redis durability."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.dir = data_dir
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        exe = shutil.which("redis-server")
+        assert exe, "redis-server is not installed (scripts/setup.sh installs it)"
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--daemonize", "no", "--save", ""]
+        args += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.dir)]
+        self.proc = await asyncio.create_subprocess_exec(
+            exe, *args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+        )
+        client = aioredis.Redis.from_url(self.url)
+        try:
+            async with asyncio.timeout(10):
+                while True:
+                    try:
+                        if await client.ping():
+                            return
+                    except (OSError, aioredis.ConnectionError):
+                        await asyncio.sleep(0.05)
+        finally:
+            await client.aclose()
+
+    async def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[RedisServer]:
+    srv = RedisServer(tmp_path)
+    await srv.start()
+    yield srv
+    await srv.kill()
+
+
+def returns_at_once(write: Coroutine[object, object, None]) -> None:
+    """The write finishes without ever suspending (no I/O, lock or sleep), and quickly."""
+    start = time.perf_counter()
+    with pytest.raises(StopIteration):
+        write.send(None)
+    assert time.perf_counter() - start < NONBLOCKING_S
+
+
+async def wait_for(predicate: Callable[[], bool], within_s: float = 10.0) -> None:
+    for _ in range(int(within_s / 0.05)):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not true within {within_s}s: {predicate}")
+
+
+async def test_redis_restart_mid_call_loses_nothing(server: RedisServer) -> None:
+    store = open_call_store(server.url, socket_timeout_s=0.5, retry_max_s=0.2)
+    assert await store.ping()
+    await store.create(new_call("CA1"))
+    await store.update("CA1", state="streaming", stream_sid="MZ1", started_at=T0 + 1)
+    for i in range(5):
+        await store.append_turn("CA1", "caller", f"before {i}", at=T0 + i)
+    await flushed(store)
+
+    # A hung Redis (SIGSTOP) is worse than a dead one: nothing is refused, the client only times out.
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGSTOP)
+    errors_before = redis_errors()
+    for i in range(20):
+        returns_at_once(store.append_turn("CA1", "caller", f"frozen {i}", at=T0 + 5 + i / 100))
+    await wait_for(lambda: redis_errors() > errors_before)
+    server.proc.send_signal(signal.SIGCONT)
+    await flushed(store)
+
+    await server.kill()
+    errors_before = redis_errors()
+    for i in range(200):  # the media loop keeps writing through the outage
+        returns_at_once(store.append_turn("CA1", "bot", f"during {i}", at=T0 + 10 + i))
+        returns_at_once(store.append_dtmf("CA1", str(i % 10)))
+    returns_at_once(store.create(new_call("CA2", created_at=T0 + 50)))
+    returns_at_once(store.append_oracle("CA2", "new caller", at=T0 + 51))
+    returns_at_once(store.add_latency("CA1", "turn", 0.5))
+    returns_at_once(store.end("CA1", "caller_hangup", at=T0 + 300))
+    await wait_for(lambda: redis_errors() > errors_before)
+    assert not await store.ping()
+    with pytest.raises(CallStoreUnavailable):  # reads say so instead of returning half a record
+        await store.get("CA1")
+
+    await server.start()  # same port, same AOF
+    await flushed(store)
+    other = open_call_store(server.url)  # nothing buffered: only what Redis holds
+    ca1, ca2 = await other.get("CA1"), await other.get("CA2")
+    assert ca1 is not None and ca2 is not None
+    before, frozen = [f"before {i}" for i in range(5)], [f"frozen {i}" for i in range(20)]
+    assert [t.text for t in ca1.turns] == before + frozen + [f"during {i}" for i in range(200)]
+    assert ca1.dtmf == [str(i % 10) for i in range(200)]
+    assert (ca1.state, ca1.end_reason, ca1.stream_sid, ca1.turn_latencies_s) == (
+        "ended",
+        "caller_hangup",
+        "MZ1",
+        [0.5],
+    )
+    assert ca2.oracle == [OracleNote("new caller", T0 + 51)]
+    assert [r.call_sid for r in await other.list_recent(5)] == ["CA1", "CA2"]  # CA1 ended last
+    assert isinstance(store, RedisCallStore) and store.dropped_ops == 0
+    await other.aclose()
+    await store.aclose()
+
+
+async def test_buffer_bound_drops_oldest_and_counts(server: RedisServer) -> None:
+    store = open_call_store(server.url, socket_timeout_s=0.5, retry_max_s=0.2, max_pending=10)
+    assert isinstance(store, RedisCallStore)
+    await store.create(new_call("CA1"))
+    await flushed(store)
+
+    await server.kill()
+    for i in range(25):
+        returns_at_once(store.append_turn("CA1", "caller", f"t{i}", at=T0 + i))
+    assert (store.pending_ops, store.dropped_ops) == (10, 15)
+
+    await server.start()
+    await flushed(store)
+    got = await store.get("CA1")
+    assert got is not None
+    assert [t.text for t in got.turns] == [f"t{i}" for i in range(15, 25)]  # the newest 10 survive
+    await store.aclose()
