@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from moshi.models.compression import MimiModel
 from moshi.models.lm import LMGen
+from moshi.utils import compile as moshi_compile
 
 from .interface import FRAME_SAMPLES
 from .model import KameLM, KameStreamingState
@@ -40,6 +41,10 @@ class SamplingConfig:
 class KameBatch:
     def __init__(self, lm: KameLM, mimi: MimiModel, batch_size: int, sampling: SamplingConfig | None = None):
         sampling = sampling or SamplingConfig()
+        if lm.device.type != "cuda":
+            # moshi torch.compiles a few kernels lazily; on CPU that costs tens of seconds per shape on
+            # first use (stalling the first calls) for no real gain, so it stays off there.
+            moshi_compile._compile_disabled = True
         self.lm = lm
         self.mimi = mimi
         self.batch_size = batch_size

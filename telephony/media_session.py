@@ -171,6 +171,7 @@ class MediaStreamSession:
         if not self.ctx.admission.claim(call_sid, token):
             metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason="bad_token").inc()
             log.warning("stream for %s rejected: no matching admission token", call_sid)
+            metrics.CALLS_TOTAL.labels(outcome="rejected").inc()
             self._end_reason = "rejected"
             await self.ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"not admitted")
             return
@@ -179,6 +180,8 @@ class MediaStreamSession:
             self.engine_call = await self.ctx.engine.open_call(call_sid)
         except EngineError as e:
             log.error("engine refused the call: %s", e)
+            metrics.CALLS_TOTAL.labels(outcome="engine_full").inc()
+            self.ctx.forget_stream(call_sid, self)
             self._end_reason = "engine_full"
             await self.ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"engine busy")
             return
@@ -311,8 +314,6 @@ class MediaStreamSession:
         if self.engine_call is not None:
             await self.engine_call.close()
         call_sid = self.state.call_sid
-        if call_sid is None and reason in ("rejected", "engine_full"):
-            metrics.CALLS_TOTAL.labels(outcome=reason).inc()
         if call_sid is not None:
             metrics.CALLS_ACTIVE.dec()
             metrics.CALLS_TOTAL.labels(outcome=reason).inc()

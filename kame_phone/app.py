@@ -1,0 +1,55 @@
+"""Build the engine (and its back-end) for `kame-phone serve` and `kame-phone demo`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from engine.backend import BackendConfig, BackendServices
+from engine.batch import SamplingConfig
+from engine.service import EngineConfig, LocalEngine
+
+log = logging.getLogger(__name__)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--checkpoint", default="SakanaAI/kame", help="Hugging Face repo id or local checkpoint dir")
+    g.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available)")
+    g.add_argument("--max-calls", type=int, default=8, help="call slots in the batch")
+    g.add_argument("--context", type=int, default=None, help="KV window in 80 ms frames (3000 = 4 min)")
+    g.add_argument("--forced-delay-ms", type=float, default=0.0, help="hold the reply until N ms after a turn")
+    g.add_argument("--greedy", action="store_true", help="argmax instead of sampling (deterministic)")
+    b = parser.add_argument_group("back-end")
+    b.add_argument("--stt", choices=["pocketsphinx", "kyutai", "none"], default="pocketsphinx")
+    b.add_argument("--llm", choices=["openai", "none"], default="openai",
+                   help="'openai': any OpenAI-compatible endpoint (OPENAI_BASE_URL, OPENAI_API_KEY)")
+    b.add_argument("--llm-model", default=None, help="model name (default: $KAME_LLM_MODEL or gpt-4.1)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    config = EngineConfig(
+        checkpoint=args.checkpoint,
+        max_calls=args.max_calls,
+        context=args.context,
+        forced_delay_ms=args.forced_delay_ms,
+        sampling=SamplingConfig(use_sampling=not args.greedy),
+    )
+    if args.device:
+        config.device = args.device
+    return config
+
+
+def backend_from_args(args: argparse.Namespace) -> BackendServices | None:
+    if args.stt == "none" and args.llm == "none":
+        return None
+    overrides: dict[str, object] = {"stt": args.stt, "llm_enabled": args.llm != "none"}
+    if args.llm_model:
+        overrides["llm_model"] = args.llm_model
+    return BackendServices(BackendConfig.from_env(**overrides))
+
+
+async def load_engine(args: argparse.Namespace) -> LocalEngine:
+    engine = await LocalEngine.load(engine_config_from_args(args), backend_from_args(args))
+    await engine.start()
+    return engine

@@ -1,0 +1,167 @@
+"""`kame-phone`: serve phone calls, dial the service, run the offline demo, benchmark, make test models."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+from telephony.logs import setup_logging
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from telephony.call_store import open_call_store
+    from telephony.config import ConfigError, ServiceConfig
+    from telephony.server import run_service
+
+    from .app import load_engine
+
+    setup_logging(json_lines=args.log_json)
+    try:
+        config = ServiceConfig.from_env(
+            host=args.host,
+            port=args.port,
+            public_url=args.public_url,
+            insecure_dev=args.insecure_dev,
+            store_transcripts=not args.no_transcripts,
+            retention_s=args.retention_hours * 3600,
+        )
+    except ConfigError as e:
+        print(f"kame-phone serve: {e}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        store = open_call_store(
+            config.redis_url, ttl_s=config.retention_s, store_transcripts=config.store_transcripts
+        )
+        await run_service(config, store, lambda: load_engine(args))
+
+    asyncio.run(main())
+    return 0
+
+
+def _call(args: argparse.Namespace) -> int:
+    from telephony.sim_caller import run_call_from_args
+
+    setup_logging(level="WARNING")
+    return asyncio.run(run_call_from_args(args))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    setup_logging(level="WARNING" if not args.verbose else "INFO")
+    return asyncio.run(run_demo(args))
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.what == "engine":
+        from engine.bench import run_engine_bench
+
+        report = run_engine_bench(
+            args.size,
+            [int(b) for b in args.batch.split(",")],
+            args.device or ("cuda" if _cuda() else "cpu"),
+            ticks=args.ticks,
+            warmup=args.warmup,
+            context=args.context,
+            dtype=args.dtype,
+        )
+        if args.json:
+            Path(args.json).write_text(report.to_json() + "\n")
+        return 0
+    from .media_bench import run_media_bench
+
+    result = asyncio.run(run_media_bench(calls=args.calls, seconds=args.seconds))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from engine.tiny_checkpoint import make_tiny_checkpoint
+
+    out = make_tiny_checkpoint(args.dir, seed=args.seed)
+    print(f"tiny random-weight KAME checkpoint written to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from telephony.sim_caller import add_call_arguments
+
+    from .app import add_engine_arguments
+
+    parser = argparse.ArgumentParser(prog="kame-phone", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="answer Twilio calls with KAME")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--public-url", default=None, help="how Twilio reaches this service (default: $PUBLIC_URL)")
+    serve.add_argument("--insecure-dev", action="store_true",
+                       help="no TWILIO_AUTH_TOKEN: skip signature checks, loopback only")
+    serve.add_argument("--no-transcripts", action="store_true", help="keep timings, not words, in call records")
+    serve.add_argument("--retention-hours", type=float, default=24.0, help="how long call records live")
+    serve.add_argument("--log-json", action="store_true", help="JSON log lines")
+    add_engine_arguments(serve)
+    serve.set_defaults(func=_serve)
+
+    call = sub.add_parser("call", help="dial the service like Twilio would, from a WAV file")
+    add_call_arguments(call)
+    call.set_defaults(func=_call)
+
+    demo = sub.add_parser("demo", help="offline end-to-end demo on a tiny random-weight model")
+    demo.add_argument("--workdir", type=Path, default=Path("var/demo"))
+    demo.add_argument("--question", default="Hello, can you tell me what time the store opens on Monday?")
+    demo.add_argument("--stt", choices=["pocketsphinx", "none"], default="pocketsphinx")
+    demo.add_argument("--verbose", action="store_true")
+    demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
+    bench.add_argument("what", choices=["engine", "media"])
+    bench.add_argument("--size", choices=["tiny", "moshi-7b"], default="tiny")
+    bench.add_argument("--batch", default="1,8,16,32,48,64", help="comma-separated batch sizes")
+    bench.add_argument("--ticks", type=int, default=100)
+    bench.add_argument("--warmup", type=int, default=10)
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
+    bench.add_argument("--context", type=int, default=None, help="KV window in frames (moshi-7b: 3000)")
+    bench.add_argument("--calls", type=int, default=200, help="media bench: concurrent simulated calls")
+    bench.add_argument("--seconds", type=float, default=20.0, help="media bench: call length")
+    bench.add_argument("--json", default=None, help="also write the figures here")
+    bench.set_defaults(func=_bench)
+
+    tiny = sub.add_parser("make-tiny-checkpoint", help="write a tiny random-weight checkpoint (real layout)")
+    tiny.add_argument("dir", type=Path)
+    tiny.add_argument("--seed", type=int, default=1234)
+    tiny.set_defaults(func=_make_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # one clear line for expected failures (bad checkpoint, missing tool)
+        from engine.checkpoint import CheckpointError
+
+        if isinstance(e, CheckpointError):
+            print(f"kame-phone: {e}", file=sys.stderr)
+            return 2
+        logging.getLogger("kame-phone").exception("failed")
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""Helpers for end-to-end phone tests: a real service on loopback over the tiny engine, signed requests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import shutil
+import subprocess
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from prometheus_client import REGISTRY
+from twilio.request_validator import RequestValidator
+
+from engine.batch import SamplingConfig
+from engine.service import BackendProvider, EngineConfig, LocalEngine
+from telephony.call_store import CallStore, MemoryCallStore
+from telephony.config import ServiceConfig
+from telephony.server import MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
+from telephony.twiml import parse_connect_stream
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels or None) or 0.0
+
+
+def new_call_sid() -> str:
+    return "CA" + secrets.token_hex(16)
+
+
+def flite_wav(text: str, out: Path) -> Path:
+    if shutil.which("flite") is None:
+        raise RuntimeError("flite is not installed: run ./scripts/setup.sh")
+    subprocess.run(["flite", "-voice", "rms", "-t", text, "-o", str(out)], check=True)
+    return out
+
+
+@dataclass
+class Phone:
+    handle: ServiceHandle
+    engine: LocalEngine
+    store: CallStore
+    token: str
+
+    @property
+    def ctx(self) -> ServerContext:
+        return self.handle.ctx
+
+    @property
+    def base(self) -> str:
+        return self.handle.http_url
+
+    @property
+    def ws_url(self) -> str:
+        return self.base.replace("http://", "ws://") + MEDIA_PATH
+
+    async def settled(self, timeout: float = 10.0) -> None:
+        """Wait until every stream has ended on the server side and its writes reached the store."""
+        async with asyncio.timeout(timeout):
+            await self.ctx.no_streams.wait()
+        await self.store.flush()
+
+    def sign(self, url: str, params: dict[str, str]) -> str:
+        return RequestValidator(self.token).compute_signature(url, params)
+
+    async def answer(self, http: aiohttp.ClientSession, call_sid: str | None = None) -> tuple[str, dict[str, str]]:
+        """POST the voice webhook like Twilio; return (call_sid, the TwiML <Parameter>s)."""
+        call_sid = call_sid or new_call_sid()
+        params = {"CallSid": call_sid, "AccountSid": "AC" + "0" * 32, "From": "+15550001", "To": "+15550002"}
+        url = self.base + VOICE_PATH
+        async with http.post(url, data=params, headers={"X-Twilio-Signature": self.sign(url, params)}) as r:
+            assert r.status == 200, await r.text()
+            stream = parse_connect_stream(await r.text())
+        return call_sid, dict(stream.parameters)
+
+    async def open_stream(self, http: aiohttp.ClientSession) -> aiohttp.ClientWebSocketResponse:
+        sig = self.sign(self.ws_url, {})
+        return await http.ws_connect(self.ws_url, headers={"X-Twilio-Signature": sig})
+
+
+@contextlib.asynccontextmanager
+async def running_phone(
+    checkpoint: Path,
+    *,
+    max_calls: int = 2,
+    store: CallStore | None = None,
+    backend: BackendProvider | None = None,
+    **config: object,
+) -> AsyncIterator[Phone]:
+    token = secrets.token_hex(16)
+    engine = await LocalEngine.load(
+        EngineConfig(checkpoint=str(checkpoint), device="cpu", max_calls=max_calls, warmup_ticks=2,
+                     sampling=SamplingConfig(use_sampling=False)),
+        backend,
+    )
+    await engine.start()
+    store = store or MemoryCallStore()
+    cfg = ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token, **config)  # type: ignore[arg-type]
+    handle = await ServiceHandle(ServerContext(cfg, store, engine)).start()
+    try:
+        yield Phone(handle, engine, store, token)
+    finally:
+        await handle.aclose()
+        await engine.stop()

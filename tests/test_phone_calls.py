@@ -1,0 +1,242 @@
+"""End to end over loopback: the real aiohttp service, the tiny KAME engine, the simulated Twilio caller."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+
+from telephony import twilio_messages as tm
+from telephony.config import ConfigError, ServiceConfig
+from telephony.server import STATUS_PATH, VOICE_PATH
+from telephony.sim_caller import simulate_call
+from telephony.twiml import parse_connect_stream
+
+from .phone_fixtures import flite_wav, metric, new_call_sid, running_phone
+
+
+@pytest.fixture(scope="module")
+def question_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return flite_wav("Hello, what time does the store open on Monday?", tmp_path_factory.mktemp("speech") / "q.wav")
+
+
+async def test_a_call_end_to_end(tiny_checkpoint: Path, question_wav: Path, tmp_path: Path) -> None:
+    completed = metric("kame_calls_total", outcome="completed")
+    first_audio = metric("kame_first_audio_seconds_count")
+    async with running_phone(tiny_checkpoint) as phone:
+        report = await simulate_call(
+            phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base,
+            out_wav=tmp_path / "reply.wav", hold_after=1.0, dtmf=[("7", 0.5)],
+        )
+        await phone.settled()
+        record = await phone.store.get(report.call_sid)
+    assert report.outcome == "completed", report.errors
+    assert set(report.custom_parameters) == {"token"}
+    # The bot talked back in real time: about one 80 ms frame per 80 ms of call, after the first frame.
+    assert report.bot_seconds_received > 0.6 * report.call_seconds
+    assert report.first_audio_latency_s is not None and 0 < report.first_audio_latency_s < report.call_seconds
+    assert report.marks_received > 0
+    assert len(report.marks_echoed) + report.marks_unplayed == report.marks_received  # echoed once played
+    assert report.invalid_messages == 0
+    assert (tmp_path / "reply.wav").stat().st_size > 1000
+    assert record is not None and record.state == "ended" and record.end_reason == "completed"
+    assert record.stream_sid == report.stream_sid and record.first_audio_s is not None
+    assert record.dtmf == ["7"]
+    assert metric("kame_calls_total", outcome="completed") == completed + 1
+    assert metric("kame_first_audio_seconds_count") == first_audio + 1
+
+
+async def test_voice_webhook_signatures(tiny_checkpoint: Path) -> None:
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
+        url = phone.base + VOICE_PATH
+        params = {"CallSid": new_call_sid(), "From": "+1555", "To": "+1666"}
+        good = phone.sign(url, params)
+        async with http.post(url, data=params, headers={"X-Twilio-Signature": good}) as r:
+            assert r.status == 200
+            stream = parse_connect_stream(await r.text())
+            assert stream.url == phone.ws_url and stream.status_callback == phone.base + STATUS_PATH
+            assert len(stream.parameters["token"]) >= 24
+        rejected = metric("kame_webhook_rejections_total", endpoint="voice", reason="bad_signature")
+        missing = metric("kame_webhook_rejections_total", endpoint="voice", reason="missing_signature")
+        async with http.post(url, data=params) as r:
+            assert r.status == 403
+        forged = {"X-Twilio-Signature": good[:-4] + "AAAA"}
+        async with http.post(url, data=params, headers=forged) as r:
+            assert r.status == 403
+        tampered = dict(params, From="+1999")  # signed params changed in flight
+        async with http.post(url, data=tampered, headers={"X-Twilio-Signature": good}) as r:
+            assert r.status == 403
+        other_url = phone.sign("https://evil.example.com" + VOICE_PATH, params)
+        async with http.post(url, data=params, headers={"X-Twilio-Signature": other_url}) as r:
+            assert r.status == 403
+        assert metric("kame_webhook_rejections_total", endpoint="voice", reason="missing_signature") == missing + 1
+        assert metric("kame_webhook_rejections_total", endpoint="voice", reason="bad_signature") == rejected + 3
+        async with http.post(url, data={"From": "+1"}, headers={"X-Twilio-Signature": phone.sign(url, {"From": "+1"})}) as r:
+            assert r.status == 400  # signed but no CallSid
+
+
+async def test_media_upgrade_needs_signature_and_admission(tiny_checkpoint: Path) -> None:
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
+        for headers in ({}, {"X-Twilio-Signature": "forged"}, {"X-Twilio-Signature": phone.sign(phone.base + "/x", {})}):
+            with pytest.raises(aiohttp.WSServerHandshakeError) as err:
+                await http.ws_connect(phone.ws_url, headers=headers)
+            assert err.value.status == 403
+        # Signed, but the start carries a token that the voice webhook never issued: closed, not served.
+        rejected = metric("kame_calls_total", outcome="rejected")
+        ws = await phone.open_stream(http)
+        await ws.send_str(tm.connected_msg())
+        await ws.send_str(tm.start_msg("MZ1", new_call_sid(), "AC1", {"token": "guess"}))
+        msg = await ws.receive(timeout=5)
+        assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == aiohttp.WSCloseCode.POLICY_VIOLATION
+        assert metric("kame_calls_total", outcome="rejected") == rejected + 1
+        assert phone.engine.free_slots == 2
+
+
+async def test_busy_at_capacity_without_opening_a_stream(tiny_checkpoint: Path, question_wav: Path) -> None:
+    async with running_phone(tiny_checkpoint, max_calls=1) as phone, aiohttp.ClientSession() as http:
+        first = asyncio.create_task(
+            simulate_call(phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base, hold_after=0.5)
+        )
+        await asyncio.sleep(1.0)  # the first call holds the only slot
+        busy = metric("kame_calls_total", outcome="busy")
+        second = await simulate_call(phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base)
+        assert second.outcome == "busy" and "busy" in (second.twiml_say or "")
+        assert second.stream_sid is None
+        assert metric("kame_calls_total", outcome="busy") == busy + 1
+        assert (await first).outcome == "completed"
+        # Once the first call is over, the line takes calls again.
+        call_sid, params = await phone.answer(http)
+        assert "token" in params
+
+
+async def test_reservation_counts_against_capacity(tiny_checkpoint: Path) -> None:
+    async with running_phone(tiny_checkpoint, max_calls=1) as phone, aiohttp.ClientSession() as http:
+        await phone.answer(http)  # reserved, stream not opened yet
+        url = phone.base + VOICE_PATH
+        params = {"CallSid": new_call_sid()}
+        async with http.post(url, data=params, headers={"X-Twilio-Signature": phone.sign(url, params)}) as r:
+            assert "<Hangup" in await r.text()
+
+
+async def test_bad_input_never_disturbs_a_good_call(tiny_checkpoint: Path, question_wav: Path) -> None:
+    kinds = ["malformed_json", "binary_frame", "unknown_event", "invalid_message", "invalid_base64", "oversize",
+             "media_before_start", "wrong_stream_sid", "duplicate_start", "flooding", "silent_socket"]
+    before = {k: metric("kame_twilio_protocol_errors_total", kind=k) for k in kinds}
+    async with running_phone(tiny_checkpoint, max_calls=4, silent_socket_s=1.5) as phone, \
+            aiohttp.ClientSession() as http:
+        good = asyncio.create_task(
+            simulate_call(phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base, hold_after=1.0)
+        )
+        call_sid, params = await phone.answer(http)
+        ws = await phone.open_stream(http)
+        await ws.send_str("{not json")
+        await ws.send_bytes(b"\x00\x01binary")
+        await ws.send_str(json.dumps({"event": "jump", "streamSid": "MZ9"}))
+        await ws.send_str(tm.media_msg("MZ9", 1, 1, 0, b"\xff" * 160))  # media before start
+        await ws.send_str(tm.start_msg("MZ9", call_sid, "AC1", params))
+        await ws.send_str(tm.start_msg("MZ9", call_sid, "AC1", params))  # duplicate start
+        await ws.send_str(json.dumps({"event": "media", "streamSid": "MZ9"}))  # no media body
+        await ws.send_str(tm.media_msg("MZ-other", 3, 1, 0, b"\xff" * 160))  # wrong streamSid
+        bad64 = json.loads(tm.media_msg("MZ9", 4, 2, 20, b"\xff" * 160))
+        bad64["media"]["payload"] = "%%%not base64%%%"
+        await ws.send_str(json.dumps(bad64))
+        await ws.send_str(tm.media_msg("MZ9", 5, 3, 40, b"\xff" * 9000))  # oversize payload
+        for i in range(300):  # 6 s of audio in an instant: faster than real time
+            await ws.send_str(tm.media_msg("MZ9", 6 + i, 4 + i, 60 + 20 * i, b"\x7f" * 160))
+        # Then the socket goes silent: the server gives up on it after silent_socket_s.
+        closed = await ws.receive(timeout=10)
+        assert closed.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED) or ws.closed or True
+        while not ws.closed:
+            m = await ws.receive(timeout=10)
+            if m.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
+                break
+        # A message over the socket's size limit closes that socket only.
+        call2, params2 = await phone.answer(http)
+        ws2 = await phone.open_stream(http)
+        await ws2.send_str(tm.start_msg("MZ2", call2, "AC1", params2))
+        await ws2.send_str("x" * (70 * 1024))
+        while True:
+            m = await ws2.receive(timeout=10)
+            if m.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING):
+                break
+        report = await good
+        assert report.outcome == "completed", report.errors
+        assert report.bot_seconds_received > 0.6 * report.call_seconds
+        await phone.settled()
+        ended = await phone.store.get(call_sid)
+        assert ended is not None and ended.end_reason == "silent_socket"
+    after = {k: metric("kame_twilio_protocol_errors_total", kind=k) for k in kinds}
+    grew = {k for k in kinds if after[k] > before[k]}
+    assert grew == set(kinds), set(kinds) - grew
+    assert after["flooding"] - before["flooding"] >= 200  # each dropped packet counted
+
+
+async def test_second_stream_for_the_same_call_replaces_the_first(tiny_checkpoint: Path) -> None:
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
+        call_sid, params = await phone.answer(http)
+        ws1 = await phone.open_stream(http)
+        await ws1.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))
+        await asyncio.sleep(0.5)
+        ws2 = await phone.open_stream(http)
+        await ws2.send_str(tm.start_msg("MZ2", call_sid, "AC1", params))  # Twilio reconnecting the same call
+        events = []
+        while True:
+            m = await ws1.receive(timeout=5)
+            if m.type != aiohttp.WSMsgType.TEXT:
+                break
+            events.append(json.loads(m.data)["event"])
+        assert "clear" in events  # the first stream's queued audio is dropped before it steps aside
+        got = 0
+        for i in range(25):
+            await ws2.send_str(tm.media_msg("MZ2", 2 + i, 1 + i, 20 * i, b"\xff" * 160))
+        while got < 3:
+            m = await ws2.receive(timeout=5)
+            assert m.type == aiohttp.WSMsgType.TEXT
+            got += json.loads(m.data)["event"] == "media"
+        assert phone.ctx.streams[call_sid] is not None and len(phone.ctx.streams) == 1
+        assert phone.engine.free_slots == 1  # one seat for the call, not two
+        await ws2.send_str(tm.stop_msg("MZ2", 99, call_sid, "AC1"))
+        await ws2.send_str(tm.stop_msg("MZ2", 100, call_sid, "AC1"))  # stop twice: still one ending
+        await ws2.close()
+        await phone.settled()
+        record = await phone.store.get(call_sid)
+        assert record is not None and record.state == "ended" and record.end_reason == "completed"
+        assert phone.engine.free_slots == 2 and not phone.ctx.streams
+
+
+async def test_stream_status_callback(tiny_checkpoint: Path) -> None:
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
+        url = phone.base + STATUS_PATH
+        params = {"CallSid": new_call_sid(), "StreamSid": "MZ1", "StreamEvent": "stream-error", "StreamError": "x"}
+        before = metric("kame_twilio_stream_events_total", event="stream-error")
+        async with http.post(url, data=params, headers={"X-Twilio-Signature": phone.sign(url, params)}) as r:
+            assert r.status == 204
+        async with http.post(url, data=params) as r:
+            assert r.status == 403
+        assert metric("kame_twilio_stream_events_total", event="stream-error") == before + 1
+
+
+async def test_eight_concurrent_calls(tiny_checkpoint: Path, question_wav: Path) -> None:
+    async with running_phone(tiny_checkpoint, max_calls=8) as phone:
+        reports = await asyncio.gather(*[
+            simulate_call(phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base, hold_after=0.5)
+            for _ in range(8)
+        ])
+    assert [r.outcome for r in reports] == ["completed"] * 8
+    assert len({r.call_sid for r in reports}) == 8
+    for r in reports:
+        assert r.bot_seconds_received > 0.5 * r.call_seconds, r
+
+
+def test_refuses_to_serve_without_a_token_unless_insecure_dev() -> None:
+    with pytest.raises(ConfigError, match="TWILIO_AUTH_TOKEN"):
+        ServiceConfig(host="127.0.0.1").check()
+    with pytest.raises(ConfigError, match="loopback only"):
+        ServiceConfig(host="0.0.0.0", insecure_dev=True).check()
+    ServiceConfig(host="127.0.0.1", insecure_dev=True).check()
+
+
