@@ -1,0 +1,106 @@
+"""Operating the service: admin API auth, health and readiness, metrics moved by a real call, JSON logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from telephony.call_store import open_call_store
+from telephony.logs import JsonFormatter, call_id_var, setup_logging
+from telephony.sim_caller import simulate_call
+
+from .phone_fixtures import flite_wav, running_phone
+
+ISSUE_METRICS = [
+    "kame_first_audio_seconds", "kame_turn_latency_seconds", "kame_turn_overlaps_total", "kame_oracle_lag_seconds",
+    "kame_engine_tick_seconds", "kame_engine_deadline_misses_total", "kame_engine_slots_busy", "kame_calls_active",
+    "kame_calls_total", "kame_twilio_protocol_errors_total", "kame_llm_errors_total", "kame_redis_errors_total",
+]
+
+
+@pytest.fixture(scope="module")
+def hello_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return flite_wav("Hello, I would like to check my order.", tmp_path_factory.mktemp("speech") / "hello.wav")
+
+
+def _metric_value(text: str, name: str, labels: str = "") -> float:
+    for line in text.splitlines():
+        if line.startswith(name + labels + " ") or (not labels and line.startswith(name + " ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_admin_api_health_and_metrics_after_a_call(tiny_checkpoint: Path, hello_wav: Path) -> None:
+    async with running_phone(tiny_checkpoint, admin_token="admin-secret") as phone, \
+            aiohttp.ClientSession() as http:
+        async with http.get(phone.base + "/healthz") as r:
+            assert r.status == 200
+        async with http.get(phone.base + "/readyz") as r:
+            body = await r.json()
+            assert r.status == 200 and body["ready"] and body["capacity_left"] == 2
+        async with http.get(phone.base + "/metrics") as r:
+            before = await r.text()
+        report = await simulate_call(phone.ws_url, hello_wav, auth_token=phone.token, public_url=phone.base,
+                                     hold_after=0.5)
+        assert report.outcome == "completed"
+        await phone.settled()
+        async with http.get(phone.base + "/metrics") as r:
+            after = await r.text()
+        for name in ISSUE_METRICS:
+            assert f"# TYPE {name.removesuffix('_total')}" in after, name
+        assert _metric_value(after, "kame_calls_total", '{outcome="completed"}') == \
+            _metric_value(before, "kame_calls_total", '{outcome="completed"}') + 1
+        assert _metric_value(after, "kame_first_audio_seconds_count") == \
+            _metric_value(before, "kame_first_audio_seconds_count") + 1
+        assert _metric_value(after, "kame_engine_tick_seconds_count") > _metric_value(
+            before, "kame_engine_tick_seconds_count")
+        assert _metric_value(after, "kame_engine_slots_total") == 2
+
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "admin-secret"}):
+            async with http.get(phone.base + "/calls", headers=headers) as r:
+                assert r.status == 401
+            async with http.get(phone.base + f"/calls/{report.call_sid}", headers=headers) as r:
+                assert r.status == 401
+        auth = {"Authorization": "Bearer admin-secret"}
+        async with http.get(phone.base + "/calls", headers=auth) as r:
+            assert r.status == 200
+            calls = (await r.json())["calls"]
+            assert [c["call_sid"] for c in calls] == [report.call_sid]
+        async with http.get(phone.base + f"/calls/{report.call_sid}", headers=auth) as r:
+            record = await r.json()
+            assert record["state"] == "ended" and record["first_audio_s"] > 0
+            assert record["stream_sid"] == report.stream_sid
+            assert any(t["role"] == "bot" for t in record["turns"])
+        async with http.get(phone.base + "/calls/CA" + "0" * 32, headers=auth) as r:
+            assert r.status == 404
+
+
+async def test_readiness_fails_when_the_store_is_unreachable(tiny_checkpoint: Path) -> None:
+    dead = open_call_store("redis://127.0.0.1:1/0", socket_timeout_s=0.5)
+    async with running_phone(tiny_checkpoint, store=dead) as phone, aiohttp.ClientSession() as http:
+        async with http.get(phone.base + "/readyz") as r:
+            body = await r.json()
+            assert r.status == 503 and body["checks"]["store_reachable"] is False
+            assert body["checks"]["model_loaded"] is True
+        async with http.get(phone.base + "/healthz") as r:
+            assert r.status == 200  # alive, just not ready
+
+
+def test_json_logs_carry_the_call_id(capsys: pytest.CaptureFixture[str]) -> None:
+    setup_logging(json_lines=True)
+    try:
+        log = logging.getLogger("telephony.test")
+        token = call_id_var.set("CA" + "1" * 32)
+        log.warning("stream started")
+        call_id_var.reset(token)
+        log.warning("no call here")
+    finally:
+        logging.getLogger().handlers.clear()
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert lines[0]["call_id"] == "CA" + "1" * 32 and lines[0]["msg"] == "stream started"
+    assert lines[1]["call_id"] is None and lines[1]["level"] == "warning"
+    assert isinstance(JsonFormatter().format(logging.makeLogRecord({"msg": "x"})), str)
