@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -111,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no TWILIO_AUTH_TOKEN: skip signature checks, loopback only")
     serve.add_argument("--no-transcripts", action="store_true", help="keep timings, not words, in call records")
     serve.add_argument("--retention-hours", type=float, default=24.0, help="how long call records live")
-    serve.add_argument("--log-json", action="store_true", help="JSON log lines")
+    serve.add_argument("--log-json", action="store_true", default=os.environ.get("KAME_LOG_JSON") == "1",
+                       help="JSON log lines (also KAME_LOG_JSON=1)")
     add_engine_arguments(serve)
     serve.set_defaults(func=_serve)
 
