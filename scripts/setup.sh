@@ -9,6 +9,7 @@ need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v flite >/dev/null || need+=(flite)
 command -v sox >/dev/null || need+=(sox)
+command -v promtool >/dev/null || need+=(prometheus)  # promtool checks ops/prometheus in the tests
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing system packages: ${need[*]}"
   $SUDO apt-get update -qq
