@@ -50,6 +50,10 @@ def backend_from_args(args: argparse.Namespace) -> BackendServices | None:
 
 
 async def load_engine(args: argparse.Namespace) -> LocalEngine:
-    engine = await LocalEngine.load(engine_config_from_args(args), backend_from_args(args))
+    backend = backend_from_args(args)
+    if backend is not None:
+        # Build STT decoders before the first call instead of during it (~0.4 s each, GIL held).
+        await backend.warm_up(min(args.max_calls, 8))
+    engine = await LocalEngine.load(engine_config_from_args(args), backend)
     await engine.start()
     return engine

@@ -55,7 +55,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     setup_logging(level="WARNING" if not args.verbose else "INFO")
-    return asyncio.run(run_demo(args))
+    return run_demo(args)
 
 
 def _bench(args: argparse.Namespace) -> int:

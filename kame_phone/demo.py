@@ -8,6 +8,7 @@ prints the latency figures. The tiny model's reply is noise: this shows the pipe
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import secrets
 import shutil
@@ -18,10 +19,10 @@ from engine.backend import BackendConfig, BackendServices
 from engine.batch import SamplingConfig
 from engine.service import EngineConfig, LocalEngine
 from engine.tiny_checkpoint import make_tiny_checkpoint
-from telephony.call_store import MemoryCallStore
+from telephony.call_store import CallRecord, MemoryCallStore
 from telephony.config import ServiceConfig
 from telephony.server import MEDIA_PATH, ServerContext, ServiceHandle
-from telephony.sim_caller import format_summary, simulate_call
+from telephony.sim_caller import CallReport, format_summary, simulate_call
 
 
 def speak(text: str, out: Path) -> Path:
@@ -40,15 +41,32 @@ def tiny_checkpoint(workdir: Path) -> Path:
     return ckpt
 
 
-async def run_demo(args: argparse.Namespace) -> int:
+def run_demo(args: argparse.Namespace) -> int:
     workdir: Path = args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt = tiny_checkpoint(workdir)
     question = speak(args.question, workdir / "question.wav")
+    reply = workdir / "reply.wav"
+    report, record = asyncio.run(_call_the_demo_service(ckpt, question, reply, args.stt))
+    print(format_summary(report))
+    (workdir / "report.json").write_text(report.to_json() + "\n")
+    if record is not None:
+        heard = [t.text for t in record.turns if t.role == "caller"]
+        print(f"caller's words as the STT heard them: {json.dumps(heard)}")
+    print(f"reply audio: {reply}   report: {workdir / 'report.json'}")
+    print("note: the tiny model has random weights, so its reply is noise. The demo shows the phone")
+    print("pipeline and its latency; load real KAME weights with `kame-phone serve --checkpoint` for answers.")
+    return 0 if report.outcome == "completed" else 1
+
+
+async def _call_the_demo_service(
+    ckpt: Path, question: Path, reply: Path, stt: str
+) -> tuple[CallReport, CallRecord | None]:
     token = secrets.token_hex(16)  # signatures are checked, as in production
     backend = None
-    if args.stt != "none":
-        backend = BackendServices(BackendConfig(stt=args.stt, llm_enabled=False))
+    if stt != "none":
+        backend = BackendServices(BackendConfig(stt=stt, llm_enabled=False))
+        await backend.warm_up(2)  # decoders are built before the call, not during it
     engine = await LocalEngine.load(
         EngineConfig(checkpoint=str(ckpt), device="cpu", max_calls=2, sampling=SamplingConfig()), backend
     )
@@ -60,19 +78,11 @@ async def run_demo(args: argparse.Namespace) -> int:
         base = handle.http_url
         ws_url = base.replace("http://", "ws://") + MEDIA_PATH
         print(f"service on {base}; calling it with {question} ...")
-        reply = workdir / "reply.wav"
         report = await simulate_call(ws_url, question, auth_token=token, public_url=base, out_wav=reply, hold_after=3.0)
+        async with asyncio.timeout(10):
+            await handle.ctx.no_streams.wait()
         await store.flush()
-        record = await store.get(report.call_sid)
+        return report, await store.get(report.call_sid)
     finally:
         await handle.aclose()
         await engine.stop()
-    print(format_summary(report))
-    (workdir / "report.json").write_text(report.to_json() + "\n")
-    if record is not None:
-        heard = [t.text for t in record.turns if t.role == "caller"]
-        print(f"caller's words as the STT heard them: {json.dumps(heard)}")
-    print(f"reply audio: {reply}   report: {workdir / 'report.json'}")
-    print("note: the tiny model has random weights, so its reply is noise. The demo shows the phone")
-    print("pipeline and its latency; load real KAME weights with `kame-phone serve --checkpoint` for answers.")
-    return 0 if report.outcome == "completed" else 1

@@ -20,3 +20,12 @@ def tiny_bundle(tiny_checkpoint: Path):
     from engine.checkpoint import load_kame
 
     return load_kame(str(tiny_checkpoint), device="cpu")
+
+
+@pytest.fixture
+async def llm_server():
+    """A real OpenAI-compatible streaming server on loopback (the stand-in for a paid LLM API)."""
+    from .llm_server import serve_fake_llm
+
+    async with serve_fake_llm() as server:
+        yield server

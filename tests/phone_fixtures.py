@@ -57,9 +57,9 @@ class Phone:
     def ws_url(self) -> str:
         return self.base.replace("http://", "ws://") + MEDIA_PATH
 
-    async def settled(self, timeout: float = 10.0) -> None:
+    async def settled(self) -> None:
         """Wait until every stream has ended on the server side and its writes reached the store."""
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(10):
             await self.ctx.no_streams.wait()
         await self.store.flush()
 

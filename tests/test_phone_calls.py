@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import aiohttp
-import numpy as np
 import pytest
 
 from telephony import twilio_messages as tm
@@ -75,13 +74,15 @@ async def test_voice_webhook_signatures(tiny_checkpoint: Path) -> None:
             assert r.status == 403
         assert metric("kame_webhook_rejections_total", endpoint="voice", reason="missing_signature") == missing + 1
         assert metric("kame_webhook_rejections_total", endpoint="voice", reason="bad_signature") == rejected + 3
-        async with http.post(url, data={"From": "+1"}, headers={"X-Twilio-Signature": phone.sign(url, {"From": "+1"})}) as r:
+        no_sid = {"From": "+1"}
+        async with http.post(url, data=no_sid, headers={"X-Twilio-Signature": phone.sign(url, no_sid)}) as r:
             assert r.status == 400  # signed but no CallSid
 
 
 async def test_media_upgrade_needs_signature_and_admission(tiny_checkpoint: Path) -> None:
     async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
-        for headers in ({}, {"X-Twilio-Signature": "forged"}, {"X-Twilio-Signature": phone.sign(phone.base + "/x", {})}):
+        wrong_path = phone.sign(phone.base + "/x", {})
+        for headers in ({}, {"X-Twilio-Signature": "forged"}, {"X-Twilio-Signature": wrong_path}):
             with pytest.raises(aiohttp.WSServerHandshakeError) as err:
                 await http.ws_connect(phone.ws_url, headers=headers)
             assert err.value.status == 403

@@ -1,0 +1,377 @@
+"""KAME's back-end for one call: streaming STT of the caller + an LLM re-drafting the bot's reply.
+
+Per call, three tasks on the event loop:
+- the STT pump hands queued caller audio to the call's `StreamingSTT` in a worker thread (one shared
+  `ThreadPoolExecutor` for all calls), one job at a time per call, and reports what it heard;
+- the policy loop polls `OraclePolicy` every `poll_interval_s` and starts a new LLM request when told;
+- at most one LLM request streams at a time: a new one cancels the one it supersedes.
+
+Every draft (the cumulative text of the current request) goes to `on_oracle`; each request has its own
+`candidate_id`, so the engine knows when a draft starts a new candidate rather than extending one.
+Nothing here raises into the engine: STT and LLM failures are counted, logged and survived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Literal, TypeVar
+
+import numpy as np
+
+from . import metrics
+from .conversation import DEFAULT_SYSTEM_PROMPT, Conversation, word_count
+from .interface import FRAME_SECONDS
+from .llm import LlmClient, LlmConfig, LlmError
+from .oracle_policy import OraclePolicy, OraclePolicyConfig, TriggerReason
+from .stt import DECODER_POOL, StreamingSTT, SttResult, make_stt
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TranscriptCallback = Callable[[str, bool, float], None]  # (text, final, at)
+OracleCallback = Callable[[str, float, int], None]  # (draft text, triggered_at, candidate_id)
+ErrorCallback = Callable[[Literal["stt_error", "llm_error"], str], None]  # (kind, detail)
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    stt: str = "pocketsphinx"  # pocketsphinx | none | kyutai
+    llm_enabled: bool = True  # False: --llm none (STT only)
+    llm_base_url: str | None = None
+    llm_api_key: str = field(default="", repr=False)
+    llm_model: str = "gpt-4.1"  # what the official server uses
+    llm_timeout_s: float = 10.0
+    llm_max_tokens: int | None = 96
+    # Threads for all calls' STT work. pocketsphinx holds the GIL while decoding, so more threads add no
+    # throughput, only contention with the event loop (4 calls on 2 cores: loop stalls to ~75 ms with 1
+    # thread, ~110-170 ms with 2). Raise it for an STT that releases the GIL or waits on the network.
+    stt_threads: int = 1
+    max_pending_audio_s: float = 10.0  # caller audio queued for a lagging STT before the oldest is dropped
+    stt_restart_backoff_s: float = 1.0
+    policy: OraclePolicyConfig = field(default_factory=OraclePolicyConfig)
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> BackendConfig:
+        """Read OPENAI_BASE_URL, OPENAI_API_KEY and KAME_LLM_MODEL; keyword overrides win."""
+        env = os.environ if env is None else env
+        base = cls()
+        cfg = replace(
+            base,
+            llm_base_url=env.get("OPENAI_BASE_URL") or None,
+            llm_api_key=env.get("OPENAI_API_KEY", ""),
+            llm_model=env.get("KAME_LLM_MODEL") or base.llm_model,
+        )
+        return replace(cfg, **overrides)  # type: ignore[arg-type]
+
+    def llm_config(self) -> LlmConfig:
+        return LlmConfig(
+            model=self.llm_model,
+            base_url=self.llm_base_url,
+            api_key=self.llm_api_key,
+            timeout_s=self.llm_timeout_s,
+            max_tokens=self.llm_max_tokens,
+        )
+
+
+class BackendServices:
+    """What all calls of a process share: the STT factory and thread pool, and the LLM client."""
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+        self.stt_factory = make_stt(config.stt)
+        self.executor = ThreadPoolExecutor(max_workers=config.stt_threads, thread_name_prefix="kame-stt")
+        self.llm = LlmClient(config.llm_config()) if config.llm_enabled else None
+
+    def open_call(
+        self,
+        call_id: str,
+        on_transcript: TranscriptCallback,
+        on_oracle: OracleCallback,
+        on_error: ErrorCallback | None = None,
+    ) -> CallBackend:
+        """A started-by-the-caller `CallBackend` (call `await start()`, later `await aclose()`)."""
+        return CallBackend(
+            call_id,
+            stt_factory=self.stt_factory,
+            llm=self.llm,
+            executor=self.executor,
+            on_transcript=on_transcript,
+            on_oracle=on_oracle,
+            on_error=on_error,
+            policy=self.config.policy,
+            system_prompt=self.config.system_prompt,
+            max_pending_audio_s=self.config.max_pending_audio_s,
+            stt_restart_backoff_s=self.config.stt_restart_backoff_s,
+        )
+
+    async def warm_up(self, calls: int) -> None:
+        """Build the STT models for `calls` concurrent calls now, off the event loop (~0.3 s each),
+        so the first calls do not wait for them."""
+        if self.config.stt == "pocketsphinx":
+            DECODER_POOL.max_idle = max(DECODER_POOL.max_idle, calls)
+            await asyncio.get_running_loop().run_in_executor(self.executor, DECODER_POOL.prewarm, calls)
+
+    async def aclose(self) -> None:
+        if self.llm is not None:
+            await self.llm.aclose()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class CallBackend:
+    """The back-end of one call. Construct, `await start()`, feed it, `await aclose()`.
+
+    `feed_audio` and `feed_bot_text` never block and may be called from any thread; the callbacks run
+    on the event loop `start()` was awaited on.
+    """
+
+    def __init__(
+        self,
+        call_id: str,
+        *,
+        stt_factory: Callable[[], StreamingSTT],
+        llm: LlmClient | None,
+        executor: Executor,
+        on_transcript: TranscriptCallback,
+        on_oracle: OracleCallback,
+        on_error: ErrorCallback | None = None,
+        policy: OraclePolicyConfig | None = None,
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        clock: Callable[[], float] = time.monotonic,
+        max_pending_audio_s: float = 10.0,
+        stt_restart_backoff_s: float = 1.0,
+    ) -> None:
+        self.call_id = call_id
+        self._stt_factory = stt_factory
+        self._llm = llm
+        self._executor = executor
+        self._on_transcript = on_transcript
+        self._on_oracle = on_oracle
+        self._on_error = on_error
+        self._clock = clock
+        self._restart_backoff_s = stt_restart_backoff_s
+        self._stt_failures = 0  # consecutive
+        self.conversation = Conversation(system_prompt=system_prompt)
+        self.policy = OraclePolicy(policy)
+        self._audio: deque[tuple[np.ndarray, float]] = deque()  # (frame, enqueued at)
+        self._max_pending_frames = max(1, round(max_pending_audio_s / FRAME_SECONDS))
+        self._dropped_frames = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._audio_ready: asyncio.Event | None = None
+        self._stt: StreamingSTT | None = None
+        self._stt_job: asyncio.Future[object] | None = None  # the in-flight worker job
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._request: asyncio.Task[None] | None = None
+        self._candidate_id = 0
+        self._last_update_at: float | None = None  # when the last caller transcript arrived
+        self._closed = False
+
+    # --- engine-facing API -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._audio_ready = asyncio.Event()
+        self._spawn(self._stt_pump(), "stt")
+        if self._audio:  # fed before start()
+            self._audio_ready.set()
+        if self._llm is not None:
+            self._spawn(self._policy_loop(), "policy")
+
+    def feed_audio(self, frame: np.ndarray) -> None:
+        """Queue one frame of caller audio (float32 mono 24 kHz). Never blocks."""
+        if self._closed:
+            return
+        self._audio.append((frame, self._clock()))
+        if len(self._audio) > self._max_pending_frames:
+            self._audio.popleft()  # the STT fell behind real time: keep the newest audio
+            self._dropped_frames += 1
+            if self._dropped_frames in (1, 100) or self._dropped_frames % 1000 == 0:
+                log.warning("call %s: STT lagging, %d caller frames dropped", self.call_id, self._dropped_frames)
+        self._call_on_loop(self._wake_stt)
+
+    def feed_bot_text(self, piece: str) -> None:
+        """Add the bot's text piece of one frame ('' for padding). Never blocks."""
+        if piece and not self._closed:
+            self._call_on_loop(self.conversation.bot_piece, piece)
+
+    async def aclose(self) -> None:
+        """Stop everything and release the STT. Idempotent; never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        job = self._stt_job
+        if job is not None:  # a cancelled await does not stop the worker thread: let it finish
+            await asyncio.wait([job])
+            if not job.cancelled():
+                job.exception()  # retrieved: a late failure is moot once the call is over
+        if self._stt is not None and self._loop is not None:
+            stt, self._stt = self._stt, None
+            try:
+                await self._loop.run_in_executor(self._executor, stt.close)
+            except Exception:
+                log.warning("call %s: closing the STT failed", self.call_id, exc_info=True)
+
+    # --- plumbing ----------------------------------------------------------------------------------
+    def _spawn(self, coro, name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=f"{name}:{self.call_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _call_on_loop(self, fn: Callable[..., None], *args: object) -> None:
+        if self._loop is None or threading.get_ident() == self._loop_thread:
+            fn(*args)
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _wake_stt(self) -> None:
+        if self._audio_ready is not None:
+            self._audio_ready.set()
+
+    def _report_error(self, kind: Literal["stt_error", "llm_error"], detail: str) -> None:
+        if self._on_error is not None:
+            try:
+                self._on_error(kind, detail)
+            except Exception:
+                log.exception("call %s: on_error callback failed", self.call_id)
+
+    # --- STT ---------------------------------------------------------------------------------------
+    async def _in_worker(self, fn: Callable[[], T]) -> T:
+        """Run STT work in the shared pool; one job at a time per call (the STT is not thread-safe)."""
+        assert self._loop is not None
+        job = self._loop.run_in_executor(self._executor, fn)
+        self._stt_job = job
+        # shield: cancelling the pump must not orphan a job that still uses the STT object
+        return await asyncio.shield(job)
+
+    async def _stt_pump(self) -> None:
+        assert self._audio_ready is not None
+        while True:
+            await self._audio_ready.wait()
+            self._audio_ready.clear()
+            frames = []
+            with contextlib.suppress(IndexError):  # feed_audio on another thread may drop the oldest
+                while self._audio:
+                    frames.append(self._audio.popleft())
+            if not frames:
+                continue
+            newest_at = frames[-1][1]
+            pcm = np.concatenate([f for f, _ in frames]).astype(np.float32, copy=False)
+            try:
+                if self._stt is None:  # first audio, or after a failure (a factory may be slow)
+                    await self._in_worker(self._create_stt)
+                stt = self._stt
+                assert stt is not None
+                results = await self._in_worker(functools.partial(stt.feed, pcm))
+                self._stt_failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                await self._stt_failed(exc)
+                continue
+            for result in results:
+                self._handle_transcript(result, newest_at)
+
+    def _create_stt(self) -> None:
+        # Assigned in the worker so that aclose() finds (and closes) an STT made while it was cancelling.
+        self._stt = self._stt_factory()
+
+    async def _stt_failed(self, exc: Exception) -> None:
+        metrics.STT_ERRORS.inc()
+        self._stt_failures += 1
+        log.error("call %s: STT failed, restarting it: %s: %s", self.call_id, type(exc).__name__, exc)
+        self._report_error("stt_error", f"{type(exc).__name__}: {exc}")
+        old, self._stt = self._stt, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await self._in_worker(old.close)
+        # What the caller said so far stays said: the pending partial becomes a final.
+        if self.conversation.partial:
+            self._handle_transcript(SttResult(self.conversation.partial, final=True), self._clock())
+        # A model that keeps failing must not spin a core or flood the log: back off, doubling to 30 s.
+        await asyncio.sleep(min(30.0, self._restart_backoff_s * 2 ** (self._stt_failures - 1)))
+        self._audio.clear()  # audio from before the restart would arrive late and out of context
+        # The next frame makes a fresh STT.
+
+    def _handle_transcript(self, result: SttResult, newest_frame_at: float) -> None:
+        now = self._clock()
+        conv = self.conversation
+        if result.final:
+            conv.caller_final(result.text)
+            self.policy.on_final(word_count(result.text))
+        else:
+            conv.caller_partial(result.text)
+            self.policy.on_partial(conv.pending_words)
+        # An empty final (the STT retracted its partials) is still reported: the engine must learn that
+        # the caller's turn ended.
+        if result.text and not result.final:
+            metrics.STT_PARTIAL_SECONDS.observe(max(0.0, now - newest_frame_at))
+        self._last_update_at = now
+        try:
+            self._on_transcript(result.text, result.final, now)
+        except Exception:
+            log.exception("call %s: on_transcript callback failed", self.call_id)
+
+    # --- LLM ---------------------------------------------------------------------------------------
+    async def _policy_loop(self) -> None:
+        interval = self.policy.config.poll_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            now = self._clock()
+            reason = self.policy.poll(now)
+            if reason is not None:
+                triggered_at = now if reason is TriggerReason.RETRY else (self._last_update_at or now)
+                self._start_request(reason, triggered_at)
+
+    def _start_request(self, reason: TriggerReason, triggered_at: float) -> None:
+        assert self._llm is not None
+        if self._request is not None:
+            self._request.cancel()  # superseded: the newest draft always wins
+        self._candidate_id += 1
+        messages = self.conversation.messages()
+        log.debug("call %s: LLM request %d (%s)", self.call_id, self._candidate_id, reason.value)
+        self._request = self._spawn(self._stream_request(self._candidate_id, messages, triggered_at), "llm")
+
+    async def _stream_request(self, candidate_id: int, messages: list[dict[str, str]], triggered_at: float) -> None:
+        assert self._llm is not None
+        # ORACLE_LAG_SECONDS is observed by the frame loop, when the candidate's first token is fed.
+        try:
+            async with contextlib.aclosing(self._llm.stream_draft(messages, call_id=self.call_id)) as drafts:
+                async for text in drafts:
+                    if candidate_id != self._candidate_id:
+                        return  # superseded between two chunks (aclosing closes the HTTP stream)
+                    try:
+                        self._on_oracle(text, triggered_at, candidate_id)
+                    except Exception:
+                        log.exception("call %s: on_oracle callback failed", self.call_id)
+        except LlmError as exc:  # counted and logged by the client
+            if candidate_id == self._candidate_id:
+                self.policy.on_failure(self._clock())
+            self._report_error("llm_error", exc.kind)
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug, not a server problem: still never into the engine
+            metrics.LLM_ERRORS.labels(kind="other").inc()
+            log.exception("call %s: LLM request crashed", self.call_id)
+            if candidate_id == self._candidate_id:
+                self.policy.on_failure(self._clock())
+            self._report_error("llm_error", f"other: {type(exc).__name__}")
+            return
+        if candidate_id == self._candidate_id:
+            self.policy.on_success()

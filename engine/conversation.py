@@ -1,0 +1,113 @@
+"""Per-call conversation state for the LLM back-end: what the caller said and what the bot said.
+
+The caller side comes from the STT (finals and one pending partial); the bot side is rebuilt from the
+SentencePiece pieces the front-end model emits, one per 80 ms frame ('▁' starts a word, '' is padding).
+`messages()` renders it as OpenAI chat messages: caller = user, bot = assistant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+WORD_START = "\u2581"  # SentencePiece's '▁'
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are the thinking half of a voice assistant on a phone call. A fast speech model is already "
+    "talking to the caller and uses your text as a script for what to say next. Write the assistant's "
+    "next spoken reply to the caller.\n"
+    "Rules:\n"
+    "- At most 30 words, in plain spoken English: no lists, symbols, emoji or markdown. Say numbers, "
+    "times and prices the way a person would say them aloud.\n"
+    "- The caller's words come from speech recognition while they are still talking: they may be "
+    "unfinished or misheard. Work out what the caller is most likely asking and answer that.\n"
+    "- The assistant's earlier lines were spoken by the fast model and may contain mistakes. If "
+    "something it said was wrong, correct it briefly and naturally.\n"
+    "- Reply with the words to speak and nothing else."
+)
+
+
+@dataclass(slots=True)
+class Turn:
+    role: Literal["user", "assistant"]
+    text: str  # raw text; whitespace is normalised when rendered
+
+
+def _clean(text: str) -> str:
+    return " ".join(text.split())
+
+
+def word_count(text: str) -> int:
+    return len(text.split())
+
+
+@dataclass
+class Conversation:
+    """One call's transcript. Not thread-safe: the back-end touches it from its event loop only."""
+
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    turns: list[Turn] = field(default_factory=list)
+    partial: str = ""  # the caller's current unfinished utterance
+    committed_words: int = 0  # words in the caller's finals
+    # The assistant turn whose last word may still continue with a piece that has no '▁'.
+    _bot_word_turn: Turn | None = field(default=None, init=False, repr=False)
+
+    # --- caller ------------------------------------------------------------------------------------
+    def caller_partial(self, text: str) -> None:
+        self.partial = _clean(text)
+
+    def caller_final(self, text: str) -> None:
+        """Close the caller's utterance. An empty final only drops the partial."""
+        text = _clean(text)
+        self.partial = ""
+        if not text:
+            return
+        self.committed_words += word_count(text)
+        last = self.turns[-1] if self.turns else None
+        if last is not None and last.role == "user":
+            last.text += " " + text
+        else:
+            self.turns.append(Turn("user", text))
+
+    @property
+    def pending_words(self) -> int:
+        return word_count(self.partial)
+
+    # --- bot ---------------------------------------------------------------------------------------
+    def bot_piece(self, piece: str) -> None:
+        """Add one SentencePiece piece the bot emitted. '' (padding) and '<...>' controls are ignored."""
+        if not piece or (piece.startswith("<") and piece.endswith(">")):
+            return
+        starts_word = piece.startswith(WORD_START)
+        text = piece.replace(WORD_START, " ")
+        if not starts_word and self._bot_word_turn is not None:
+            # Continuation of a word: it belongs to the turn holding that word, even if a caller final
+            # landed in between ("hel" | caller final | "lo" stays "hello").
+            self._bot_word_turn.text += text
+            return
+        last = self.turns[-1] if self.turns else None
+        if last is not None and last.role == "assistant":
+            last.text += text
+        else:
+            last = Turn("assistant", text)
+            self.turns.append(last)
+        self._bot_word_turn = last
+
+    @property
+    def bot_text(self) -> str:
+        return " ".join(_clean(t.text) for t in self.turns if t.role == "assistant")
+
+    # --- rendering ---------------------------------------------------------------------------------
+    def messages(self) -> list[dict[str, str]]:
+        """System prompt + the transcript as chat turns; the pending partial is the last user text."""
+        out: list[dict[str, str]] = [{"role": "system", "content": self.system_prompt}]
+        for turn in self.turns:
+            text = _clean(turn.text)
+            if text:
+                out.append({"role": turn.role, "content": text})
+        if self.partial:
+            if out[-1]["role"] == "user":
+                out[-1] = {"role": "user", "content": out[-1]["content"] + " " + self.partial}
+            else:
+                out.append({"role": "user", "content": self.partial})
+        return out

@@ -1,0 +1,567 @@
+"""The media-path benchmark: how many simulated Twilio calls one process carries in real time.
+
+    kame-phone bench media --calls 200 --seconds 20 --json media.json
+
+The real service (webhook, signed WebSocket upgrade, `MediaStreamSession`, framing, resampling, μ-law,
+metrics, the in-memory call store) runs in this process on 127.0.0.1 with a `LoopbackEngine` in place of
+the model: one shared task ticks every 80 ms and echoes each call's last caller frame back as voiced bot
+audio, so the outbound volume is realistic and engine compute is nil. The callers run in a separate
+process (spawned), so their CPU is not charged to the server: each one answers like Twilio (signed
+voice webhook, TwiML, signed upgrade, `connected`, `start`, 20 ms μ-law `media` at real-time pace,
+mark echoes, `stop`) and counts the bot's frames.
+
+Measured over the steady state (every call streaming): the server process's CPU time, per call; the
+`kame_media_inbound_seconds` / `kame_media_outbound_seconds` histograms (percentiles interpolated
+linearly inside Prometheus buckets, so they are only as fine as the buckets; the share within 5 ms is
+exact, 5 ms being a bucket edge); event-loop lag; and whether every call received its bot audio in time.
+The loopback engine lives here, in the harness; it is not a test double.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import math
+import multiprocessing
+import os
+import platform
+import secrets
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import numpy as np
+from prometheus_client import REGISTRY
+from twilio.request_validator import RequestValidator
+
+from engine.interface import FRAME_SECONDS, BotAudio, EngineClosed, EngineFull, EngineOutput
+from telephony import twilio_messages as tm
+from telephony.call_store import MemoryCallStore
+from telephony.config import ServiceConfig
+from telephony.mulaw import float_to_ulaw
+from telephony.server import VOICE_PATH, ServerContext, ServiceHandle
+from telephony.signatures import SIGNATURE_HEADER, websocket_signature_url
+from telephony.twiml import parse_connect_stream
+
+PACKET_SECONDS = 0.02  # one Twilio media message: 160 bytes of 8 kHz μ-law
+PACKET_BYTES = 160
+KEPT_UP_SHARE = 0.95  # a call kept up if it received this share of its expected bot frames
+LATE_GAP_S = FRAME_SECONDS + 0.02  # a bot frame later than this after the previous one drains a 20 ms cushion
+TAIL_S = 2 * FRAME_SECONDS  # the caller listens this long after its last packet, then sends `stop`
+TARGET_MS = 5.0
+LAST_BUCKET_MS = 50.0  # the media histograms' largest finite bucket
+INBOUND_METRIC = "kame_media_inbound_seconds"
+OUTBOUND_METRIC = "kame_media_outbound_seconds"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The loopback engine
+
+
+class LoopbackSession:
+    """One call's seat: remembers the caller's last frame; the engine's ticker echoes it every 80 ms."""
+
+    def __init__(self, engine: LoopbackEngine, call_id: str) -> None:
+        self.call_id = call_id
+        self._engine = engine
+        self._queue: asyncio.Queue[EngineOutput | None] = asyncio.Queue()
+        self._last: np.ndarray | None = None
+        self._index = 0
+        self._closed = False
+
+    def push_audio(self, pcm: np.ndarray) -> None:
+        self._last = pcm
+
+    def _emit(self) -> None:
+        if self._last is None or self._closed:
+            return
+        out = BotAudio(self._last, text="", index=self._index, voiced=True, produced_at=time.monotonic())
+        self._index += 1
+        self._queue.put_nowait(out)
+        self._engine.backlog_max = max(self._engine.backlog_max, self._queue.qsize())
+
+    async def outputs(self) -> AsyncIterator[EngineOutput]:
+        while (item := await self._queue.get()) is not None:
+            yield item
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._forget(self.call_id)
+        self._queue.put_nowait(None)
+
+
+class LoopbackEngine:
+    """The `Engine` protocol with no model: a real-time echo of every open call, from one shared ticker."""
+
+    def __init__(self, max_calls: int, on_count: Callable[[int], None] | None = None) -> None:
+        self._max_calls = max_calls
+        self._on_count = on_count  # told the number of open calls whenever it changes
+        self._sessions: dict[str, LoopbackSession] = {}
+        self._ticker: asyncio.Task[None] | None = None
+        self._stopped = False
+        self.tick_late_s: list[float] = []  # how late each tick woke, against its deadline
+        self.tick_busy_s: list[float] = []  # time spent emitting, per tick
+        self.missed_ticks = 0  # ticks skipped because the loop was over a frame late
+        self.frames_emitted = 0
+        self.backlog_max = 0  # deepest any call's output queue got (1 = the pump keeps up)
+
+    @property
+    def max_calls(self) -> int:
+        return self._max_calls
+
+    @property
+    def free_slots(self) -> int:
+        return self._max_calls - len(self._sessions)
+
+    @property
+    def ready(self) -> bool:
+        return not self._stopped
+
+    async def open_call(self, call_id: str) -> LoopbackSession:
+        if self._stopped:
+            raise EngineClosed("loopback engine stopped")
+        if len(self._sessions) >= self._max_calls:
+            raise EngineFull(f"all {self._max_calls} slots taken")
+        session = self._sessions[call_id] = LoopbackSession(self, call_id)
+        self._count_changed()
+        if self._ticker is None:
+            self._ticker = asyncio.create_task(self._tick_forever(), name="loopback-ticker")
+        return session
+
+    def _forget(self, call_id: str) -> None:
+        self._sessions.pop(call_id, None)
+        self._count_changed()
+
+    def _count_changed(self) -> None:
+        if self._on_count is not None:
+            self._on_count(len(self._sessions))
+
+    async def stop(self) -> None:
+        self._stopped = True
+        for session in list(self._sessions.values()):
+            await session.close()
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+
+    async def _tick_forever(self) -> None:
+        deadline = time.monotonic()
+        while True:
+            deadline += FRAME_SECONDS
+            delay = deadline - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            woke = time.monotonic()
+            self.tick_late_s.append(woke - deadline)
+            if woke - deadline > FRAME_SECONDS:  # a whole frame late: don't burst to catch up
+                skipped = int((woke - deadline) / FRAME_SECONDS)
+                self.missed_ticks += skipped
+                deadline += skipped * FRAME_SECONDS
+            for session in list(self._sessions.values()):
+                session._emit()
+            self.frames_emitted += len(self._sessions)
+            self.tick_busy_s.append(time.monotonic() - woke)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The simulated callers (in their own process)
+
+
+@dataclass(frozen=True)
+class CallerPlan:
+    base_url: str  # http://127.0.0.1:port
+    auth_token: str = field(repr=False)
+    calls: int
+    seconds: float
+    stagger_s: float  # call i starts i * stagger_s / calls after the first
+    compress: int = 0  # offer permessage-deflate with this window (0: don't, as Twilio)
+
+
+@dataclass
+class CallResult:
+    completed: bool = False
+    error: str | None = None
+    media_sent: int = 0
+    bot_frames: int = 0
+    marks_echoed: int = 0
+    clears: int = 0
+    late_gaps: int = 0  # bot frames that came more than LATE_GAP_S after the previous one
+    max_gap_s: float = 0.0
+    compressed: bool = False  # permessage-deflate was negotiated
+
+
+def speech_like_packets(seconds: float = 3.0) -> list[bytes]:
+    """A periodic 'voice': 125 Hz harmonics, syllables at 4 Hz, 2.2 s on, 0.8 s off (caller turns end)."""
+    rate = 8000
+    t = np.arange(round(seconds * rate)) / rate
+    voice = sum(np.sin(2 * np.pi * 125 * k * t) / k for k in range(1, 13))
+    envelope = 0.55 + 0.45 * np.sin(2 * np.pi * 4 * t)
+    envelope[t >= seconds - 0.8] = 0.0
+    x = voice * envelope
+    x *= 0.1 / np.sqrt(np.mean(x[t < seconds - 0.8] ** 2))  # -20 dBFS RMS while talking
+    data = float_to_ulaw(x.astype(np.float32))
+    return [data[i : i + PACKET_BYTES] for i in range(0, len(data), PACKET_BYTES)]
+
+
+def _media_template(stream_sid: str) -> str:
+    # tm.media_msg's exact output, as a %-template: no json.dumps or base64 per packet on the caller side.
+    return (
+        '{"event":"media","sequenceNumber":"%d","media":{"track":"inbound","chunk":"%d",'
+        '"timestamp":"%d","payload":"%s"},"streamSid":"' + stream_sid + '"}'
+    )
+
+
+class _Callers:
+    def __init__(self, plan: CallerPlan) -> None:
+        self.plan = plan
+        self.validator = RequestValidator(plan.auth_token)
+        packets = speech_like_packets()
+        self.payloads = [base64.b64encode(p).decode("ascii") for p in packets]
+        sid = "MZ" + "0" * 32
+        assert _media_template(sid) % (7, 3, 40, self.payloads[0]) == tm.media_msg(sid, 7, 3, 40, packets[0])
+        self.send_lag_s: list[float] = []  # how late each media packet left, against its schedule
+
+    async def run(self) -> list[CallResult]:
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            t0 = time.monotonic() + 0.2
+            step = self.plan.stagger_s / max(self.plan.calls, 1)
+            return await asyncio.gather(*(self._call(session, t0 + i * step) for i in range(self.plan.calls)))
+
+    async def _call(self, session: aiohttp.ClientSession, start_at: float) -> CallResult:
+        result = CallResult()
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        try:
+            await self._dial(session, result)
+        except (aiohttp.ClientError, OSError, ValueError, ET.ParseError, asyncio.TimeoutError) as e:
+            result.error = f"{type(e).__name__}: {e}"[:200]
+        return result
+
+    async def _dial(self, session: aiohttp.ClientSession, result: CallResult) -> None:
+        plan = self.plan
+        call_sid, account_sid, stream_sid = (prefix + secrets.token_hex(16) for prefix in ("CA", "AC", "MZ"))
+        form = {"CallSid": call_sid, "AccountSid": account_sid, "From": "+15005550006", "To": "+15005550001"}
+        voice_url = plan.base_url + VOICE_PATH
+        headers = {SIGNATURE_HEADER: self.validator.compute_signature(voice_url, form)}
+        async with session.post(voice_url, data=form, headers=headers) as resp:
+            body = await resp.text()
+            if resp.status != 200:
+                result.error = f"voice webhook answered HTTP {resp.status}"
+                return
+        stream = parse_connect_stream(body)
+        signed = websocket_signature_url(plan.base_url, urlsplit(stream.url).path)
+        headers = {SIGNATURE_HEADER: self.validator.compute_signature(signed, {})}
+        async with session.ws_connect(stream.url, headers=headers, compress=plan.compress) as ws:
+            result.compressed = bool(ws.compress)
+            seq = [0]  # shared with the receiver: mark echoes take sequence numbers too
+
+            def next_seq() -> int:
+                seq[0] += 1
+                return seq[0]
+
+            await ws.send_str(tm.connected_msg())
+            await ws.send_str(tm.start_msg(stream_sid, call_sid, account_sid, stream.parameters, seq=next_seq()))
+            receiver = asyncio.create_task(self._receive(ws, stream_sid, result, next_seq))
+            try:
+                template = _media_template(stream_sid)
+                payloads, n = self.payloads, len(self.payloads)
+                t0 = time.monotonic()
+                for k in range(round(plan.seconds / PACKET_SECONDS)):
+                    due = t0 + k * PACKET_SECONDS
+                    delay = due - time.monotonic()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    self.send_lag_s.append(time.monotonic() - due)
+                    if ws.closed:
+                        result.error = "server closed the stream early"
+                        return
+                    await ws.send_str(template % (next_seq(), k + 1, k * 20, payloads[k % n]))
+                    result.media_sent += 1
+                await asyncio.sleep(TAIL_S)
+                await ws.send_str(tm.stop_msg(stream_sid, next_seq(), call_sid, account_sid))
+                await asyncio.wait_for(receiver, 10.0)  # the server hangs up on `stop`
+                result.completed = result.error is None
+            finally:
+                receiver.cancel()
+
+    async def _receive(
+        self, ws: aiohttp.ClientWebSocketResponse, stream_sid: str, result: CallResult, next_seq: Callable[[], int]
+    ) -> None:
+        last: float | None = None
+        async for msg in ws:
+            if msg.type != aiohttp.WSMsgType.TEXT:
+                continue
+            data = json.loads(msg.data)
+            event = data.get("event")
+            if event == "media":
+                now = time.monotonic()
+                result.bot_frames += 1
+                if last is not None:
+                    gap = now - last
+                    result.max_gap_s = max(result.max_gap_s, gap)
+                    result.late_gaps += gap > LATE_GAP_S
+                last = now
+            elif event == "mark":  # echo at once: the harness plays nothing
+                with contextlib.suppress(ConnectionResetError):  # the server may be hanging up
+                    await ws.send_str(tm.mark_msg(stream_sid, next_seq(), data["mark"]["name"]))
+                    result.marks_echoed += 1
+            elif event == "clear":
+                result.clears += 1
+
+
+def run_callers(plan: CallerPlan) -> dict[str, Any]:
+    """The caller process's entry point: place every call, return the per-call results and own costs."""
+    callers = _Callers(plan)
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    results = asyncio.run(callers.run())
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    lag = np.asarray(callers.send_lag_s) * 1000 if callers.send_lag_s else np.zeros(1)
+    return {
+        "results": [asdict(r) for r in results],
+        "cpu_pct": 100 * cpu / wall,
+        "send_lag_p99_ms": float(np.percentile(lag, 99)),
+        "send_lag_max_ms": float(lag.max()),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Server-side measurement
+
+
+def _histogram(name: str) -> list[tuple[float, float]]:
+    """(upper bound, cumulative count) per bucket of a histogram in the default registry."""
+    for metric in REGISTRY.collect():
+        if metric.name == name:
+            return [(float(s.labels["le"]), s.value) for s in metric.samples if s.name == name + "_bucket"]
+    raise KeyError(name)
+
+
+def _host_cpu_s() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine since boot, all cores, from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return math.nan, math.nan
+    tick = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq) / tick, steal / tick
+
+
+@dataclass
+class _Snapshot:
+    wall: float
+    cpu: float  # this process
+    host_busy: float  # the whole machine
+    host_steal: float
+    inbound: list[tuple[float, float]]
+    outbound: list[tuple[float, float]]
+
+    @classmethod
+    def take(cls) -> _Snapshot:
+        busy, steal = _host_cpu_s()
+        return cls(
+            time.monotonic(), time.process_time(), busy, steal, _histogram(INBOUND_METRIC), _histogram(OUTBOUND_METRIC)
+        )
+
+
+def bucket_quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float | None:
+    """The q-quantile (seconds) of the observations between two snapshots of one histogram, interpolated
+    linearly inside its bucket, as Prometheus' histogram_quantile does; None if nothing was observed.
+    Past the last finite bucket it returns that bucket's bound (a lower bound of the truth)."""
+    deltas = [(le, a - b) for (le, a), (_, b) in zip(after, before, strict=True)]
+    total = deltas[-1][1]
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for le, cumulative in deltas:
+        if cumulative >= rank:
+            if math.isinf(le):
+                return lower
+            inside = cumulative - below
+            return lower + (le - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = le, cumulative
+    return lower
+
+
+def share_within(before: list[tuple[float, float]], after: list[tuple[float, float]], bound_s: float) -> float | None:
+    """Exact share of observations at or under `bound_s`, which must be a bucket edge."""
+    deltas = {le: a - b for (le, a), (_, b) in zip(after, before, strict=True)}
+    total = deltas[math.inf]
+    return None if total <= 0 else deltas[bound_s] / total
+
+
+class _LoopLag:
+    """Sleeps 10 ms over and over and records how late it wakes: the event loop's scheduling lag."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []  # (monotonic time, lag s)
+
+    async def run(self) -> None:
+        while True:
+            due = time.monotonic() + 0.01
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            self.samples.append((now, now - due))
+
+    def between(self, t0: float, t1: float) -> np.ndarray:
+        return np.array([lag for t, lag in self.samples if t0 <= t <= t1] or [0.0])
+
+
+def machine() -> dict[str, Any]:
+    model = "?"
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    return {
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_model": model,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "aiohttp": aiohttp.__version__,
+        "numpy": np.__version__,
+    }
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1000, 3)
+
+
+async def run_media_bench(
+    calls: int = 200, seconds: float = 20.0, log: Callable[[str], object] = print, *, compress: int = 0
+) -> dict:
+    """Run the benchmark; print a short table through `log` and return the figures.
+
+    `compress` > 0 makes the callers offer permessage-deflate (aiohttp's client default; Twilio's
+    Media Streams client is not known to), to see what it costs the server when it is accepted.
+    """
+    assert calls >= 1 and seconds >= 4 * FRAME_SECONDS, (calls, seconds)
+    stagger = min(2.0, seconds / 4)
+    engine = LoopbackEngine(max_calls=calls, on_count=lambda n: watch(n))
+    token = secrets.token_hex(16)
+    ctx = ServerContext(ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token), MemoryCallStore(), engine)
+    handle = await ServiceHandle(ctx).start()
+    probe = _LoopLag()
+    steady: dict[str, _Snapshot] = {}
+
+    def watch(open_calls: int) -> None:  # the steady state: from the moment every call streams to the first hang-up
+        if open_calls == calls and "start" not in steady:
+            steady["start"] = _Snapshot.take()
+        elif open_calls < calls and "start" in steady and "end" not in steady:
+            steady["end"] = _Snapshot.take()
+
+    log(f"media bench: {calls} calls x {seconds:g}s, starts staggered over {stagger:g}s, on {handle.http_url}")
+    plan = CallerPlan(handle.http_url, token, calls, seconds, stagger, compress)
+    tasks = [asyncio.create_task(probe.run())]
+    run_start = _Snapshot.take()
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        caller = await asyncio.get_running_loop().run_in_executor(pool, run_callers, plan)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(ctx.no_streams.wait(), 10.0)
+        run_end = _Snapshot.take()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.to_thread(pool.shutdown)
+        await engine.stop()
+        await handle.aclose()
+
+    steady_state = "start" in steady and "end" in steady
+    a, b = (steady["start"], steady["end"]) if steady_state else (run_start, run_end)
+    window = b.wall - a.wall
+    cpu = b.cpu - a.cpu
+    lag = probe.between(a.wall, b.wall) * 1000
+    results = [CallResult(**r) for r in caller["results"]]
+    expected = int(seconds / FRAME_SECONDS)
+    kept_up = [r for r in results if r.completed and r.bot_frames >= KEPT_UP_SHARE * expected]
+    tick_late = np.asarray(engine.tick_late_s or [0.0]) * 1000
+    errors = sorted({r.error for r in results if r.error})
+    report: dict[str, Any] = {
+        "calls": calls,
+        "seconds": seconds,
+        "steady_state": steady_state,  # False: figures cover the whole run (not every call was up at once)
+        "window_s": round(window, 3),
+        "server_cpu_pct": round(100 * cpu / window, 1),  # of one core
+        "cpu_per_call_ms_per_s": round(1000 * cpu / window / calls, 3),  # CPU ms per second of call
+        "cpu_pct_per_call": round(100 * cpu / window / calls, 3),
+        "inbound_p50_ms": _ms(bucket_quantile(a.inbound, b.inbound, 0.50)),
+        "inbound_p99_ms": _ms(bucket_quantile(a.inbound, b.inbound, 0.99)),
+        "inbound_within_5ms": share_within(a.inbound, b.inbound, TARGET_MS / 1000),
+        "outbound_p50_ms": _ms(bucket_quantile(a.outbound, b.outbound, 0.50)),
+        "outbound_p99_ms": _ms(bucket_quantile(a.outbound, b.outbound, 0.99)),
+        "outbound_within_5ms": share_within(a.outbound, b.outbound, TARGET_MS / 1000),
+        "run_inbound_p99_ms": _ms(bucket_quantile(run_start.inbound, run_end.inbound, 0.99)),
+        "run_outbound_p99_ms": _ms(bucket_quantile(run_start.outbound, run_end.outbound, 0.99)),
+        "percentiles": "linear interpolation inside Prometheus buckets (0.1,0.25,0.5,1,2,3,5,10,20,50 ms)",
+        "loop_lag_p50_ms": round(float(np.percentile(lag, 50)), 3),
+        "loop_lag_p99_ms": round(float(np.percentile(lag, 99)), 3),
+        "loop_lag_max_ms": round(float(lag.max()), 3),
+        "engine_tick_late_p99_ms": round(float(np.percentile(tick_late, 99)), 3),
+        "engine_missed_ticks": engine.missed_ticks,
+        "engine_backlog_max": engine.backlog_max,
+        "realtime_ok_fraction": len(kept_up) / calls,
+        "calls_completed": sum(r.completed for r in results),
+        "frames_expected": expected * calls,
+        "frames_received": sum(r.bot_frames for r in results),
+        "late_gaps": sum(r.late_gaps for r in results),  # bot frames > 100 ms after the previous one
+        "max_gap_ms": round(1000 * max((r.max_gap_s for r in results), default=0.0), 1),
+        "media_sent": sum(r.media_sent for r in results),
+        "marks_echoed": sum(r.marks_echoed for r in results),
+        "ws_deflate_calls": sum(r.compressed for r in results),  # streams that negotiated permessage-deflate
+        "caller_cpu_pct": round(caller["cpu_pct"], 1),
+        # everything else on the machine over the window (other processes), in % of one core: the figures
+        # are only clean when this is near zero
+        "other_cpu_pct": round(100 * (b.host_busy - a.host_busy) / window - 100 * cpu / window - caller["cpu_pct"], 1),
+        "steal_pct": round(100 * (b.host_steal - a.host_steal) / window, 1),
+        "caller_send_lag_p99_ms": round(caller["send_lag_p99_ms"], 3),
+        "errors": errors[:5],
+        "machine": machine(),
+    }
+    log(format_table(report))
+    return report
+
+
+def format_table(r: dict[str, Any]) -> str:
+    def ms(x: float | None) -> str:  # past the last bucket only a lower bound is known
+        return "-" if x is None else f">={x:.0f}" if x >= LAST_BUCKET_MS else f"{x:.2f}"
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.2f}%"
+
+    m = r["machine"]
+    rows = [
+        f"machine            {m['cores']} cores, {m['cpu_model']}; Python {m['python']}, aiohttp {m['aiohttp']}",
+        f"window             {r['window_s']:.1f}s {'steady state' if r['steady_state'] else '(whole run)'}",
+        f"server CPU         {r['server_cpu_pct']:.1f}% of a core; per call {r['cpu_per_call_ms_per_s']:.2f} ms/s"
+        f" ({r['cpu_pct_per_call']:.3f}% of a core)",
+        f"inbound  p50/p99   {ms(r['inbound_p50_ms'])} / {ms(r['inbound_p99_ms'])} ms"
+        f"  (<= 5 ms: {pct(r['inbound_within_5ms'])})",
+        f"outbound p50/p99   {ms(r['outbound_p50_ms'])} / {ms(r['outbound_p99_ms'])} ms"
+        f"  (<= 5 ms: {pct(r['outbound_within_5ms'])})",
+        f"loop lag p50/p99   {r['loop_lag_p50_ms']:.2f} / {r['loop_lag_p99_ms']:.2f} ms"
+        f" (max {r['loop_lag_max_ms']:.1f})",
+        f"real time          {r['realtime_ok_fraction']:.1%} of calls kept up; {r['calls_completed']}/{r['calls']}"
+        f" completed; bot frames {r['frames_received']}/{r['frames_expected']}; late gaps {r['late_gaps']}"
+        f" (max gap {r['max_gap_ms']:.0f} ms)",
+        f"caller process     {r['caller_cpu_pct']:.1f}% of a core; send lag p99 {r['caller_send_lag_p99_ms']:.2f} ms",
+        f"rest of machine    {r['other_cpu_pct']:.1f}% of a core busy, {r['steal_pct']:.1f}% stolen",
+    ]
+    if r["other_cpu_pct"] > 20:
+        rows.append("WARNING            other processes were busy: latencies and loop lag are not clean")
+    if r["errors"]:
+        rows.append(f"errors             {'; '.join(r['errors'])}")
+    return "\n".join(rows)
+

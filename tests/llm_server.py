@@ -1,0 +1,91 @@
+"""A real OpenAI-compatible streaming server for tests (aiohttp, SSE): the stand-in for a paid LLM API.
+
+It can be slow, fail, rate-limit, break its stream or send malformed data, and records every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+
+# --- a real OpenAI-compatible streaming server ------------------------------------------------------
+def answer_for(messages: list[dict[str, str]]) -> str:
+    """The server's reply depends on what it was asked: the last user text comes back in it."""
+    last_user = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+    return f"Sure, about {last_user}, let me help you with that right away."
+
+
+@dataclass
+class FakeLlm:
+    mode: str = "ok"  # ok | status | malformed | broken | error_event
+    status: int = 500
+    delay_s: float = 0.0  # before the response starts
+    chunk_delay_s: float = 0.0  # between streamed chunks
+    requests: list[dict] = field(default_factory=list)
+    failures_left: int | None = None  # fail this many requests as `mode` says, then answer normally
+    disconnects: int = 0  # streams the client walked away from
+    base_url: str = ""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        mode = self.mode
+        if self.failures_left is not None:
+            mode = mode if self.failures_left > 0 else "ok"
+            self.failures_left -= 1
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if mode == "status":
+            # Echo the credentials back, as some proxies do: the client must not log them.
+            auth = request.headers.get("Authorization", "")
+            return web.json_response({"error": {"message": f"boom (auth {auth})"}}, status=self.status)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        words = answer_for(body["messages"]).split(" ")
+        chunk_delay_s = self.chunk_delay_s  # as it was when this request came in
+        try:
+            for i, word in enumerate(words):
+                if i == 3 and mode == "malformed":
+                    await resp.write(b'data: {"choices": [{"delta": {"content": "tru\n\n')
+                if i == 3 and mode == "broken":
+                    assert request.transport is not None
+                    request.transport.close()  # mid-body: no terminating chunk
+                    return resp
+                if i == 3 and mode == "error_event":
+                    await resp.write(b'data: {"error": {"message": "overloaded"}}\n\n')
+                chunk = {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion.chunk",
+                    "created": 0,
+                    "model": body["model"],
+                    "choices": [{"index": 0, "delta": {"content": ("" if i == 0 else " ") + word}}],
+                }
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                if chunk_delay_s:
+                    await asyncio.sleep(chunk_delay_s)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:
+            self.disconnects += 1
+        return resp
+
+
+@contextlib.asynccontextmanager
+async def serve_fake_llm() -> AsyncIterator[FakeLlm]:
+    """Run a FakeLlm on 127.0.0.1 (a free port); its OpenAI base URL is `server.base_url`."""
+    server = FakeLlm()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", server.handle)
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    server.base_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    yield server
+    await runner.cleanup()

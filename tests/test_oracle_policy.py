@@ -1,0 +1,315 @@
+"""OraclePolicy with a fake clock: times are plain numbers, nothing sleeps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.oracle_policy import OraclePolicy, OraclePolicyConfig, TriggerReason
+
+CFG = OraclePolicyConfig()  # the paper's knobs: 250 ms polls, +2 words, 5 per sliding 2 s
+STEP = CFG.poll_interval_s
+
+
+def polls(policy: OraclePolicy, start: float, end: float, step: float = STEP) -> list[tuple[float, TriggerReason]]:
+    """Poll at start, start+step, ... < end; return the (time, reason) of every fire."""
+    fired = []
+    n = 0
+    while (t := round(start + n * step, 6)) < end:
+        reason = policy.poll(t)
+        if reason is not None:
+            fired.append((t, reason))
+        n += 1
+    return fired
+
+
+def test_silence_never_fires() -> None:
+    p = OraclePolicy(CFG)
+    assert polls(p, 0.0, 30.0) == []
+    p.on_partial(0)
+    p.on_final(0)  # the STT retracted a partial: nothing was said
+    assert polls(p, 30.0, 40.0) == []
+
+
+def test_first_word_fires_once_then_needs_growth() -> None:
+    p = OraclePolicy(CFG)
+    p.on_partial(1)
+    assert p.poll(0.0) is TriggerReason.FIRST
+    assert p.poll(0.25) is None  # nothing new
+    p.on_partial(2)  # +1: below min_word_delta
+    assert polls(p, 0.5, 5.0) == []
+    p.on_partial(3)  # +2 since the request
+    assert p.poll(5.0) is TriggerReason.GROWTH
+    assert p.poll(5.25) is None
+
+
+def test_first_event_final_fires_as_final() -> None:
+    p = OraclePolicy(CFG)
+    p.on_final(3)
+    assert p.poll(1.0) is TriggerReason.FINAL
+    assert p.poll(1.25) is None
+
+
+def test_growth_is_measured_from_the_last_request() -> None:
+    p = OraclePolicy(OraclePolicyConfig(min_word_delta=3))
+    p.on_partial(1)
+    assert p.poll(0.0) is TriggerReason.FIRST  # baseline 1
+    p.on_partial(3)
+    assert p.poll(0.25) is None  # +2 < 3
+    p.on_partial(4)
+    assert p.poll(0.5) is TriggerReason.GROWTH  # baseline 4
+    p.on_partial(6)
+    assert p.poll(0.75) is None
+    p.on_partial(7)
+    assert p.poll(1.0) is TriggerReason.GROWTH
+
+
+def test_shrinking_partial_does_not_lower_the_count() -> None:
+    p = OraclePolicy(CFG)
+    p.on_partial(4)
+    assert p.poll(0.0) is TriggerReason.FIRST  # asked at 4
+    p.on_partial(2)  # the decoder re-segmented: "can you tell" -> "canute"
+    assert p.word_count == 4
+    p.on_partial(5)
+    assert p.poll(0.25) is None  # 5 - 4 < 2: measured against the max, not the dip
+    p.on_partial(6)
+    assert p.poll(0.5) is TriggerReason.GROWTH
+
+
+def test_word_count_is_committed_plus_pending() -> None:
+    p = OraclePolicy(CFG)
+    p.on_partial(3)
+    p.on_final(4)
+    assert p.word_count == 4
+    p.on_partial(2)
+    assert p.word_count == 6
+    p.on_partial(1)
+    assert p.word_count == 6  # max pending since the final
+    p.on_final(1)
+    assert p.word_count == 5  # the final replaces the pending words
+    p.on_partial(0)
+    assert p.word_count == 5
+
+
+def test_final_fires_without_growth() -> None:
+    p = OraclePolicy(CFG)
+    p.on_partial(3)
+    assert p.poll(0.0) is TriggerReason.FIRST
+    p.on_final(3)  # same words, now final
+    assert p.poll(0.25) is TriggerReason.FINAL
+    assert p.poll(0.5) is None
+
+
+def test_final_takes_precedence_over_growth() -> None:
+    p = OraclePolicy(CFG)
+    p.on_partial(1)
+    p.poll(0.0)
+    p.on_final(5)
+    assert p.poll(0.25) is TriggerReason.FINAL
+
+
+def test_empty_final_does_not_fire() -> None:
+    p = OraclePolicy(CFG)
+    p.on_partial(2)
+    assert p.poll(0.0) is TriggerReason.FIRST
+    p.on_final(0)
+    assert polls(p, 0.25, 5.0) == []
+
+
+def test_rate_cap_is_five_per_sliding_two_seconds() -> None:
+    p = OraclePolicy(CFG)
+    fired = []
+    words = 0
+    for n in range(40):  # 10 s of a caller adding 2 words every poll
+        t = n * STEP
+        words += 2
+        p.on_partial(words)
+        if p.poll(t) is not None:
+            fired.append(t)
+    assert fired[:6] == [0.0, 0.25, 0.5, 0.75, 1.0, 2.0]
+    # In steady state the window lets one request through each time the oldest one ages out.
+    assert fired == [0.0, 0.25, 0.5, 0.75, 1.0, 2.0, 2.25, 2.5, 2.75, 3.0, 4.0, 4.25, 4.5, 4.75, 5.0,
+                     6.0, 6.25, 6.5, 6.75, 7.0, 8.0, 8.25, 8.5, 8.75, 9.0]  # fmt: skip
+
+
+def test_final_while_capped_is_not_lost() -> None:
+    """The official server consumes its 'final' flag even when capped; here it fires once allowed."""
+    p = OraclePolicy(CFG)
+    for n in range(5):
+        p.on_partial(2 * (n + 1))
+        assert p.poll(n * STEP) is not None  # 0.0 .. 1.0: the window is full
+    p.on_final(10)  # no new words, just the final, at 1.1
+    assert polls(p, 1.25, 2.0) == []  # capped
+    assert p.poll(2.0) is TriggerReason.FINAL  # the request at 0.0 left the window
+    assert p.poll(2.25) is None
+
+
+def test_growth_while_capped_fires_when_the_window_frees() -> None:
+    p = OraclePolicy(CFG)
+    for n in range(5):
+        p.on_partial(2 * (n + 1))
+        p.poll(n * STEP)
+    p.on_partial(12)
+    assert p.poll(1.9) is None
+    assert p.poll(2.0) is TriggerReason.GROWTH
+
+
+def test_window_is_sliding_not_fixed() -> None:
+    p = OraclePolicy(CFG)
+    times = [0.0, 1.5, 1.6, 1.7, 1.8]
+    for i, t in enumerate(times):
+        p.on_partial(2 * (i + 1))
+        assert p.poll(t) is not None
+    p.on_partial(20)
+    assert p.poll(1.99) is None
+    assert p.poll(2.0) is TriggerReason.GROWTH  # 0.0 aged out
+    p.on_partial(30)
+    assert p.poll(3.4) is None  # 1.5 .. 2.0 are still inside (3.4 - 2 = 1.4)
+    assert p.poll(3.5) is TriggerReason.GROWTH
+
+
+def test_failure_backs_off_then_retries_without_new_words() -> None:
+    p = OraclePolicy(OraclePolicyConfig(backoff_initial_s=0.5, backoff_max_s=4.0, max_auto_retries=3))
+    p.on_final(4)
+    assert p.poll(0.0) is TriggerReason.FINAL
+    p.on_failure(0.1)
+    assert p.poll(0.5) is None  # blocked until 0.6
+    assert p.poll(0.6) is TriggerReason.RETRY
+    p.on_failure(0.7)  # second failure: 1.0 s
+    assert p.poll(1.6) is None
+    assert p.poll(1.7) is TriggerReason.RETRY
+    p.on_success()
+    assert polls(p, 1.75, 10.0) == []  # succeeded: nothing to retry
+
+
+def test_backoff_doubles_up_to_the_max() -> None:
+    p = OraclePolicy(OraclePolicyConfig(backoff_initial_s=0.5, backoff_max_s=3.0, max_auto_retries=100,
+                                        max_requests=100))  # fmt: skip
+    p.on_final(2)
+    t = 0.0
+    assert p.poll(t) is TriggerReason.FINAL
+    waits = []
+    for _ in range(6):
+        p.on_failure(t)
+        wait = next(i * 0.125 for i in range(1, 100) if p.poll(t + i * 0.125) is not None)
+        waits.append(wait)
+        t += wait
+    assert waits == [0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
+
+
+def test_success_resets_the_backoff() -> None:
+    p = OraclePolicy(OraclePolicyConfig(backoff_initial_s=0.5, backoff_max_s=8.0))
+    p.on_final(2)
+    p.poll(0.0)
+    p.on_failure(0.0)
+    assert p.poll(0.5) is TriggerReason.RETRY
+    p.on_failure(0.5)  # 1.0 s
+    assert p.poll(1.5) is TriggerReason.RETRY
+    p.on_success()
+    p.on_final(2)
+    assert p.poll(1.75) is TriggerReason.FINAL
+    p.on_failure(1.75)
+    assert p.poll(2.25) is TriggerReason.RETRY  # back to 0.5 s
+
+
+def test_auto_retries_are_bounded_until_new_input() -> None:
+    p = OraclePolicy(OraclePolicyConfig(backoff_initial_s=0.25, backoff_max_s=0.25, max_auto_retries=2))
+    p.on_final(3)
+    t = 0.0
+    assert p.poll(t) is TriggerReason.FINAL
+    reasons = []
+    for _ in range(6):
+        p.on_failure(t)
+        fired = polls(p, t + 0.25, t + 20.0)
+        if not fired:
+            break
+        t, reason = fired[0]
+        reasons.append(reason)
+    assert reasons == [TriggerReason.RETRY, TriggerReason.RETRY]  # then it waits for the caller
+    p.on_partial(2)  # new words: a fresh trigger, and a fresh retry budget
+    t += 1.0
+    assert p.poll(t) is TriggerReason.GROWTH
+    p.on_failure(t)
+    assert p.poll(t + 0.25) is TriggerReason.RETRY
+
+
+def test_final_during_backoff_fires_after_it() -> None:
+    p = OraclePolicy(OraclePolicyConfig(backoff_initial_s=2.0, backoff_max_s=2.0))
+    p.on_partial(2)
+    p.poll(0.0)
+    p.on_failure(0.0)
+    p.on_final(2)
+    assert polls(p, 0.25, 2.0) == []
+    assert p.poll(2.0) is TriggerReason.FINAL
+
+
+def test_retries_count_toward_the_rate_cap() -> None:
+    p = OraclePolicy(OraclePolicyConfig(max_requests=2, window_s=10.0, backoff_initial_s=0.1, backoff_max_s=0.1))
+    p.on_final(2)
+    assert p.poll(0.0) is TriggerReason.FINAL
+    p.on_failure(0.0)
+    assert p.poll(0.25) is TriggerReason.RETRY
+    p.on_failure(0.25)
+    assert polls(p, 0.5, 10.0) == []  # two requests in the window already
+    assert p.poll(10.0) is TriggerReason.RETRY
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_random_streams_respect_every_rule(seed: int) -> None:
+    """Random partials, finals and failures against the policy's invariants."""
+    rng = random.Random(seed)
+    cfg = OraclePolicyConfig(max_requests=rng.choice([1, 2, 5]), window_s=rng.choice([1.0, 2.0]),
+                             min_word_delta=rng.choice([1, 2, 3]), backoff_initial_s=0.25,
+                             backoff_max_s=1.0)  # fmt: skip
+    p = OraclePolicy(cfg)
+    fired: list[float] = []
+    committed, pending, max_pending = 0, 0, 0
+    asked_at: int | None = None
+    final_waiting = False
+    blocked_until = -1.0
+    for n in range(400):
+        t = n * STEP
+        event = rng.random()
+        if event < 0.35:
+            pending = max(0, pending + rng.choice([-1, 1, 1, 2]))
+            max_pending = max(max_pending, pending)
+            p.on_partial(pending)
+        elif event < 0.45:
+            words = rng.choice([0, pending, pending + 1])
+            committed += words
+            pending = max_pending = 0
+            final_waiting = final_waiting or words > 0
+            p.on_final(words)
+        elif event < 0.5 and fired:
+            p.on_failure(t)
+            blocked_until = t + 0.25  # at least the initial back-off
+        count = committed + max(pending, max_pending)
+        assert p.word_count == count
+        recent = [f for f in fired if f > t - cfg.window_s]
+        reason = p.poll(t)
+        if reason is None:
+            # It may stay quiet only when capped, backing off, or when nothing warrants a request.
+            grew = asked_at is None and count > 0 or asked_at is not None and count - asked_at >= cfg.min_word_delta
+            if (final_waiting or grew) and t >= blocked_until + cfg.backoff_max_s:
+                assert len(recent) >= cfg.max_requests, f"lost a trigger at t={t}"
+            continue
+        assert len(recent) < cfg.max_requests, f"cap broken at t={t}"
+        if reason is TriggerReason.FINAL:
+            assert final_waiting
+        elif reason is TriggerReason.GROWTH:
+            assert asked_at is not None and count - asked_at >= cfg.min_word_delta
+        elif reason is TriggerReason.FIRST:
+            assert asked_at is None and count > 0
+        fired.append(t)
+        asked_at = count
+        final_waiting = False
+
+
+def test_config_rejects_nonsense() -> None:
+    with pytest.raises(AssertionError):
+        OraclePolicyConfig(max_requests=0)
+    with pytest.raises(AssertionError):
+        OraclePolicyConfig(min_word_delta=0)
+    with pytest.raises(AssertionError):
+        OraclePolicyConfig(backoff_initial_s=2.0, backoff_max_s=1.0)
