@@ -326,6 +326,10 @@ class CallBackend:
             self._on_transcript(result.text, result.final, now)
         except Exception:
             log.exception("call %s: on_transcript callback failed", self.call_id)
+        if self._llm is not None and self.policy.config.react_to_updates:
+            reason = self.policy.poll(now)
+            if reason is not None:
+                self._start_request(reason, now)
 
     # --- LLM ---------------------------------------------------------------------------------------
     async def _policy_loop(self) -> None:

@@ -31,6 +31,10 @@ class OraclePolicyConfig:
     backoff_initial_s: float = 0.5  # after the first failure; doubles per consecutive failure
     backoff_max_s: float = 8.0
     max_auto_retries: int = 3  # retries without new caller words before waiting for new input
+    # Also decide the moment a transcript update arrives, not only at the next poll: the same rules
+    # and rate cap, minus up to one poll interval of waiting (a caller's final is answered at once).
+    # False gives the paper's exact timing.
+    react_to_updates: bool = True
 
     def __post_init__(self) -> None:
         assert self.poll_interval_s > 0, "poll_interval_s must be positive"

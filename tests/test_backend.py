@@ -478,6 +478,37 @@ async def test_llm_failure_is_counted_the_call_goes_on_and_retries(
     await llm.aclose()
 
 
+async def test_a_final_is_answered_at_once_not_at_the_next_poll(llm_server: FakeLlm, executor) -> None:
+    llm = make_llm(llm_server)
+    rec = Recorder()
+    script: dict[int, SttResult | Exception] = {1: SttResult("what time do you open", final=True)}
+    slow_poll = OraclePolicyConfig(poll_interval_s=30.0)  # the periodic poll alone would wait 30 s
+    backend = CallBackend(
+        "call-1", stt_factory=lambda: ScriptedSTT(script), llm=llm, executor=executor,
+        on_transcript=rec.on_transcript, on_oracle=rec.on_oracle, policy=slow_poll,
+    )
+    await backend.start()
+    backend.feed_audio(frame(1))
+    await wait_until(lambda: bool(rec.oracles), limit_s=10)
+    assert len(llm_server.requests) == 1
+    await backend.aclose()
+    await llm.aclose()
+    # With the paper's exact timing, nothing is asked before the poll.
+    rec2, llm2 = Recorder(), make_llm(llm_server)
+    paper = CallBackend(
+        "call-2", stt_factory=lambda: ScriptedSTT(script), llm=llm2, executor=executor,
+        on_transcript=rec2.on_transcript, on_oracle=rec2.on_oracle,
+        policy=OraclePolicyConfig(poll_interval_s=30.0, react_to_updates=False),
+    )
+    await paper.start()
+    paper.feed_audio(frame(1))
+    await wait_until(lambda: bool(rec2.transcripts), limit_s=10)
+    await asyncio.sleep(0.3)
+    assert len(llm_server.requests) == 1 and not rec2.oracles
+    await paper.aclose()
+    await llm2.aclose()
+
+
 async def test_a_new_request_cancels_the_superseded_stream(llm_server: FakeLlm, executor) -> None:
     llm_server.chunk_delay_s = 1.0  # the first answer would take ~13 s
     llm = make_llm(llm_server)
