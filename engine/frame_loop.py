@@ -94,6 +94,9 @@ class FrameLoop:
         self._running = threading.Event()
         self._closed = False
         self._tick_no = 0
+        # (call id, candidate id, fed at, lag) for the last candidates whose boundary token was fed: the
+        # raw samples behind kame_oracle_lag_seconds, for benchmarks and debugging.
+        self.oracle_fed: deque[tuple[str, int, float, float]] = deque(maxlen=10_000)
         self._vocab = tokenizer.vocab_size()
         self._silent_pieces = {batch.lm.text_padding_token_id, batch.lm.end_of_text_padding_id}
         metrics.ENGINE_SLOTS_TOTAL.set(self.max_calls)
@@ -200,7 +203,10 @@ class FrameLoop:
                 if not held[row]:  # while held the oracle waits: padding, cursor unmoved
                     oracle[row] = slot.oracle.next_token()
                     if slot.oracle.lag_from is not None and oracle[row] == slot.oracle.start_token:
-                        metrics.ORACLE_LAG_SECONDS.observe(max(0.0, self.clock() - slot.oracle.lag_from))
+                        now = self.clock()
+                        lag = max(0.0, now - slot.oracle.lag_from)
+                        metrics.ORACLE_LAG_SECONDS.observe(lag)
+                        self.oracle_fed.append((slot.call_id, slot.oracle.candidate_id, now, lag))
                         slot.oracle.lag_from = None
             self._tick_no += 1
         self.batch.reset_rows(reset)

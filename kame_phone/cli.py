@@ -74,6 +74,13 @@ def _bench(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_text(report.to_json() + "\n")
         return 0
+    if args.what == "oracle":
+        from .oracle_bench import run_oracle_bench
+
+        result = asyncio.run(run_oracle_bench(calls=args.calls, seconds=args.seconds, ttft_ms=args.llm_ttft_ms))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     from .media_bench import run_media_bench
 
     result = asyncio.run(run_media_bench(calls=args.calls, seconds=args.seconds))
@@ -129,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
-    bench.add_argument("what", choices=["engine", "media"])
+    bench.add_argument("what", choices=["engine", "media", "oracle"])
     bench.add_argument("--size", choices=["tiny", "moshi-7b"], default="tiny")
     bench.add_argument("--batch", default="1,8,16,32,48,64", help="comma-separated batch sizes")
     bench.add_argument("--ticks", type=int, default=100)
@@ -137,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default=None)
     bench.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
     bench.add_argument("--context", type=int, default=None, help="KV window in frames (moshi-7b: 3000)")
-    bench.add_argument("--calls", type=int, default=200, help="media bench: concurrent simulated calls")
-    bench.add_argument("--seconds", type=float, default=20.0, help="media bench: call length")
+    bench.add_argument("--calls", type=int, default=200, help="media/oracle bench: concurrent calls")
+    bench.add_argument("--seconds", type=float, default=20.0, help="media/oracle bench: how long")
+    bench.add_argument("--llm-ttft-ms", type=float, default=300.0, help="oracle bench: the LLM's fixed TTFT")
     bench.add_argument("--json", default=None, help="also write the figures here")
     bench.set_defaults(func=_bench)
 

@@ -247,3 +247,15 @@ def test_real_time_thread_streams_and_reports_ticks(tiny_bundle) -> None:
     assert loop.stats.ticks >= 10
     assert _metric("kame_engine_tick_seconds_count") - ticks_before >= 10
     assert _metric("kame_engine_slots_busy") == 1
+
+
+def test_oracle_lag_is_measured_when_the_boundary_token_is_fed(tiny_bundle) -> None:
+    loop = _loop(tiny_bundle)
+    row = loop.join("A", Recorder())
+    before = _metric("kame_oracle_lag_seconds_count")
+    loop.set_oracle(row, "A", 7, "Hello", triggered_at=loop.clock() - 0.5)
+    loop.tick()
+    loop.tick()  # the second token of the same candidate is not a new lag sample
+    assert _metric("kame_oracle_lag_seconds_count") == before + 1
+    ((call, cid, _fed_at, lag),) = list(loop.oracle_fed)
+    assert (call, cid) == ("A", 7) and 0.5 <= lag < 5.0

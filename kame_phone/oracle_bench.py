@@ -1,0 +1,196 @@
+"""`kame-phone bench oracle`: how fast a new LLM draft becomes a call's oracle, with many calls at once.
+
+Harness: the real engine (tiny model, CPU, one slot per call), the real per-call back-end (policy,
+conversation, streaming OpenAI client), and a local OpenAI-compatible server with a fixed time to first
+token. The STT is replaced by a scripted caller that says a word every 300 ms and ends a sentence every
+8 words, so 32 calls fit on a 2-core machine (pocketsphinx costs ~0.13 s of CPU per second of audio).
+
+Reported: oracle lag (transcript update -> the candidate's boundary token fed to the call's row), the
+LLM's time to first token as the client saw it, and their difference per candidate: the delay the
+system adds on top of the LLM, whose target is <= 80 ms p99 (one frame).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from engine.backend import CallBackend
+from engine.batch import SamplingConfig
+from engine.interface import FRAME_SAMPLES, FRAME_SECONDS
+from engine.llm import LlmClient, LlmConfig
+from engine.oracle_policy import OraclePolicyConfig
+from engine.service import EngineConfig, LocalEngine
+from engine.stt import SttResult
+from engine.tiny_checkpoint import make_tiny_checkpoint
+
+WORDS = "could you please tell me when the store opens on monday and whether you deliver".split()
+ANSWER = "The store opens at nine on Monday and yes we deliver every day of the week including Sundays."
+
+
+class ScriptedCaller:
+    """An STT stand-in: one more word every `word_s` of audio fed; a final every `per_sentence` words."""
+
+    def __init__(self, word_s: float = 0.3, per_sentence: int = 8) -> None:
+        self.frames_per_word = max(1, round(word_s / FRAME_SECONDS))
+        self.per_sentence = per_sentence
+        self.frames = 0
+        self.words: list[str] = []
+
+    def feed(self, pcm24k: np.ndarray) -> list[SttResult]:
+        out = []
+        for _ in range(len(pcm24k) // FRAME_SAMPLES):
+            self.frames += 1
+            if self.frames % self.frames_per_word:
+                continue
+            self.words.append(WORDS[len(self.words) % len(WORDS)])
+            final = len(self.words) == self.per_sentence
+            out.append(SttResult(" ".join(self.words), final=final))
+            if final:
+                self.words = []
+        return out
+
+    def flush(self) -> list[SttResult]:
+        return []
+
+    def reset(self) -> None:
+        self.words = []
+
+    def close(self) -> None:
+        pass
+
+
+class FixedLatencyLlm:
+    """A local OpenAI-compatible server: waits `ttft_s`, then streams ANSWER a word every `chunk_s`."""
+
+    def __init__(self, ttft_s: float, chunk_s: float = 0.02) -> None:
+        self.ttft_s, self.chunk_s = ttft_s, chunk_s
+        self.requests = 0
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests += 1
+        await asyncio.sleep(self.ttft_s)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        try:
+            await resp.prepare(request)
+            for i, word in enumerate(ANSWER.split()):
+                delta = {"content": ("" if i == 0 else " ") + word}
+                chunk = {"id": "b", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
+                         "choices": [{"index": 0, "delta": delta}]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await asyncio.sleep(self.chunk_s)
+            await resp.write(b"data: [DONE]\n\n")
+        except ConnectionError:
+            pass  # superseded: the client walked away
+        return resp
+
+
+class _Provider:
+    """Opens a real CallBackend per call, with the scripted caller and timing taps on its drafts."""
+
+    def __init__(self, llm: LlmClient, executor: ThreadPoolExecutor) -> None:
+        self.llm, self.executor = llm, executor
+        self.first_draft: dict[tuple[str, int], tuple[float, float]] = {}  # (call, cand) -> (trigger, arrival)
+
+    def open_call(self, call_id, on_transcript, on_oracle, on_error):  # type: ignore[no-untyped-def]
+        def tapped(text: str, triggered_at: float, candidate_id: int) -> None:
+            self.first_draft.setdefault((call_id, candidate_id), (triggered_at, time.monotonic()))
+            on_oracle(text, triggered_at, candidate_id)
+
+        return CallBackend(
+            call_id, stt_factory=ScriptedCaller, llm=self.llm, executor=self.executor,
+            on_transcript=on_transcript, on_oracle=tapped, on_error=on_error, policy=OraclePolicyConfig(),
+        )
+
+    async def aclose(self) -> None:
+        await self.llm.aclose()
+        self.executor.shutdown(wait=False)
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q) * 1000) if values else float("nan")
+
+
+async def run_oracle_bench(calls: int = 32, seconds: float = 20.0, ttft_ms: float = 300.0, log=print) -> dict[str, Any]:
+    llm_server = FixedLatencyLlm(ttft_ms / 1000)
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", llm_server.handle)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    base_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    llm = LlmClient(LlmConfig(model="bench", base_url=base_url, api_key="none", timeout_s=10.0))
+    provider = _Provider(llm, ThreadPoolExecutor(max_workers=2, thread_name_prefix="bench-stt"))
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = await asyncio.to_thread(make_tiny_checkpoint, Path(tmp) / "tiny")
+        engine = await LocalEngine.load(
+            EngineConfig(checkpoint=str(ckpt), device="cpu", max_calls=calls, sampling=SamplingConfig()), provider
+        )
+    await engine.start()
+    sessions = [await engine.open_call(f"bench-{i:03d}") for i in range(calls)]
+    drains = [asyncio.create_task(_drain(s)) for s in sessions]
+    silence = np.zeros(FRAME_SAMPLES, dtype=np.float32)
+    t0 = time.monotonic()
+    next_at = t0
+    while time.monotonic() - t0 < seconds:
+        for s in sessions:
+            s.push_audio(silence)
+        next_at += FRAME_SECONDS
+        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+    fed = list(engine.frame_loop.oracle_fed)
+    ticks = list(engine.frame_loop.stats.tick_s)
+    misses = engine.frame_loop.stats.deadline_misses
+    for s in sessions:
+        await s.close()
+    for d in drains:
+        d.cancel()
+    await engine.stop()
+    await runner.cleanup()
+
+    lags, ttfts, added = [], [], []
+    for call_id, cand, fed_at, lag in fed:
+        tap = provider.first_draft.get((call_id, cand))
+        if tap is None:
+            continue
+        triggered_at, arrived_at = tap
+        lags.append(lag)
+        ttfts.append(arrived_at - triggered_at)
+        added.append(fed_at - arrived_at)
+    result = {
+        "calls": calls, "seconds": seconds, "llm_ttft_ms_configured": ttft_ms, "llm_requests": llm_server.requests,
+        "candidates_fed": len(lags),
+        "oracle_lag_p50_ms": _pct(lags, 50), "oracle_lag_p99_ms": _pct(lags, 99),
+        "llm_ttft_p50_ms": _pct(ttfts, 50), "llm_ttft_p99_ms": _pct(ttfts, 99),
+        "lag_minus_ttft_p50_ms": _pct(added, 50), "lag_minus_ttft_p99_ms": _pct(added, 99),
+        "tick_p50_ms": _pct(ticks, 50), "tick_p99_ms": _pct(ticks, 99), "deadline_misses": misses,
+        "machine": f"{platform.machine()}, {_cores()} cores", "engine": "tiny model on CPU",
+    }
+    log(f"# oracle path: {calls} calls for {seconds:.0f} s, LLM TTFT {ttft_ms:.0f} ms, tiny engine on CPU")
+    log(f"candidates fed: {len(lags)} of {llm_server.requests} requests")
+    log(f"oracle lag p50/p99: {result['oracle_lag_p50_ms']:.0f}/{result['oracle_lag_p99_ms']:.0f} ms; "
+        f"LLM TTFT p50/p99: {result['llm_ttft_p50_ms']:.0f}/{result['llm_ttft_p99_ms']:.0f} ms")
+    log(f"lag minus TTFT p50/p99: {result['lag_minus_ttft_p50_ms']:.1f}/{result['lag_minus_ttft_p99_ms']:.1f} ms"
+        f" (target p99 <= 80 ms); engine tick p50/p99 {result['tick_p50_ms']:.0f}/{result['tick_p99_ms']:.0f} ms,"
+        f" {misses} deadline misses")
+    return result
+
+
+async def _drain(session) -> None:  # type: ignore[no-untyped-def]
+    async for _ in session.outputs():
+        pass
+
+
+def _cores() -> int:
+    import os
+
+    return os.cpu_count() or 0
