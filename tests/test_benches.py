@@ -1,0 +1,35 @@
+"""The benchmarks run and report what docs/benchmarks.md records (their figures are not asserted here)."""
+
+from __future__ import annotations
+
+import json
+
+from engine.bench import run_engine_bench
+from kame_phone.cli import main
+from kame_phone.oracle_bench import run_oracle_bench
+
+
+def test_engine_bench_reports_each_batch(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "engine", "--size", "tiny", "--batch", "1,3", "--ticks", "4", "--warmup", "2",
+                 "--device", "cpu", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["batch"] for r in report["results"]] == [1, 3]
+    for r in report["results"]:
+        assert r["ticks"] == 4 and 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
+        assert r["realtime_factor"] > 0 and r["peak_gpu_mem_gb"] is None
+    assert report["size"] == "tiny" and report["context"] == 64
+
+
+def test_full_size_needs_a_gpu() -> None:
+    import pytest
+
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        run_engine_bench("moshi-7b", [1], "cpu")
+
+
+async def test_oracle_bench_measures_lag_against_ttft() -> None:
+    result = await run_oracle_bench(calls=2, seconds=3.0, ttft_ms=100.0, log=lambda *_: None)
+    assert result["llm_requests"] >= 2 and result["candidates_fed"] >= 2
+    assert result["llm_ttft_p50_ms"] >= 100.0  # the server's fixed latency is part of what the client sees
+    assert result["oracle_lag_p50_ms"] >= result["llm_ttft_p50_ms"]
