@@ -36,7 +36,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         store = open_call_store(
-            config.redis_url, ttl_s=config.retention_s, store_transcripts=config.store_transcripts
+            config.redis_url,
+            key_prefix=config.redis_prefix,
+            ttl_s=config.retention_s,
+            store_transcripts=config.store_transcripts,
         )
         await run_service(config, store, lambda: load_engine(args))
 

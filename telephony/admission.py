@@ -5,6 +5,8 @@ Twilio as a `<Parameter>`). The stream's `start` must carry the same CallSid and
 consumes the reservation. A reconnect of the same live call (Twilio sometimes opens a second socket for
 one call) presents the same pair and is accepted, replacing the first stream; the token is forgotten
 when the call ends. Reservations that never see their stream expire, freeing the slot.
+
+This is the in-process book keeping; `telephony.cluster` builds single- and multi-node admission on it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,15 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def tokens_match(expected: str, given: str | None) -> bool:
+    """Constant-time; bytes, so a non-ASCII token from a caller is a mismatch rather than a TypeError."""
+    return given is not None and hmac.compare_digest(expected.encode(), given.encode())
 
 
 @dataclass
@@ -41,17 +52,24 @@ class Admission:
         self._expire()
         return sum(not g.claimed for g in self._grants.values())
 
-    def issue(self, call_sid: str) -> str:
+    def token_for(self, call_sid: str) -> str | None:
+        """The live grant's token for this call (reserved or streaming), if any."""
+        self._expire()
+        grant = self._grants.get(call_sid)
+        return None if grant is None else grant.token
+
+    def issue(self, call_sid: str, token: str | None = None) -> str:
+        """Reserve for `call_sid` (with `token`, or a new one); a call that has a grant keeps its token."""
         self._expire()
         grant = self._grants.get(call_sid)
         if grant is None:  # Twilio retries a webhook with the same CallSid: same token
-            grant = self._grants[call_sid] = _Grant(secrets.token_urlsafe(24), self.clock())
+            grant = self._grants[call_sid] = _Grant(token or new_token(), self.clock())
         return grant.token
 
     def claim(self, call_sid: str, token: str | None) -> bool:
         self._expire()
         grant = self._grants.get(call_sid)
-        if grant is None or token is None or not hmac.compare_digest(grant.token, token):
+        if grant is None or not tokens_match(grant.token, token):
             return False
         grant.claimed = True
         return True

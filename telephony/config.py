@@ -24,7 +24,13 @@ class ServiceConfig:
     admin_token: str | None = field(default=None, repr=False)
     insecure_dev: bool = False
     redis_url: str | None = field(default=None, repr=False)  # may hold a password
-    node_id: str = field(default_factory=socket.gethostname)
+    node_id: str = field(default_factory=socket.gethostname)  # unique per node (KAME_NODE_ID)
+    # This node's own public base URL, when Twilio reaches the webhooks through a shared load balancer
+    # (PUBLIC_URL) but must open each media stream on the node that reserved the call's slot.
+    node_url: str = ""
+    redis_prefix: str = "kame:"  # cluster keys (KAME_REDIS_PREFIX)
+    heartbeat_s: float = 1.0  # how often a node publishes its free slots to Redis
+    node_ttl_s: float = 3.0  # a node silent for this long gets no more calls
     store_transcripts: bool = True
     retention_s: float = 24 * 3600.0
     reservation_ttl_s: float = 30.0  # a webhook's slot reservation that never got its stream
@@ -45,6 +51,10 @@ class ServiceConfig:
         }
         if env.get("KAME_NODE_ID"):
             values["node_id"] = env["KAME_NODE_ID"]
+        if env.get("KAME_NODE_URL"):
+            values["node_url"] = env["KAME_NODE_URL"]
+        if env.get("KAME_REDIS_PREFIX"):
+            values["redis_prefix"] = env["KAME_REDIS_PREFIX"]
         values.update({k: v for k, v in overrides.items() if v is not None})
         config = cls(**values)  # type: ignore[arg-type]
         config.check()
@@ -58,10 +68,14 @@ class ServiceConfig:
             )
         if self.insecure_dev and self.host not in LOOPBACK:
             raise ConfigError(f"--insecure-dev binds to loopback only, not {self.host!r}")
-        if self.public_url:
-            parts = urlsplit(self.public_url)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ConfigError(f"PUBLIC_URL must look like https://host[:port], got {self.public_url!r}")
+        for name, url in (("PUBLIC_URL", self.public_url), ("KAME_NODE_URL", self.node_url)):
+            parts = urlsplit(url)
+            if url and (parts.scheme not in ("http", "https") or not parts.netloc):
+                raise ConfigError(f"{name} must look like https://host[:port], got {url!r}")
+        if not 0 < self.heartbeat_s < self.node_ttl_s:
+            raise ConfigError(f"need 0 < heartbeat_s < node_ttl_s, got {self.heartbeat_s} and {self.node_ttl_s}")
+        if not self.node_id:
+            raise ConfigError("KAME_NODE_ID must not be empty")
 
     @property
     def base_url(self) -> str:
@@ -71,6 +85,12 @@ class ServiceConfig:
         return f"http://{self.host}:{self.port}"
 
     @property
+    def node_base_url(self) -> str:
+        """This node's own public http(s) base: KAME_NODE_URL, else the public base URL."""
+        return self.node_url.rstrip("/") if self.node_url else self.base_url
+
+    @property
     def ws_base_url(self) -> str:
-        base = self.base_url
+        """Where Twilio opens this node's media streams (ws(s):// form of `node_base_url`)."""
+        base = self.node_base_url
         return "wss://" + base[len("https://"):] if base.startswith("https://") else "ws://" + base[len("http://"):]

@@ -168,7 +168,7 @@ class MediaStreamSession:
         call_sid = start.call_sid
         call_id_var.set(call_sid)
         token = start.custom_parameters.get(TOKEN_PARAMETER)
-        if not self.ctx.admission.claim(call_sid, token):
+        if not await self.ctx.cluster.claim(call_sid, token):
             metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason="bad_token").inc()
             log.warning("stream for %s rejected: no matching admission token", call_sid)
             metrics.CALLS_TOTAL.labels(outcome="rejected").inc()
@@ -181,7 +181,7 @@ class MediaStreamSession:
         except EngineError as e:
             log.error("engine refused the call: %s", e)
             metrics.CALLS_TOTAL.labels(outcome="engine_full").inc()
-            self.ctx.forget_stream(call_sid, self)
+            await self.ctx.forget_stream(call_sid, self)
             self._end_reason = "engine_full"
             await self.ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"engine busy")
             return
@@ -319,7 +319,7 @@ class MediaStreamSession:
             metrics.CALLS_TOTAL.labels(outcome=reason).inc()
             self._flush_bot_turn()
             if reason != "replaced":
-                self.ctx.forget_stream(call_sid, self)
+                await self.ctx.forget_stream(call_sid, self)
                 await self.ctx.store.end(call_sid, reason)
             log.info(
                 "stream ended (%s): %d packets in, %d frames out, %d/%d marks played",

@@ -18,8 +18,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from engine.interface import Engine
 
 from . import metrics
-from .admission import Admission
 from .call_store import CallRecord, CallStore
+from .cluster import Cluster, LocalCluster, open_cluster
 from .config import ServiceConfig
 from .logs import call_id_var
 from .media_session import TOKEN_PARAMETER, MediaStreamSession
@@ -42,13 +42,22 @@ BUSY_MESSAGE = "All our lines are busy right now. Please call again in a few min
 
 
 class ServerContext:
-    """Shared state of one service instance. The engine arrives after the model has loaded."""
+    """Shared state of one service instance. The engine arrives after the model has loaded.
 
-    def __init__(self, config: ServiceConfig, store: CallStore, engine: Engine | None = None) -> None:
+    Without a `cluster`, calls are admitted on this node only (`LocalCluster`)."""
+
+    def __init__(
+        self, config: ServiceConfig, store: CallStore, engine: Engine | None = None, cluster: Cluster | None = None
+    ) -> None:
         self.config = config
         self.store = store
         self.engine: Engine | None = engine
-        self.admission = Admission(config.reservation_ttl_s)
+        self.cluster: Cluster = cluster or LocalCluster(
+            config.node_id,
+            lambda: self.config.ws_base_url + MEDIA_PATH,  # the port is known once listening
+            self.free_slots,
+            config.reservation_ttl_s,
+        )
         self.streams: dict[str, MediaStreamSession] = {}
         self.no_streams = asyncio.Event()  # set whenever no call is streaming (drain waits on it)
         self.no_streams.set()
@@ -60,11 +69,19 @@ class ServerContext:
         self._tasks.add(task)  # keep a reference until done
         task.add_done_callback(self._tasks.discard)
 
+    def free_slots(self) -> int:
+        """Engine seats no stream holds (reservations not subtracted); 0 while loading or draining.
+
+        A stream counts from the moment its reservation is claimed, before the engine seat opens."""
+        engine = self.engine
+        if engine is None or not engine.ready or self.draining:
+            return 0
+        return max(0, min(engine.free_slots, engine.max_calls - len(self.streams)))
+
     @property
     def capacity_left(self) -> int:
-        if self.engine is None or not self.engine.ready or self.draining:
-            return 0
-        return self.engine.free_slots - self.admission.reserved
+        """Calls this node can still take: free seats less the reservations waiting for their stream."""
+        return self.free_slots() - self.cluster.reserved
 
     async def replace_stream(self, call_sid: str, session: MediaStreamSession) -> None:
         old = self.streams.get(call_sid)
@@ -74,10 +91,10 @@ class ServerContext:
             log.warning("a second stream for this call replaces the first")
             await old.replace()
 
-    def forget_stream(self, call_sid: str, session: MediaStreamSession) -> None:
+    async def forget_stream(self, call_sid: str, session: MediaStreamSession) -> None:
         if self.streams.get(call_sid) is session:
             del self.streams[call_sid]
-            self.admission.release(call_sid)
+            await self.cluster.release(call_sid)
         if not self.streams:
             self.no_streams.set()
 
@@ -116,21 +133,22 @@ async def handle_voice(request: web.Request) -> web.Response:
         to_number=str(form.get("To") or "") or None,
         node=ctx.config.node_id,
     )
-    if ctx.capacity_left <= 0:
-        log.warning("no capacity (draining=%s): answering busy", ctx.draining)
+    reservation = await ctx.cluster.reserve(call_sid)
+    if reservation is None:
+        log.warning("no capacity on any node (draining=%s): answering busy", ctx.draining)
         metrics.CALLS_TOTAL.labels(outcome="busy").inc()
         await ctx.store.create(record)
         await ctx.store.end(call_sid, "busy")
         return web.Response(text=busy_twiml(BUSY_MESSAGE), content_type="text/xml")
-    token = ctx.admission.issue(call_sid)
+    record.node = reservation.node_id
     await ctx.store.create(record)
     twiml = connect_stream_twiml(
-        ctx.config.ws_base_url + MEDIA_PATH,
+        reservation.stream_url,
         ctx.config.base_url + STATUS_PATH,
-        {TOKEN_PARAMETER: token},
+        {TOKEN_PARAMETER: reservation.token},
         allow_insecure_ws=ctx.config.insecure_dev,
     )
-    log.info("answering with a media stream")
+    log.info("answering with a media stream on node %s", reservation.node_id)
     return web.Response(text=twiml, content_type="text/xml")
 
 
@@ -138,7 +156,7 @@ async def handle_media(request: web.Request) -> web.StreamResponse:
     ctx = _ctx(request)
     token = ctx.config.twilio_auth_token
     if token is not None:
-        url = websocket_signature_url(ctx.config.base_url, request.path)
+        url = websocket_signature_url(ctx.config.node_base_url, request.path)  # the node's own stream URL
         if not validate_websocket(token, url, request.headers.get(SIGNATURE_HEADER)):
             reason = "missing_signature" if SIGNATURE_HEADER not in request.headers else "bad_signature"
             metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason=reason).inc()
@@ -261,13 +279,20 @@ class ServiceHandle:
     def http_url(self) -> str:
         return f"http://{self.ctx.config.host}:{self.port}"
 
-    async def drain(self, timeout_s: float) -> None:
-        """Take no new calls; wait for the calls in progress to finish."""
-        self.ctx.draining = True
+    async def drain(self, timeout_s: float, poll_s: float = 0.1) -> None:
+        """Take no new calls (and tell the other nodes); wait for the calls in progress to finish, and for
+        reservations already promised to this node to start their stream or expire."""
+        ctx = self.ctx
+        ctx.draining = True
+        await ctx.cluster.drain()
         try:
-            await asyncio.wait_for(self.ctx.no_streams.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            log.warning("drain timed out with %d calls still up: ending them", len(self.ctx.streams))
+            async with asyncio.timeout(timeout_s):
+                await ctx.no_streams.wait()
+                # A reservation starts its stream or expires without an event (and maybe on Redis): poll.
+                while ctx.streams or ctx.cluster.reserved > 0:  # noqa: ASYNC110 - see above
+                    await asyncio.sleep(poll_s)
+        except TimeoutError:
+            log.warning("drain timed out with %d calls still up: ending them", len(ctx.streams))
         for session in list(self.ctx.streams.values()):
             await session.end("drain_timeout")
 
@@ -286,6 +311,8 @@ async def run_service(
     """
     ctx = ServerContext(config, store)
     handle = await ServiceHandle(ctx).start()
+    ctx.cluster = open_cluster(ctx.config, ctx.free_slots, ctx.config.ws_base_url + MEDIA_PATH)
+    await ctx.cluster.start()
     if config.insecure_dev:
         log.warning("!!! --insecure-dev: Twilio signatures are NOT checked; listening on %s only !!!", config.host)
     log.info("listening on %s:%d (public %s)", config.host, handle.port, config.base_url)
@@ -301,6 +328,7 @@ async def run_service(
         if loading.done():
             engine = loading.result()
             ctx.engine = engine
+            await ctx.cluster.refresh()  # routable now, not at the next heartbeat
             log.info("ready: %d call slots", engine.max_calls)
             await stopped
         else:
@@ -308,6 +336,7 @@ async def run_service(
         log.info("stopping: draining %d calls (up to %.0fs)", len(ctx.streams), config.drain_timeout_s)
         await handle.drain(config.drain_timeout_s)
     finally:
+        await ctx.cluster.aclose()  # other nodes stop seeing this one now, not after node_ttl_s
         if engine is not None:
             await engine.stop()
         await store.aclose()

@@ -1,0 +1,445 @@
+"""Which node takes a call: slot reservations across one or many service nodes.
+
+`/twilio/voice` may land on any node. It reserves a call slot on a node with room and answers TwiML
+that points Twilio's media stream at *that* node, with a per-call token. The stream's `start` then
+claims the reservation on the node it reached. Two implementations of one `Cluster` protocol:
+
+- `LocalCluster`: a single node, in process (no REDIS_URL).
+- `RedisCluster`: nodes publish their free slots in Redis with heartbeats; one Lua script picks a node
+  and writes the reservation atomically, so concurrent webhooks on many nodes never over-book a node.
+  If Redis fails, a node falls back to admitting calls on itself only, so an outage never drops a call
+  this node could take.
+
+Redis layout (prefix `kame:` by default; all times are Redis's own clock, in ms, so node clocks don't matter):
+  <p>nodes              sorted set: node id scored by its last heartbeat; stale ones are pruned
+  <p>node:<id>          hash url (the node's wss media URL), free, draining, ts; expires after node_ttl_s
+  <p>node:<id>:resv     sorted set: CallSids with an unclaimed reservation on the node, scored by expiry
+  <p>resv:<sid>         hash node, url, token, state (reserved|claimed); expires after reservation_ttl_s,
+                        or bound_ttl_s once claimed (a reconnect of the live call needs it), deleted at call end
+A node's room is `free - (live entries in its resv set)`. `free` counts engine seats not held by a
+stream; a claim moves a call from the resv set into `free` at once (HINCRBY -1), and the node's next
+heartbeat publishes the real figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from .admission import Admission, new_token, tokens_match
+from .call_store import _safe_url
+from .config import ServiceConfig
+from .metrics import REDIS_ERRORS
+
+log = logging.getLogger(__name__)
+
+CapacityFn = Callable[[], int]  # engine seats free on this node, not counting reservations
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A call slot held on `node_id` until its stream starts there (or the reservation expires)."""
+
+    node_id: str
+    stream_url: str  # the node's public ws(s)://…/twilio/media
+    token: str = field(repr=False)  # goes to Twilio as a <Parameter>; never logged
+
+
+class Cluster(Protocol):
+    """Slot reservations for calls, on this node or on any node of the cluster."""
+
+    @property
+    def reserved(self) -> int:
+        """Reservations held on THIS node whose stream has not started (they count against its room)."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def refresh(self) -> None:
+        """Publish this node's free slots now (e.g. the engine just came up), not at the next heartbeat."""
+        ...
+
+    async def drain(self) -> None:
+        """Take no new reservations on this node (and tell the other nodes at once)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+    async def reserve(self, call_sid: str) -> Reservation | None:
+        """Hold a slot for `call_sid` on a node with room; None when every node is full.
+        A retried webhook (same CallSid) gets the same reservation back."""
+        ...
+
+    async def claim(self, call_sid: str, token: str | None) -> bool:
+        """On the node the stream reached: True if the call was reserved HERE with this token. The first
+        claim consumes the reservation; the call stays bound, so a reconnect with the same token passes.
+        After True, the caller counts the stream in `capacity_fn` before it next awaits (as
+        `ServerContext.replace_stream` does), so the seat is never seen free in between."""
+        ...
+
+    async def release(self, call_sid: str) -> None:
+        """The call has ended on this node: forget its binding."""
+        ...
+
+
+class LocalCluster:
+    """One node, in process: the per-call tokens of `Admission` plus this node's free slots."""
+
+    def __init__(
+        self,
+        node_id: str,
+        stream_url: str | Callable[[], str],
+        capacity_fn: CapacityFn,
+        reservation_ttl_s: float = 30.0,
+    ) -> None:
+        self.node_id = node_id
+        self._stream_url = stream_url  # a callable when the port is only known once listening
+        self.capacity_fn = capacity_fn
+        self.admission = Admission(reservation_ttl_s)
+        self.draining = False
+
+    @property
+    def stream_url(self) -> str:
+        return self._stream_url() if callable(self._stream_url) else self._stream_url
+
+    @property
+    def reserved(self) -> int:
+        return self.admission.reserved
+
+    async def start(self) -> None:
+        return None
+
+    async def refresh(self) -> None:
+        return None
+
+    async def drain(self) -> None:
+        self.draining = True
+
+    async def aclose(self) -> None:
+        return None
+
+    async def reserve(self, call_sid: str) -> Reservation | None:
+        token = self.admission.token_for(call_sid)
+        if token is None:
+            if self.draining or self.capacity_fn() - self.admission.reserved <= 0:
+                return None
+            token = self.admission.issue(call_sid)
+        return Reservation(self.node_id, self.stream_url, token)
+
+    async def claim(self, call_sid: str, token: str | None) -> bool:
+        return self.admission.claim(call_sid, token)
+
+    async def release(self, call_sid: str) -> None:
+        self.admission.release(call_sid)
+
+
+_NOW_MS_LUA = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+
+
+# KEYS 1 node hash, 2 nodes zset, 3 node resv zset. ARGV 1 node id, 2 stream url, 3 free, 4 draining (0/1),
+# 5 node ttl ms. Returns the node's live reservation count.
+_HEARTBEAT_LUA = _NOW_MS_LUA + """
+redis.call('HSET', KEYS[1], 'url', ARGV[2], 'free', ARGV[3], 'draining', ARGV[4], 'ts', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. (now - tonumber(ARGV[5])))
+redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[5]) * 10)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+return redis.call('ZCARD', KEYS[3])
+"""
+
+# KEYS 1 nodes zset, 2 resv:<sid>. ARGV 1 prefix, 2 call sid, 3 local node id, 4 token, 5 reservation ttl ms,
+# 6 node ttl ms, 7 local node draining (0/1), 8 local node's free slots now (fresher than its heartbeat).
+# Returns {node, url, token, reservations on that node} or nil.
+_RESERVE_LUA = _NOW_MS_LUA + """
+local held = redis.call('HMGET', KEYS[2], 'node', 'url', 'token')
+if held[1] then return {held[1], held[2], held[3], -1} end
+local p, me = ARGV[1], ARGV[3]
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - tonumber(ARGV[6])))
+local best, best_url, best_room = nil, nil, 0
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local n = redis.call('HMGET', p .. 'node:' .. id, 'url', 'free', 'draining')
+  if n[1] and n[3] ~= '1' and not (id == me and ARGV[7] == '1') then
+    local rz = p .. 'node:' .. id .. ':resv'
+    redis.call('ZREMRANGEBYSCORE', rz, '-inf', now)
+    local free = tonumber(n[2]) or 0
+    if id == me then free = tonumber(ARGV[8]) end
+    local room = free - redis.call('ZCARD', rz)
+    if room > 0 and best ~= me then
+      -- this node first (the webhook and the stream on one node: fewer hops), else the most room
+      if id == me or room > best_room or (room == best_room and id < best) then
+        best, best_url, best_room = id, n[1], room
+      end
+    end
+  end
+end
+if not best then return false end
+local ttl = tonumber(ARGV[5])
+local rz = p .. 'node:' .. best .. ':resv'
+redis.call('HSET', KEYS[2], 'node', best, 'url', best_url, 'token', ARGV[4], 'state', 'reserved')
+redis.call('PEXPIRE', KEYS[2], ttl)
+redis.call('ZADD', rz, now + ttl, ARGV[2])
+redis.call('PEXPIRE', rz, ttl * 2)
+return {best, best_url, ARGV[4], redis.call('ZCARD', rz)}
+"""
+
+# KEYS 1 resv:<sid>, 2 node resv zset, 3 node hash. ARGV 1 call sid, 2 node id, 3 token, 4 bound ttl ms.
+# The caller has already checked the token in constant time; this re-checks it to consume atomically.
+# Returns the node's reservation count, or -1 when the reservation is gone or not this node's.
+_CLAIM_LUA = """
+local held = redis.call('HMGET', KEYS[1], 'node', 'token', 'state')
+if held[1] ~= ARGV[2] or held[2] ~= ARGV[3] then return -1 end
+if held[3] == 'reserved' then
+  redis.call('HSET', KEYS[1], 'state', 'claimed')
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+  if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 and redis.call('EXISTS', KEYS[3]) == 1 then
+    redis.call('HINCRBY', KEYS[3], 'free', -1)  -- the stream now holds the seat; the heartbeat catches up
+  end
+end
+return redis.call('ZCARD', KEYS[2])
+"""
+
+# KEYS 1 resv:<sid>, 2 node resv zset. ARGV 1 call sid, 2 node id.
+_RELEASE_LUA = """
+if redis.call('HGET', KEYS[1], 'node') == ARGV[2] then redis.call('DEL', KEYS[1]) end
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+"""
+
+_REDIS_FAILURES = (RedisError, OSError)  # OSError covers socket errors and TimeoutError
+
+
+class RedisCluster:
+    """Many nodes sharing one Redis. See the module docstring for the key layout."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        node_id: str,
+        stream_url: str,
+        capacity_fn: CapacityFn,
+        *,
+        heartbeat_s: float = 1.0,
+        node_ttl_s: float = 3.0,
+        reservation_ttl_s: float = 30.0,
+        bound_ttl_s: float = 12 * 3600.0,
+        key_prefix: str = "kame:",
+    ) -> None:
+        assert 0 < heartbeat_s < node_ttl_s, (heartbeat_s, node_ttl_s)
+        self._redis = client  # decode_responses=True (see open_cluster); closed by aclose
+        self.node_id = node_id
+        self.stream_url = stream_url
+        self.capacity_fn = capacity_fn
+        self.heartbeat_s = heartbeat_s
+        self.node_ttl_s = node_ttl_s
+        self.reservation_ttl_s = reservation_ttl_s
+        self.bound_ttl_s = bound_ttl_s
+        self.key_prefix = key_prefix
+        self.draining = False
+        self._heartbeat_script = client.register_script(_HEARTBEAT_LUA)
+        self._reserve_script = client.register_script(_RESERVE_LUA)
+        self._claim_script = client.register_script(_CLAIM_LUA)
+        self._release_script = client.register_script(_RELEASE_LUA)
+        # Reservations made while Redis was failing, on this node only (counted in the published `free`).
+        self._fallback = Admission(reservation_ttl_s)
+        # Tokens of Redis reservations on this node, so a stream can still be claimed if Redis fails
+        # between the webhook and the stream (not counted: Redis already counts them).
+        self._mine = Admission(reservation_ttl_s)
+        self._redis_reserved = 0  # this node's live Redis reservations, as of the last script reply
+        self._lock = asyncio.Lock()  # a heartbeat never interleaves with a claim (see _beat)
+        self._poke = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._failing = False
+
+    # ---- keys ----
+
+    @property
+    def _nodes_key(self) -> str:
+        return f"{self.key_prefix}nodes"
+
+    def _node_key(self, node_id: str) -> str:
+        return f"{self.key_prefix}node:{node_id}"
+
+    def _resv_key(self, call_sid: str) -> str:
+        return f"{self.key_prefix}resv:{call_sid}"
+
+    # ---- health ----
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        REDIS_ERRORS.inc()
+        if not self._failing:  # one line per outage, not one per heartbeat
+            log.warning("cluster: Redis %s failed (%s: %s); admitting calls on this node only",
+                        what, type(exc).__name__, exc)
+        self._failing = True
+
+    def _succeeded(self) -> None:
+        if self._failing:
+            log.info("cluster: Redis reachable again")
+        self._failing = False
+
+    # ---- lifecycle ----
+
+    @property
+    def reserved(self) -> int:
+        return self._fallback.reserved + self._redis_reserved
+
+    async def start(self) -> None:
+        with contextlib.suppress(*_REDIS_FAILURES):
+            other = await self._redis.hget(self._node_key(self.node_id), "url")
+            if other is not None and other != self.stream_url:
+                log.error("cluster: node id %r is also used by a node at %s: give each node its own KAME_NODE_ID",
+                          self.node_id, other)
+        await self._beat()  # visible (with free = 0 until the engine is ready) before the first webhook
+        self._task = asyncio.create_task(self._heartbeats(), name="cluster-heartbeat")
+
+    async def refresh(self) -> None:
+        await self._beat()
+
+    async def drain(self) -> None:
+        self.draining = True
+        await self._beat()  # tell the other nodes now, not at the next heartbeat
+
+    async def aclose(self) -> None:
+        # Stopped by a flag, not cancel(): on Python 3.11 a cancel() landing as the heartbeat's
+        # asyncio.timeout expires turns into TimeoutError, which the loop suppresses and carries on.
+        self._closing = True
+        self._poke.set()
+        if self._task is not None:
+            await self._task  # at most one heartbeat (bounded by the client's socket timeout)
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(self._node_key(self.node_id))
+                pipe.zrem(self._nodes_key, self.node_id)
+                await pipe.execute()
+        except _REDIS_FAILURES as exc:  # the record expires after node_ttl_s anyway
+            self._failed("node removal", exc)
+        await self._redis.aclose()
+
+    async def _heartbeats(self) -> None:
+        while not self._closing:
+            self._poke.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.heartbeat_s):
+                    await self._poke.wait()
+            if not self._closing:
+                await self._beat()
+
+    async def _beat(self) -> None:
+        # Under the lock (as reserve and claim): otherwise a `free` computed before a claim could land after
+        # the claim's decrement and count the claimed call's seat as free. After a claim returns, the caller
+        # registers its stream before yielding, so `capacity_fn` sees it by the next locked read.
+        async with self._lock:
+            free = self._free_here()
+            keys = [self._node_key(self.node_id), self._nodes_key, self._node_key(self.node_id) + ":resv"]
+            args = [self.node_id, self.stream_url, free, int(self.draining), _ms(self.node_ttl_s)]
+            try:
+                self._redis_reserved = int(await self._heartbeat_script(keys=keys, args=args))
+            except _REDIS_FAILURES as exc:
+                self._failed("heartbeat", exc)
+                return
+        self._succeeded()
+
+    def _free_here(self) -> int:
+        """Seats to publish: free engine seats less the reservations only this process knows about."""
+        return 0 if self.draining else max(0, self.capacity_fn() - self._fallback.reserved)
+
+    # ---- calls ----
+
+    async def reserve(self, call_sid: str) -> Reservation | None:
+        if (token := self._fallback.token_for(call_sid)) is not None:  # a retry of a fallback reservation
+            return Reservation(self.node_id, self.stream_url, token)
+        keys = [self._nodes_key, self._resv_key(call_sid)]
+        try:
+            async with self._lock:  # this node's free seats must not change (by a claim) until the script ran
+                args: list[Any] = [self.key_prefix, call_sid, self.node_id, new_token(), _ms(self.reservation_ttl_s),
+                                   _ms(self.node_ttl_s), int(self.draining), self._free_here()]
+                got = await self._reserve_script(keys=keys, args=args)
+        except _REDIS_FAILURES as exc:
+            self._failed("reserve", exc)
+            return self._reserve_here(call_sid)
+        self._succeeded()
+        if got is None:
+            return None
+        node_id, url, token, count = got
+        if node_id == self.node_id:
+            self._mine.issue(call_sid, token)
+            if int(count) >= 0:
+                self._redis_reserved = int(count)
+        return Reservation(node_id, url, token)
+
+    def _reserve_here(self, call_sid: str) -> Reservation | None:
+        if self.draining or self.capacity_fn() - self.reserved <= 0:
+            return None
+        return Reservation(self.node_id, self.stream_url, self._fallback.issue(call_sid))
+
+    async def claim(self, call_sid: str, token: str | None) -> bool:
+        if token is None:
+            return False
+        if self._fallback.token_for(call_sid) is not None:
+            return self._fallback.claim(call_sid, token)
+        try:
+            node_id, held = await self._redis.hmget(self._resv_key(call_sid), ["node", "token"])
+            if node_id != self.node_id or held is None or not tokens_match(held, token):
+                return False
+            keys = [self._resv_key(call_sid), self._node_key(self.node_id) + ":resv", self._node_key(self.node_id)]
+            async with self._lock:
+                count = int(await self._claim_script(keys=keys, args=[call_sid, self.node_id, token,
+                                                                     _ms(self.bound_ttl_s)]))
+        except _REDIS_FAILURES as exc:
+            self._failed("claim", exc)
+            return self._mine.claim(call_sid, token)  # reserved here through Redis before it failed
+        self._succeeded()
+        if count < 0:
+            return False
+        self._redis_reserved = count
+        self._mine.claim(call_sid, token)
+        return True
+
+    async def release(self, call_sid: str) -> None:
+        self._fallback.release(call_sid)
+        self._mine.release(call_sid)
+        keys = [self._resv_key(call_sid), self._node_key(self.node_id) + ":resv"]
+        try:
+            await self._release_script(keys=keys, args=[call_sid, self.node_id])
+        except _REDIS_FAILURES as exc:  # the binding expires after bound_ttl_s
+            self._failed("release", exc)
+        self._poke.set()  # publish the freed seat now
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def open_cluster(config: ServiceConfig, capacity_fn: CapacityFn, stream_url: str) -> Cluster:
+    """A `RedisCluster` when REDIS_URL is set, else a single-node `LocalCluster`. Never blocks."""
+    if not config.redis_url:
+        return LocalCluster(config.node_id, stream_url, capacity_fn, config.reservation_ttl_s)
+    client = aioredis.Redis.from_url(
+        config.redis_url,
+        decode_responses=True,
+        socket_timeout=1.0,  # on the webhook's path: a stuck Redis must not hold the caller
+        socket_connect_timeout=1.0,
+        retry=Retry(NoBackoff(), 0),  # a failure falls back to this node at once
+    )
+    log.info("cluster: node %r, streams at %s, Redis at %s, prefix %r",
+             config.node_id, stream_url, _safe_url(config.redis_url), config.redis_prefix)
+    return RedisCluster(
+        client,
+        config.node_id,
+        stream_url,
+        capacity_fn,
+        heartbeat_s=config.heartbeat_s,
+        node_ttl_s=config.node_ttl_s,
+        reservation_ttl_s=config.reservation_ttl_s,
+        key_prefix=config.redis_prefix,
+    )

@@ -1,0 +1,413 @@
+"""More than one node: slot reservations in a real Redis (127.0.0.1:6379, or KAME_TEST_REDIS_URL), then two
+real `kame-phone serve` processes on loopback sharing it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
+from twilio.request_validator import RequestValidator
+
+from telephony.cluster import LocalCluster, RedisCluster, Reservation, open_cluster
+from telephony.config import ServiceConfig
+from telephony.server import MEDIA_PATH, VOICE_PATH
+from telephony.sim_caller import CallReport, simulate_call
+from telephony.twiml import parse_connect_stream
+
+from .phone_fixtures import flite_wav, new_call_sid
+
+REDIS_URL = os.environ.get("KAME_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def redis_errors() -> float:
+    return REGISTRY.get_sample_value("kame_redis_errors_total") or 0.0
+
+
+def client(url: str = REDIS_URL) -> aioredis.Redis:
+    return aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=1.0, socket_connect_timeout=1.0)
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    """A key prefix of its own per test; every key under it is deleted afterwards."""
+    p = f"kame-test:{uuid.uuid4().hex[:10]}:"
+    raw = client()
+    try:
+        await raw.ping()
+    except Exception as exc:  # noqa: BLE001 - turn any connection failure into one clear message
+        pytest.fail(f"these tests need a Redis at {REDIS_URL} (scripts/setup.sh starts one): {exc!r}")
+    yield p
+    keys = [k async for k in raw.scan_iter(match=p + "*")]
+    if keys:
+        await raw.delete(*keys)
+    await raw.aclose()
+
+
+@pytest.fixture
+async def raw() -> AsyncIterator[aioredis.Redis]:
+    r = client()
+    yield r
+    await r.aclose()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RedisCluster against a real Redis, with fake engines (a dict of free seats per node)
+
+
+@contextlib.asynccontextmanager
+async def nodes(
+    prefix: str, free: dict[str, int], url: str = REDIS_URL, **kw: float
+) -> AsyncIterator[dict[str, RedisCluster]]:
+    kw = {"heartbeat_s": 0.1, "node_ttl_s": 0.6, **kw}
+    clusters = {
+        name: RedisCluster(client(url), name, f"ws://127.0.0.1/{name}{MEDIA_PATH}", _seats(free, name),
+                           key_prefix=prefix, **kw)  # type: ignore[arg-type]
+        for name in free
+    }
+    try:
+        for c in clusters.values():
+            await c.start()
+        yield clusters
+    finally:
+        for c in clusters.values():
+            await c.aclose()
+
+
+def _seats(free: dict[str, int], name: str) -> Callable[[], int]:
+    return lambda: free[name]
+
+
+async def reserve_many(c: RedisCluster, n: int) -> list[Reservation | None]:
+    return [await c.reserve(new_call_sid()) for _ in range(n)]
+
+
+def where(reservations: list[Reservation | None]) -> list[str | None]:
+    return [None if r is None else r.node_id for r in reservations]
+
+
+async def test_reserves_here_first_then_on_the_node_with_most_room(prefix: str) -> None:
+    async with nodes(prefix, {"a": 2, "b": 1}) as n:
+        a, b = n["a"], n["b"]
+        sid = new_call_sid()
+        first = await a.reserve(sid)
+        assert first is not None and first.node_id == "a" and first.stream_url == f"ws://127.0.0.1/a{MEDIA_PATH}"
+        assert await a.reserve(sid) == first  # Twilio retrying the webhook: the same reservation
+        assert where(await reserve_many(a, 3)) == ["a", "b", None]
+        assert a.reserved == 2
+        assert await b.reserve(new_call_sid()) is None  # the whole cluster is full, from any node
+        await b.refresh()
+        assert b.reserved == 1
+    async with nodes(prefix + "2:", {"a": 0, "b": 1, "c": 2}) as n:
+        # Not here: the node with the most room (ties by node id).
+        assert where(await reserve_many(n["a"], 4)) == ["c", "b", "c", None]
+
+
+async def test_claim_needs_this_node_and_the_token(prefix: str, raw: aioredis.Redis) -> None:
+    async with nodes(prefix, {"a": 0, "b": 1}) as n:
+        a, b = n["a"], n["b"]
+        sid = new_call_sid()
+        r = await a.reserve(sid)
+        assert r is not None and r.node_id == "b"
+        assert not await a.claim(sid, r.token)  # the stream reached the wrong node
+        for wrong in (None, "", "x" * len(r.token), r.token[:-1], "ü" + r.token[1:]):
+            assert not await b.claim(sid, wrong)
+        assert not await b.claim(new_call_sid(), r.token)  # another call's token
+        await b.refresh()  # b learns of reservations made elsewhere from its heartbeat
+        assert b.reserved == 1
+        assert await b.claim(sid, r.token)
+        assert b.reserved == 0
+        # The claim moved the seat from "reserved" to "taken" in b's published record at once.
+        assert await raw.hget(f"{prefix}node:b", "free") == "0"
+        assert await b.claim(sid, r.token)  # Twilio reconnecting the same live call
+        await b.release(sid)
+        assert not await b.claim(sid, r.token)  # the call is over: its token is dead
+
+
+async def test_a_reservation_without_a_stream_expires(prefix: str) -> None:
+    async with nodes(prefix, {"a": 1}, reservation_ttl_s=0.3) as n:
+        a = n["a"]
+        sid = new_call_sid()
+        r = await a.reserve(sid)
+        assert r is not None
+        assert await a.reserve(new_call_sid()) is None
+        await asyncio.sleep(0.5)
+        assert where(await reserve_many(a, 1)) == ["a"]  # the slot came back
+        assert not await a.claim(sid, r.token)  # too late for the stream
+
+
+async def test_a_draining_node_gets_no_reservations(prefix: str, raw: aioredis.Redis) -> None:
+    async with nodes(prefix, {"a": 1, "b": 1}) as n:
+        a, b = n["a"], n["b"]
+        await b.drain()
+        assert await raw.hget(f"{prefix}node:b", "draining") == "1"  # published at once
+        assert where(await reserve_many(b, 1)) == ["a"]  # a draining node still routes webhooks elsewhere
+        assert await a.reserve(new_call_sid()) is None  # a is full and b takes nothing
+
+
+async def test_a_silent_node_disappears_and_a_closed_one_at_once(prefix: str, raw: aioredis.Redis) -> None:
+    async with nodes(prefix, {"a": 0, "b": 5, "c": 5}, node_ttl_s=0.5) as n:
+        a, b, c = n["a"], n["b"], n["c"]
+        assert sorted(set(where(await reserve_many(a, 2)))) == ["b", "c"]
+        b._closing = True  # b hangs: no more heartbeats, its record stays until it expires
+        b._poke.set()
+        await asyncio.sleep(0.7)
+        assert where(await reserve_many(a, 2)) == ["c", "c"]
+        await c.aclose()  # c shuts down cleanly: gone at once
+        assert await raw.zrange(f"{prefix}nodes", 0, -1) == ["a"]
+        assert await a.reserve(new_call_sid()) is None
+
+
+async def test_concurrent_reservations_never_over_book(prefix: str) -> None:
+    async with nodes(prefix, {"a": 5, "b": 3}, heartbeat_s=0.05) as n:
+        a, b = n["a"], n["b"]
+        got = await asyncio.gather(*[(a if i % 2 else b).reserve(new_call_sid()) for i in range(20)])
+        taken = where(list(got))
+        assert taken.count("a") == 5 and taken.count("b") == 3 and taken.count(None) == 12
+
+
+async def test_redis_down_admits_on_this_node_only(prefix: str) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    errors = redis_errors()
+    async with nodes(prefix, {"a": 1}, url=dead) as n:
+        a = n["a"]
+        sid = new_call_sid()
+        r = await a.reserve(sid)
+        assert r is not None and r.node_id == "a"
+        assert await a.reserve(sid) == r
+        assert await a.reserve(new_call_sid()) is None  # this node's own capacity still holds
+        assert await a.claim(sid, r.token) and not await a.claim(sid, "forged")
+        await a.release(sid)
+    assert redis_errors() > errors
+
+
+async def test_redis_password_never_logged() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"redis://:hunter2secret@127.0.0.1:{s.getsockname()[1]}/0"
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("telephony.cluster")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        config = ServiceConfig(twilio_auth_token="t", redis_url=url, node_id="n")
+        cluster = open_cluster(config, lambda: 1, "ws://127.0.0.1:1" + MEDIA_PATH)
+        assert isinstance(cluster, RedisCluster)
+        await cluster.start()
+        assert await cluster.reserve(new_call_sid()) is not None  # Redis is down: this node takes it
+        await cluster.aclose()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    assert any("127.0.0.1" in m for m in seen) and any("failed" in m for m in seen)
+    assert not any("hunter2secret" in m for m in seen), seen
+    assert isinstance(open_cluster(ServiceConfig(twilio_auth_token="t"), lambda: 1, "ws://x"), LocalCluster)
+
+
+async def test_local_cluster() -> None:
+    free = {"here": 1}
+    c = LocalCluster("here", lambda: "ws://127.0.0.1:1" + MEDIA_PATH, _seats(free, "here"), reservation_ttl_s=30)
+    sid = new_call_sid()
+    r = await c.reserve(sid)
+    assert r is not None and r.node_id == "here" and await c.reserve(sid) == r
+    assert await c.reserve(new_call_sid()) is None and c.reserved == 1
+    assert await c.claim(sid, r.token) and c.reserved == 0
+    await c.drain()
+    assert await c.reserve(new_call_sid()) is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Two `kame-phone serve` processes on loopback, one Redis
+
+
+@pytest.fixture(scope="module")
+def question_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return flite_wav("Hello, what time does the store open on Monday?", tmp_path_factory.mktemp("speech") / "q.wav")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Node:
+    node_id: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}{MEDIA_PATH}"
+
+
+def start_node(node_id: str, max_calls: int, checkpoint: Path, prefix: str, token: str, logdir: Path) -> Node:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAME_", "TWILIO_", "PUBLIC_URL", "REDIS_"))}
+    env |= {
+        "TWILIO_AUTH_TOKEN": token,
+        "PUBLIC_URL": f"http://127.0.0.1:{port}",
+        "REDIS_URL": REDIS_URL,
+        "KAME_REDIS_PREFIX": prefix,
+        "KAME_NODE_ID": node_id,
+    }
+    cmd = [sys.executable, "-m", "kame_phone.cli", "serve", "--port", str(port), "--checkpoint", str(checkpoint),
+           "--device", "cpu", "--max-calls", str(max_calls), "--stt", "none", "--llm", "none", "--greedy"]
+    log = logdir / f"{node_id}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return Node(node_id, port, proc, log)
+
+
+async def wait_for(check: Callable[[], Awaitable[bool]], what: str, within: float = 10.0, every: float = 0.1) -> None:
+    try:
+        async with asyncio.timeout(within):
+            while not await check():  # noqa: ASYNC110 - polling another process or Redis: no event to wait on
+                await asyncio.sleep(every)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {within:.0f}s waiting for: {what}") from None
+
+
+async def readyz(http: aiohttp.ClientSession, node: Node) -> int:
+    try:
+        async with http.get(node.base + "/readyz") as r:
+            return r.status
+    except aiohttp.ClientError:
+        return 0
+
+
+async def answer(http: aiohttp.ClientSession, node: Node, token: str, call_sid: str) -> tuple[str | None, str]:
+    """POST the voice webhook to `node`, signed like Twilio; (the TwiML stream URL or None if busy, token)."""
+    url = node.base + VOICE_PATH
+    params = {"CallSid": call_sid, "AccountSid": "AC" + "0" * 32, "From": "+15550001", "To": "+15550002"}
+    headers = {"X-Twilio-Signature": RequestValidator(token).compute_signature(url, params)}
+    async with http.post(url, data=params, headers=headers) as r:
+        assert r.status == 200, await r.text()
+        twiml = await r.text()
+    if "<Hangup" in twiml:
+        return None, ""
+    stream = parse_connect_stream(twiml)
+    return stream.url, stream.parameters["token"]
+
+
+async def node_free(raw: aioredis.Redis, prefix: str, node_id: str) -> int | None:
+    free = await raw.hget(f"{prefix}node:{node_id}", "free")
+    return None if free is None else int(free)
+
+
+async def test_two_service_processes_share_one_redis(
+    tiny_checkpoint: Path, question_wav: Path, prefix: str, raw: aioredis.Redis, tmp_path: Path
+) -> None:
+    token = uuid.uuid4().hex
+    a = start_node("node-a", 1, tiny_checkpoint, prefix, token, tmp_path)
+    b = start_node("node-b", 2, tiny_checkpoint, prefix, token, tmp_path)
+    sids: list[str] = []
+    tasks: list[asyncio.Task[CallReport]] = []
+
+    def call(ws_url: str, via: Node, sid: str, hold_after: float) -> asyncio.Task[CallReport]:
+        # The simulated caller posts the webhook again (a Twilio retry: same reservation), then streams.
+        tasks.append(asyncio.create_task(simulate_call(
+            ws_url, question_wav, auth_token=token, public_url=via.base, voice_url=via.base + VOICE_PATH,
+            custom_sid=sid, hold_after=hold_after,
+        )))
+        return tasks[-1]
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            for node in (a, b):
+                await wait_for(lambda n=node: _is(readyz(http, n), 200), f"{node.node_id} ready", 120, every=0.5)
+            await wait_for(lambda: _all_free(raw, prefix, {a.node_id: 1, b.node_id: 2}), "both nodes published")
+
+            # Webhooks on a: a first (it has room), then b (a is full), then busy.
+            sids += [new_call_sid() for _ in range(4)]
+            routed = [await answer(http, a, token, sid) for sid in sids]
+            assert [url for url, _ in routed] == [a.ws_url, b.ws_url, b.ws_url, None]
+            calls = [call(url, a, sid, 0.5) for (url, _), sid in zip(routed[:3], sids, strict=False)]
+            reports = await asyncio.wait_for(asyncio.gather(*calls), 60)
+            for report, (_, tok) in zip(reports, routed, strict=False):
+                assert report.outcome == "completed", report.errors
+                assert report.custom_parameters["token"] == tok  # the retried webhook got the same reservation
+                assert report.bot_seconds_received > 0
+            # One call store for both nodes: b's record of a call a answered.
+            keys = [f"{p}call:{sids[1]}" for p in (prefix, "kame:")]  # the CLI may not pass the prefix on
+            await wait_for(lambda: _any_hget_is(raw, keys, "end_reason", "completed"), "b's call record")
+            assert "node-b" in [await raw.hget(k, "node") for k in keys]
+
+            # Drain b mid-call while it still has a free seat: it stops taking calls, finishes, exits 0.
+            await wait_for(lambda: _all_free(raw, prefix, {a.node_id: 1, b.node_id: 2}), "seats published again")
+            sids += [new_call_sid(), new_call_sid()]
+            on_b, _ = await answer(http, b, token, sids[4])
+            on_a, _ = await answer(http, a, token, sids[5])
+            assert (on_b, on_a) == (b.ws_url, a.ws_url)  # each node takes its own webhook's call
+            calls = [call(on_b, b, sids[4], 4.0), call(on_a, a, sids[5], 4.0)]
+            for sid in sids[4:6]:
+                await wait_for(lambda s=sid: _hget_is(raw, f"{prefix}resv:{s}", "state", "claimed"), "streaming")
+            await wait_for(lambda: _all_free(raw, prefix, {a.node_id: 0, b.node_id: 1}), "b has a seat left")
+            b.proc.send_signal(signal.SIGTERM)
+            await wait_for(lambda: _is(readyz(http, b), 503), "b not ready while draining", 5)
+            await wait_for(lambda: _hget_is(raw, f"{prefix}node:node-b", "draining", "1"), "b draining in Redis", 5)
+            sids.append(new_call_sid())
+            assert (await answer(http, a, token, sids[6]))[0] is None  # a is full and b takes nothing new
+            assert b.proc.poll() is None  # b is still finishing its call
+            reports = await asyncio.wait_for(asyncio.gather(*calls), 60)
+            assert [r.outcome for r in reports] == ["completed", "completed"], [r.errors for r in reports]
+            assert not reports[0].server_hung_up  # the caller hung up, not the draining node
+            assert await asyncio.wait_for(asyncio.to_thread(b.proc.wait), 30) == 0
+            assert await raw.zrange(f"{prefix}nodes", 0, -1) == ["node-a"]  # b left the cluster on exit
+            a.proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(asyncio.to_thread(a.proc.wait), 30) == 0
+    finally:
+        for task in tasks:
+            task.cancel()
+        for node in (a, b):
+            if node.proc.poll() is None:
+                node.proc.kill()
+                node.proc.wait(10)
+            print(f"---- {node.node_id} (exit {node.proc.returncode}) ----")
+            print(node.log.read_text(errors="replace")[-6000:])
+        for sid in sids:  # the call store's keys (its prefix is not configurable from the CLI)
+            keys = [k async for k in raw.scan_iter(match=f"kame:call:{sid}*")]
+            if keys:
+                await raw.delete(*keys)
+            await raw.zrem("kame:calls", sid)
+
+
+async def _is(status: Awaitable[int], expected: int) -> bool:
+    return await status == expected
+
+
+async def _hget_is(raw: aioredis.Redis, key: str, field: str, value: str) -> bool:
+    return await raw.hget(key, field) == value
+
+
+async def _any_hget_is(raw: aioredis.Redis, keys: list[str], field: str, value: str) -> bool:
+    return any([await raw.hget(key, field) == value for key in keys])
+
+
+async def _all_free(raw: aioredis.Redis, prefix: str, expected: dict[str, int]) -> bool:
+    return all([await node_free(raw, prefix, node_id) == free for node_id, free in expected.items()])
