@@ -29,3 +29,25 @@ async def llm_server():
 
     async with serve_fake_llm() as server:
         yield server
+
+
+@pytest.fixture
+async def prefix():
+    """A Redis key prefix of its own per test; every key under it is deleted afterwards."""
+    import uuid
+
+    import redis.asyncio as aioredis
+
+    from .redis_support import REDIS_URL
+
+    p = f"kame-test:{uuid.uuid4().hex[:10]}:"
+    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True, socket_timeout=1.0)
+    try:
+        await client.ping()
+    except Exception as exc:  # noqa: BLE001 - turn any connection failure into one clear message
+        pytest.fail(f"these tests need a Redis at {REDIS_URL} (scripts/setup.sh starts one): {exc!r}")
+    yield p
+    keys = [k async for k in client.scan_iter(match=p + "*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()

@@ -6,18 +6,15 @@ The outage tests start their own redis-server on a free port, so they can kill a
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import signal
 import socket
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from prometheus_client import REGISTRY
 
 from telephony.call_store import (
     CallRecord,
@@ -30,29 +27,10 @@ from telephony.call_store import (
     open_call_store,
 )
 
-REDIS_URL = os.environ.get("KAME_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+from .redis_support import REDIS_URL, redis_errors
+
 T0 = 1_700_000_000.0  # fixed epoch seconds, so records compare exactly
 NONBLOCKING_S = 0.25  # generous for a loaded CI box; a write that waited on Redis takes >= 0.5 s here
-
-
-def redis_errors() -> float:
-    return REGISTRY.get_sample_value("kame_redis_errors_total") or 0.0
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    """A key prefix of its own per test; every key under it is deleted afterwards."""
-    p = f"kame-test:{uuid.uuid4().hex[:10]}:"
-    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
-    try:
-        await client.ping()
-    except Exception as exc:  # noqa: BLE001 - turn any connection failure into one clear message
-        pytest.fail(f"these tests need a Redis at {REDIS_URL} (scripts/setup.sh starts one): {exc!r}")
-    yield p
-    keys = [k async for k in client.scan_iter(match=p + "*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 @pytest.fixture

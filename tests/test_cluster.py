@@ -19,7 +19,6 @@ from pathlib import Path
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
-from prometheus_client import REGISTRY
 from twilio.request_validator import RequestValidator
 
 from telephony.cluster import LocalCluster, RedisCluster, Reservation, open_cluster
@@ -29,33 +28,13 @@ from telephony.sim_caller import CallReport, simulate_call
 from telephony.twiml import parse_connect_stream
 
 from .phone_fixtures import flite_wav, new_call_sid
+from .redis_support import REDIS_URL, redis_errors
 
-REDIS_URL = os.environ.get("KAME_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def redis_errors() -> float:
-    return REGISTRY.get_sample_value("kame_redis_errors_total") or 0.0
 
 
 def client(url: str = REDIS_URL) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=1.0, socket_connect_timeout=1.0)
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    """A key prefix of its own per test; every key under it is deleted afterwards."""
-    p = f"kame-test:{uuid.uuid4().hex[:10]}:"
-    raw = client()
-    try:
-        await raw.ping()
-    except Exception as exc:  # noqa: BLE001 - turn any connection failure into one clear message
-        pytest.fail(f"these tests need a Redis at {REDIS_URL} (scripts/setup.sh starts one): {exc!r}")
-    yield p
-    keys = [k async for k in raw.scan_iter(match=p + "*")]
-    if keys:
-        await raw.delete(*keys)
-    await raw.aclose()
 
 
 @pytest.fixture

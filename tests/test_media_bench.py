@@ -1,0 +1,42 @@
+"""The media-path benchmark runs end to end on a handful of calls (no timing thresholds: CI machines vary)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kame_phone.media_bench import bucket_quantile, run_media_bench, share_within
+
+
+@pytest.mark.slow
+async def test_four_calls_keep_up() -> None:
+    lines: list[str] = []
+    report = await run_media_bench(calls=4, seconds=2, log=lines.append)
+
+    for key in (
+        "calls", "seconds", "cpu_per_call_ms_per_s", "server_cpu_pct", "inbound_p50_ms", "inbound_p99_ms",
+        "outbound_p50_ms", "outbound_p99_ms", "loop_lag_p99_ms", "realtime_ok_fraction", "machine",
+    ):
+        assert key in report, key
+    assert report["calls"] == 4 and report["seconds"] == 2
+    assert report["errors"] == []
+    assert report["calls_completed"] == 4
+    assert report["realtime_ok_fraction"] == 1.0
+    assert report["frames_received"] >= 0.95 * report["frames_expected"]
+    assert report["ws_deflate_calls"] == 0
+    for key in ("inbound_p50_ms", "inbound_p99_ms", "outbound_p50_ms", "outbound_p99_ms"):
+        assert report[key] is not None and report[key] >= 0, key
+    assert report["cpu_per_call_ms_per_s"] > 0
+    assert report["machine"]["cores"] >= 1 and report["machine"]["python"]
+    assert "real time" in "\n".join(lines)
+
+
+def test_bucket_quantile_interpolates_inside_buckets() -> None:
+    before = [(0.001, 0.0), (0.002, 0.0), (0.005, 0.0), (math.inf, 0.0)]
+    after = [(0.001, 50.0), (0.002, 90.0), (0.005, 99.0), (math.inf, 100.0)]
+    assert bucket_quantile(before, after, 0.5) == pytest.approx(0.001)
+    assert bucket_quantile(before, after, 0.7) == pytest.approx(0.0015)
+    assert bucket_quantile(before, after, 0.995) == pytest.approx(0.005)  # past the last bound: the bound
+    assert bucket_quantile(before, before, 0.5) is None
+    assert share_within(before, after, 0.005) == pytest.approx(0.99)
