@@ -13,7 +13,11 @@ mark echoes, `stop`) and counts the bot's frames.
 Measured over the steady state (every call streaming): the server process's CPU time, per call; the
 `kame_media_inbound_seconds` / `kame_media_outbound_seconds` histograms (percentiles interpolated
 linearly inside Prometheus buckets, so they are only as fine as the buckets; the share within 5 ms is
-exact, 5 ms being a bucket edge); event-loop lag; and whether every call received its bot audio in time.
+exact, 5 ms being a bucket edge); the same two paths measured exactly end to end ("wire": caller send ->
+engine push, engine output -> caller receive, matched frame by frame on the machine-wide monotonic
+clock, so kernel and event-loop queueing count too, which the histograms start or stop too late to see);
+event-loop lag; and whether every call received its bot audio in time. The rest of the machine's CPU use
+is reported too: on a shared box the latencies are only clean when it is near zero.
 The loopback engine lives here, in the harness; it is not a test double.
 """
 
@@ -31,8 +35,8 @@ import secrets
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -75,14 +79,21 @@ class LoopbackSession:
         self._last: np.ndarray | None = None
         self._index = 0
         self._closed = False
+        # time.monotonic() of every caller frame pushed and every bot frame produced, in order: matched with
+        # the caller process's send/receive times (CLOCK_MONOTONIC is one clock for the whole machine)
+        self.pushed_at: list[float] = []
+        self.produced_at: list[float] = []
 
     def push_audio(self, pcm: np.ndarray) -> None:
+        self.pushed_at.append(time.monotonic())
         self._last = pcm
 
     def _emit(self) -> None:
         if self._last is None or self._closed:
             return
-        out = BotAudio(self._last, text="", index=self._index, voiced=True, produced_at=time.monotonic())
+        now = time.monotonic()
+        out = BotAudio(self._last, text="", index=self._index, voiced=True, produced_at=now)
+        self.produced_at.append(now)
         self._index += 1
         self._queue.put_nowait(out)
         self._engine.backlog_max = max(self._engine.backlog_max, self._queue.qsize())
@@ -106,6 +117,7 @@ class LoopbackEngine:
         self._max_calls = max_calls
         self._on_count = on_count  # told the number of open calls whenever it changes
         self._sessions: dict[str, LoopbackSession] = {}
+        self.timelines: dict[str, LoopbackSession] = {}  # every call ever seated, by call id (= CallSid)
         self._ticker: asyncio.Task[None] | None = None
         self._stopped = False
         self.tick_late_s: list[float] = []  # how late each tick woke, against its deadline
@@ -131,7 +143,7 @@ class LoopbackEngine:
             raise EngineClosed("loopback engine stopped")
         if len(self._sessions) >= self._max_calls:
             raise EngineFull(f"all {self._max_calls} slots taken")
-        session = self._sessions[call_id] = LoopbackSession(self, call_id)
+        session = self._sessions[call_id] = self.timelines[call_id] = LoopbackSession(self, call_id)
         self._count_changed()
         if self._ticker is None:
             self._ticker = asyncio.create_task(self._tick_forever(), name="loopback-ticker")
@@ -189,6 +201,7 @@ class CallerPlan:
 
 @dataclass
 class CallResult:
+    call_sid: str = ""
     completed: bool = False
     error: str | None = None
     media_sent: int = 0
@@ -198,6 +211,8 @@ class CallResult:
     late_gaps: int = 0  # bot frames that came more than LATE_GAP_S after the previous one
     max_gap_s: float = 0.0
     compressed: bool = False  # permessage-deflate was negotiated
+    sent_at: list[float] = field(default_factory=list, repr=False)  # time.monotonic() of each media packet sent
+    bot_at: list[float] = field(default_factory=list, repr=False)  # ... and of each bot media message received
 
 
 def speech_like_packets(seconds: float = 3.0) -> list[bytes]:
@@ -250,6 +265,7 @@ class _Callers:
     async def _dial(self, session: aiohttp.ClientSession, result: CallResult) -> None:
         plan = self.plan
         call_sid, account_sid, stream_sid = (prefix + secrets.token_hex(16) for prefix in ("CA", "AC", "MZ"))
+        result.call_sid = call_sid
         form = {"CallSid": call_sid, "AccountSid": account_sid, "From": "+15005550006", "To": "+15005550001"}
         voice_url = plan.base_url + VOICE_PATH
         headers = {SIGNATURE_HEADER: self.validator.compute_signature(voice_url, form)}
@@ -281,10 +297,12 @@ class _Callers:
                     delay = due - time.monotonic()
                     if delay > 0:
                         await asyncio.sleep(delay)
-                    self.send_lag_s.append(time.monotonic() - due)
+                    now = time.monotonic()
+                    self.send_lag_s.append(now - due)
                     if ws.closed:
                         result.error = "server closed the stream early"
                         return
+                    result.sent_at.append(now)
                     await ws.send_str(template % (next_seq(), k + 1, k * 20, payloads[k % n]))
                     result.media_sent += 1
                 await asyncio.sleep(TAIL_S)
@@ -305,6 +323,7 @@ class _Callers:
             event = data.get("event")
             if event == "media":
                 now = time.monotonic()
+                result.bot_at.append(now)
                 result.bot_frames += 1
                 if last is not None:
                     gap = now - last
@@ -317,6 +336,33 @@ class _Callers:
                     result.marks_echoed += 1
             elif event == "clear":
                 result.clears += 1
+
+
+def _caller_main(conn: Connection, plan: CallerPlan) -> None:
+    conn.send(run_callers(plan))
+    conn.close()
+
+
+async def _in_caller_process(plan: CallerPlan, timeout_s: float) -> dict[str, Any]:
+    """Run the callers in a fresh (spawned) process, so none of their CPU is charged to this one."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_caller_main, args=(theirs, plan), name="media-bench-callers", daemon=True)
+    proc.start()
+    theirs.close()  # ours then reads EOF if the child dies
+    try:
+        if not await asyncio.to_thread(ours.poll, timeout_s):
+            raise RuntimeError(f"the caller process gave no result in {timeout_s:.0f}s")
+        try:
+            return await asyncio.to_thread(ours.recv)
+        except EOFError:
+            raise RuntimeError(f"the caller process died (exit code {proc.exitcode})") from None
+    finally:
+        ours.close()
+        await asyncio.to_thread(proc.join, 5)
+        if proc.is_alive():
+            proc.kill()
+            await asyncio.to_thread(proc.join)
 
 
 def run_callers(plan: CallerPlan) -> dict[str, Any]:
@@ -434,6 +480,44 @@ def machine() -> dict[str, Any]:
     }
 
 
+def wire_latencies(
+    results: list[CallResult], engine: LoopbackEngine, t0: float, t1: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact per-frame latencies across the two processes, for frames the engine saw within [t0, t1] (s):
+
+    inbound: the caller sending a frame's last packet -> the frame pushed to the engine;
+    outbound: the engine producing a frame -> the caller receiving its media message.
+    Unlike the histograms these include the kernel and the time a message waits for a busy event loop.
+    """
+    per_frame = round(FRAME_SECONDS / PACKET_SECONDS)
+    inbound: list[float] = []
+    outbound: list[float] = []
+    for r in results:
+        seat = engine.timelines.get(r.call_sid)
+        if seat is None:
+            continue
+        for j, pushed in enumerate(seat.pushed_at[: len(r.sent_at) // per_frame]):
+            if t0 <= pushed <= t1:
+                inbound.append(pushed - r.sent_at[(j + 1) * per_frame - 1])
+        for produced, received in zip(seat.produced_at, r.bot_at, strict=False):
+            if t0 <= produced <= t1:
+                outbound.append(received - produced)
+    return np.asarray(inbound), np.asarray(outbound)
+
+
+def _pct_ms(samples: np.ndarray, q: float) -> float | None:
+    return round(float(np.percentile(samples, q)) * 1000, 3) if len(samples) else None
+
+
+def _met(share: float | None) -> bool | None:
+    """p99 <= 5 ms, decided exactly: 5 ms is a bucket edge, so this needs no interpolation."""
+    return None if share is None else share >= 0.99
+
+
+def _round(x: float) -> float | None:  # None where /proc/stat could not be read
+    return round(x, 1) if math.isfinite(x) else None
+
+
 def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1000, 3)
 
@@ -448,11 +532,6 @@ async def run_media_bench(
     """
     assert calls >= 1 and seconds >= 4 * FRAME_SECONDS, (calls, seconds)
     stagger = min(2.0, seconds / 4)
-    engine = LoopbackEngine(max_calls=calls, on_count=lambda n: watch(n))
-    token = secrets.token_hex(16)
-    ctx = ServerContext(ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token), MemoryCallStore(), engine)
-    handle = await ServiceHandle(ctx).start()
-    probe = _LoopLag()
     steady: dict[str, _Snapshot] = {}
 
     def watch(open_calls: int) -> None:  # the steady state: from the moment every call streams to the first hang-up
@@ -461,21 +540,24 @@ async def run_media_bench(
         elif open_calls < calls and "start" in steady and "end" not in steady:
             steady["end"] = _Snapshot.take()
 
+    engine = LoopbackEngine(max_calls=calls, on_count=watch)
+    token = secrets.token_hex(16)
+    ctx = ServerContext(ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token), MemoryCallStore(), engine)
+    handle = await ServiceHandle(ctx).start()
     log(f"media bench: {calls} calls x {seconds:g}s, starts staggered over {stagger:g}s, on {handle.http_url}")
-    plan = CallerPlan(handle.http_url, token, calls, seconds, stagger, compress)
-    tasks = [asyncio.create_task(probe.run())]
+    probe = _LoopLag()
+    lag_task = asyncio.create_task(probe.run())
     run_start = _Snapshot.take()
-    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     try:
-        caller = await asyncio.get_running_loop().run_in_executor(pool, run_callers, plan)
+        plan = CallerPlan(handle.http_url, token, calls, seconds, stagger, compress)
+        caller = await _in_caller_process(plan, timeout_s=seconds + stagger + 60)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(ctx.no_streams.wait(), 10.0)
         run_end = _Snapshot.take()
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.to_thread(pool.shutdown)
+        lag_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await lag_task
         await engine.stop()
         await handle.aclose()
 
@@ -489,6 +571,7 @@ async def run_media_bench(
     kept_up = [r for r in results if r.completed and r.bot_frames >= KEPT_UP_SHARE * expected]
     tick_late = np.asarray(engine.tick_late_s or [0.0]) * 1000
     errors = sorted({r.error for r in results if r.error})
+    wire_in, wire_out = wire_latencies(results, engine, a.wall, b.wall)
     report: dict[str, Any] = {
         "calls": calls,
         "seconds": seconds,
@@ -505,14 +588,22 @@ async def run_media_bench(
         "outbound_within_5ms": share_within(a.outbound, b.outbound, TARGET_MS / 1000),
         "run_inbound_p99_ms": _ms(bucket_quantile(run_start.inbound, run_end.inbound, 0.99)),
         "run_outbound_p99_ms": _ms(bucket_quantile(run_start.outbound, run_end.outbound, 0.99)),
+        # exact, caller process <-> engine, same clock: kernel and event-loop queueing included
+        "inbound_wire_p50_ms": _pct_ms(wire_in, 50),
+        "inbound_wire_p99_ms": _pct_ms(wire_in, 99),
+        "outbound_wire_p50_ms": _pct_ms(wire_out, 50),
+        "outbound_wire_p99_ms": _pct_ms(wire_out, 99),
         "percentiles": "linear interpolation inside Prometheus buckets (0.1,0.25,0.5,1,2,3,5,10,20,50 ms)",
         "loop_lag_p50_ms": round(float(np.percentile(lag, 50)), 3),
         "loop_lag_p99_ms": round(float(np.percentile(lag, 99)), 3),
         "loop_lag_max_ms": round(float(lag.max()), 3),
+        "inbound_p99_within_5ms": _met(share_within(a.inbound, b.inbound, TARGET_MS / 1000)),
+        "outbound_p99_within_5ms": _met(share_within(a.outbound, b.outbound, TARGET_MS / 1000)),
         "engine_tick_late_p99_ms": round(float(np.percentile(tick_late, 99)), 3),
         "engine_missed_ticks": engine.missed_ticks,
         "engine_backlog_max": engine.backlog_max,
         "realtime_ok_fraction": len(kept_up) / calls,
+        "realtime_smooth_fraction": sum(r.late_gaps == 0 for r in kept_up) / calls,  # ... and never a late frame
         "calls_completed": sum(r.completed for r in results),
         "frames_expected": expected * calls,
         "frames_received": sum(r.bot_frames for r in results),
@@ -524,8 +615,8 @@ async def run_media_bench(
         "caller_cpu_pct": round(caller["cpu_pct"], 1),
         # everything else on the machine over the window (other processes), in % of one core: the figures
         # are only clean when this is near zero
-        "other_cpu_pct": round(100 * (b.host_busy - a.host_busy) / window - 100 * cpu / window - caller["cpu_pct"], 1),
-        "steal_pct": round(100 * (b.host_steal - a.host_steal) / window, 1),
+        "other_cpu_pct": _round(100 * (b.host_busy - a.host_busy) / window - 100 * cpu / window - caller["cpu_pct"]),
+        "steal_pct": _round(100 * (b.host_steal - a.host_steal) / window),
         "caller_send_lag_p99_ms": round(caller["send_lag_p99_ms"], 3),
         "errors": errors[:5],
         "machine": machine(),
@@ -537,6 +628,9 @@ async def run_media_bench(
 def format_table(r: dict[str, Any]) -> str:
     def ms(x: float | None) -> str:  # past the last bucket only a lower bound is known
         return "-" if x is None else f">={x:.0f}" if x >= LAST_BUCKET_MS else f"{x:.2f}"
+
+    def exact(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:.2f}%"
@@ -551,17 +645,22 @@ def format_table(r: dict[str, Any]) -> str:
         f"  (<= 5 ms: {pct(r['inbound_within_5ms'])})",
         f"outbound p50/p99   {ms(r['outbound_p50_ms'])} / {ms(r['outbound_p99_ms'])} ms"
         f"  (<= 5 ms: {pct(r['outbound_within_5ms'])})",
+        f"wire, exact        in {exact(r['inbound_wire_p50_ms'])} / {exact(r['inbound_wire_p99_ms'])} ms,"
+        f" out {exact(r['outbound_wire_p50_ms'])} / {exact(r['outbound_wire_p99_ms'])} ms (p50/p99, caller <-> engine)",
         f"loop lag p50/p99   {r['loop_lag_p50_ms']:.2f} / {r['loop_lag_p99_ms']:.2f} ms"
         f" (max {r['loop_lag_max_ms']:.1f})",
-        f"real time          {r['realtime_ok_fraction']:.1%} of calls kept up; {r['calls_completed']}/{r['calls']}"
+        f"engine             {r['engine_missed_ticks']} ticks missed; ticks woke up to"
+        f" {r['engine_tick_late_p99_ms']:.1f} ms late (p99)",
+        f"real time          {r['realtime_ok_fraction']:.1%} of calls kept up"
+        f" ({r['realtime_smooth_fraction']:.1%} with no late frame); {r['calls_completed']}/{r['calls']}"
         f" completed; bot frames {r['frames_received']}/{r['frames_expected']}; late gaps {r['late_gaps']}"
         f" (max gap {r['max_gap_ms']:.0f} ms)",
         f"caller process     {r['caller_cpu_pct']:.1f}% of a core; send lag p99 {r['caller_send_lag_p99_ms']:.2f} ms",
-        f"rest of machine    {r['other_cpu_pct']:.1f}% of a core busy, {r['steal_pct']:.1f}% stolen",
     ]
-    if r["other_cpu_pct"] > 20:
+    if r["other_cpu_pct"] is not None:
+        rows.append(f"rest of machine    {r['other_cpu_pct']:.1f}% of a core busy, {r['steal_pct']:.1f}% stolen")
+    if (r["other_cpu_pct"] or 0) > 20:
         rows.append("WARNING            other processes were busy: latencies and loop lag are not clean")
     if r["errors"]:
         rows.append(f"errors             {'; '.join(r['errors'])}")
     return "\n".join(rows)
-

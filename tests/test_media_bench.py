@@ -15,8 +15,17 @@ async def test_four_calls_keep_up() -> None:
     report = await run_media_bench(calls=4, seconds=2, log=lines.append)
 
     for key in (
-        "calls", "seconds", "cpu_per_call_ms_per_s", "server_cpu_pct", "inbound_p50_ms", "inbound_p99_ms",
-        "outbound_p50_ms", "outbound_p99_ms", "loop_lag_p99_ms", "realtime_ok_fraction", "machine",
+        "calls",
+        "seconds",
+        "cpu_per_call_ms_per_s",
+        "server_cpu_pct",
+        "inbound_p50_ms",
+        "inbound_p99_ms",
+        "outbound_p50_ms",
+        "outbound_p99_ms",
+        "loop_lag_p99_ms",
+        "realtime_ok_fraction",
+        "machine",
     ):
         assert key in report, key
     assert report["calls"] == 4 and report["seconds"] == 2
