@@ -33,17 +33,16 @@ class InboundFramer:
     """Decode, upsample and cut the caller's packets into engine frames of exactly FRAME_SAMPLES."""
 
     upsampler: Upsampler8to24 = field(default_factory=Upsampler8to24)
-    _pending: np.ndarray = field(init=False, repr=False)  # [FRAME_SAMPLES] float32, first _filled valid
-    _filled: int = field(init=False, default=0)
+    # μ-law bytes of the frame being filled. Decoding and resampling once per 80 ms frame instead of
+    # once per 20 ms packet gives the same samples (the filter is linear and keeps its state) for a
+    # quarter of the per-call overhead, and no frame leaves earlier either way.
+    _pending: bytearray = field(init=False, default_factory=bytearray)
     _emitted: int = field(init=False, default=0)
-
-    def __post_init__(self) -> None:
-        self._pending = np.zeros(FRAME_SAMPLES, dtype=np.float32)
 
     @property
     def pending_samples(self) -> int:
         """24 kHz samples waiting for the rest of their frame."""
-        return self._filled
+        return len(self._pending) * RATIO
 
     def push(self, payload: bytes, arrived_at: float | None = None) -> list[InboundFrame]:
         """Add one packet's mu-law bytes (any length); return the frames it completed, usually 0 or 1.
@@ -52,24 +51,20 @@ class InboundFramer:
         """
         if arrived_at is None:
             arrived_at = time.monotonic()
-        audio = self.upsampler.process(ulaw_to_float(payload))
+        self._pending += payload
         frames: list[InboundFrame] = []
-        while len(audio):
-            take = min(FRAME_SAMPLES - self._filled, len(audio))
-            self._pending[self._filled : self._filled + take] = audio[:take]
-            self._filled += take
-            audio = audio[take:]
-            if self._filled == FRAME_SAMPLES:
-                # A copy: the consumer keeps the frame while we refill the buffer.
-                frames.append(InboundFrame(self._pending.copy(), arrived_at, self._emitted))
-                self._emitted += 1
-                self._filled = 0
+        while len(self._pending) >= FRAME_BYTES:
+            chunk = bytes(self._pending[:FRAME_BYTES])
+            del self._pending[:FRAME_BYTES]
+            pcm = self.upsampler.process(ulaw_to_float(chunk))
+            frames.append(InboundFrame(pcm, arrived_at, self._emitted))
+            self._emitted += 1
         return frames
 
     def reset(self) -> None:
         """Drop partial audio and filter state, as at the start of a call."""
         self.upsampler.reset()
-        self._filled = 0
+        self._pending.clear()
         self._emitted = 0
 
 

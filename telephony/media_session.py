@@ -88,6 +88,7 @@ class MediaStreamSession:
         self.outbound = OutboundFramer()
         self.turns = TurnTracker()
         self._pump: asyncio.Task[None] | None = None
+        self._last_message_at = time.monotonic()
         self._ended = False
         self._end_reason = "completed"
 
@@ -102,14 +103,11 @@ class MediaStreamSession:
     # ---- the receive loop ----
 
     async def run(self) -> None:
+        watchdog = asyncio.create_task(self._watch_for_silence(), name="silence-watchdog")
         try:
             while not self.ws.closed:
-                try:
-                    msg = await self.ws.receive(timeout=self.ctx.config.silent_socket_s)
-                except asyncio.TimeoutError:
-                    self._protocol_error(SILENT_SOCKET, f"no message for {self.ctx.config.silent_socket_s:.0f}s")
-                    self._end_reason = "silent_socket"
-                    break
+                msg = await self.ws.receive()
+                self._last_message_at = time.monotonic()
                 if msg.type == WSMsgType.TEXT:
                     await self._on_text(msg.data)
                 elif msg.type == WSMsgType.BINARY:
@@ -126,7 +124,20 @@ class MediaStreamSession:
                 else:  # CLOSE, CLOSING, CLOSED
                     break
         finally:
+            watchdog.cancel()
             await self.end(self._end_reason)
+
+    async def _watch_for_silence(self) -> None:
+        """Close a stream Twilio stopped talking on. One check a second per call, rather than a timer
+        armed and cancelled for every one of its 50 messages a second."""
+        limit = self.ctx.config.silent_socket_s
+        while not self.ws.closed:
+            await asyncio.sleep(min(1.0, limit / 2))
+            if time.monotonic() - self._last_message_at > limit:
+                self._protocol_error(SILENT_SOCKET, f"no message for {limit:.0f}s")
+                self._end_reason = "silent_socket"
+                await self.ws.close()
+                return
 
     async def _on_text(self, raw: str) -> None:
         try:

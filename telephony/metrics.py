@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS_MS = (20, 40, 80, 120, 160, 240, 320, 480, 640, 800, 1000, 1500, 2000, 3000, 5000)
-_MEDIA_BUCKETS_MS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 50)
+_MEDIA_BUCKETS_MS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 40, 50, 100)
 
 FIRST_AUDIO_SECONDS = Histogram(
     "kame_first_audio_seconds",

@@ -9,13 +9,13 @@ chunked output equals one-shot output and every input sample yields its outputs 
 Measured (freqz, 65536 points; tests/test_audio_path.py): delay 3.0 ms per direction (72 samples at
 24 kHz, 24 at 8 kHz); passband 0 to -0.055 dB re DC over 0-3.4 kHz (-3.8 dB at 3.6 kHz); stopband
 >= 79 dB from 4.0 kHz, which holds every image of upsampling and every alias of downsampling;
-about 25 us per 20 ms packet up and 70 us per 80 ms frame down on one core.
+each phase runs as one `np.correlate` (about 3x faster than a matrix product over a strided window
+view, which numpy cannot hand to BLAS).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 from scipy.signal import remez
 
 RATIO = 3  # 24000 / 8000
@@ -48,8 +48,9 @@ class Upsampler8to24:
     def __init__(self) -> None:
         h = np.concatenate([LOWPASS * RATIO, np.zeros(-_TAPS % RATIO)])  # gain 3 undoes zero-stuffing
         self._n_phase_taps = len(h) // RATIO  # 49
-        # y[3k + p] = sum_m h[3m + p] * x[k - m]; rows run oldest-first to match sliding windows.
-        self._phases = np.ascontiguousarray(h.reshape(self._n_phase_taps, RATIO)[::-1])  # [M, 3]
+        # y[3k + p] = sum_m h[3m + p] * x[k - m]; each phase's taps run oldest-first for correlate.
+        phases = h.reshape(self._n_phase_taps, RATIO)[::-1]  # [M, 3]
+        self._phases = [np.ascontiguousarray(phases[:, p]) for p in range(RATIO)]
         self.reset()
 
     def reset(self) -> None:
@@ -62,9 +63,11 @@ class Upsampler8to24:
         if len(x) == 0:
             return np.zeros(0, dtype=np.float32)
         ext = np.concatenate([self._tail, x])
-        self._tail = ext[len(ext) - (self._n_phase_taps - 1) :]
-        y = sliding_window_view(ext, self._n_phase_taps) @ self._phases  # [len(x), 3]
-        return y.reshape(-1).astype(np.float32)
+        self._tail = ext[len(x) :]
+        y = np.empty((len(x), RATIO), dtype=np.float32)
+        for p, taps in enumerate(self._phases):
+            y[:, p] = np.correlate(ext, taps, "valid")
+        return y.reshape(-1)
 
 
 class Downsampler24to8:
@@ -91,8 +94,14 @@ class Downsampler24to8:
         if len(x) == 0:
             return np.zeros(0, dtype=np.float32)
         ext = np.concatenate([self._tail, x])
-        self._tail = ext[len(ext) - (_TAPS - 1) :]
-        # Window i ends at input x[i]; only every third one is computed (the polyphase saving).
-        windows = sliding_window_view(ext, _TAPS)[self._offset :: RATIO]
-        self._offset = (self._offset - len(x)) % RATIO
-        return (windows @ self._taps_reversed).astype(np.float32)
+        self._tail = ext[len(x) :]
+        # Output j is the window ending at input x[offset + 3j]; only those are computed (the polyphase
+        # saving): y[j] = sum_p sum_m t[3m + p] * ext[offset + p + 3(j + m)], one correlate per phase.
+        offset = self._offset
+        count = len(range(offset, len(x), RATIO))
+        self._offset = (offset - len(x)) % RATIO
+        y = np.zeros(count)
+        if count:
+            for p in range(RATIO):
+                y += np.correlate(ext[offset + p :: RATIO], self._taps_reversed[p::RATIO], "valid")[:count]
+        return y.astype(np.float32)

@@ -10,8 +10,11 @@ import numpy as np
 
 
 def level_dbfs(pcm: np.ndarray) -> float:
-    rms = float(np.sqrt(np.mean(np.square(pcm, dtype=np.float64)))) if len(pcm) else 0.0
-    return 20.0 * np.log10(max(rms, 1e-9))
+    if not len(pcm):
+        return -180.0
+    v = np.asarray(pcm, dtype=np.float64)
+    mean_square = float(np.dot(v, v)) / len(v)  # one BLAS call: this runs for every frame both ways
+    return 10.0 * np.log10(max(mean_square, 1e-18))
 
 
 @dataclass(frozen=True, slots=True)
