@@ -40,7 +40,24 @@ def _design_lowpass() -> np.ndarray:
 LOWPASS = _design_lowpass()
 
 
-class Upsampler8to24:
+class _StreamingFir:
+    """The input history an FIR needs across chunks, so that chunked output equals one-shot output."""
+
+    _history: int  # inputs kept from one chunk to the next
+
+    def reset(self) -> None:
+        """Forget the past, as at the start of a call."""
+        self._tail = np.zeros(self._history)  # float64
+
+    def _extend(self, x: np.ndarray) -> tuple[np.ndarray, int]:
+        """History + this chunk (float64), and the chunk's length; keeps the new history."""
+        x = np.asarray(x, dtype=np.float64).ravel()
+        ext = np.concatenate([self._tail, x])
+        self._tail = ext[len(x) :]
+        return ext, len(x)
+
+
+class Upsampler8to24(_StreamingFir):
     """8 kHz -> 24 kHz, exactly 3 output samples per input sample, state kept across calls."""
 
     delay_seconds: float = DELAY_SECONDS
@@ -48,29 +65,24 @@ class Upsampler8to24:
     def __init__(self) -> None:
         h = np.concatenate([LOWPASS * RATIO, np.zeros(-_TAPS % RATIO)])  # gain 3 undoes zero-stuffing
         self._n_phase_taps = len(h) // RATIO  # 49
+        self._history = self._n_phase_taps - 1
         # y[3k + p] = sum_m h[3m + p] * x[k - m]; each phase's taps run oldest-first for correlate.
         phases = h.reshape(self._n_phase_taps, RATIO)[::-1]  # [M, 3]
         self._phases = [np.ascontiguousarray(phases[:, p]) for p in range(RATIO)]
         self.reset()
 
-    def reset(self) -> None:
-        """Forget the past, as at the start of a call."""
-        self._tail = np.zeros(self._n_phase_taps - 1)  # the last M-1 inputs, float64
-
     def process(self, x: np.ndarray) -> np.ndarray:
         """Resample one chunk of float32 8 kHz audio; returns float32 of length 3 * len(x)."""
-        x = np.asarray(x, dtype=np.float64).ravel()
-        if len(x) == 0:
+        ext, n = self._extend(x)
+        if n == 0:  # correlate would swap its arguments when the input is shorter than the taps
             return np.zeros(0, dtype=np.float32)
-        ext = np.concatenate([self._tail, x])
-        self._tail = ext[len(x) :]
-        y = np.empty((len(x), RATIO), dtype=np.float32)
+        y = np.empty((n, RATIO), dtype=np.float32)
         for p, taps in enumerate(self._phases):
             y[:, p] = np.correlate(ext, taps, "valid")
         return y.reshape(-1)
 
 
-class Downsampler24to8:
+class Downsampler24to8(_StreamingFir):
     """24 kHz -> 8 kHz, keeping every third filtered sample, state kept across calls.
 
     Output length is the number of decimation instants inside the chunk, so a multiple of 3 in gives
@@ -81,25 +93,21 @@ class Downsampler24to8:
 
     def __init__(self) -> None:
         self._taps_reversed = np.ascontiguousarray(LOWPASS[::-1])  # oldest-first for the windows
+        self._history = _TAPS - 1
         self.reset()
 
     def reset(self) -> None:
-        """Forget the past, as at the start of a call."""
-        self._tail = np.zeros(_TAPS - 1)  # the last N-1 inputs, float64
+        super().reset()
         self._offset = 0  # index in the next chunk of the next input sample that yields an output
 
     def process(self, x: np.ndarray) -> np.ndarray:
         """Resample one chunk of float32 24 kHz audio; returns float32 8 kHz audio."""
-        x = np.asarray(x, dtype=np.float64).ravel()
-        if len(x) == 0:
-            return np.zeros(0, dtype=np.float32)
-        ext = np.concatenate([self._tail, x])
-        self._tail = ext[len(x) :]
+        ext, n = self._extend(x)
         # Output j is the window ending at input x[offset + 3j]; only those are computed (the polyphase
         # saving): y[j] = sum_p sum_m t[3m + p] * ext[offset + p + 3(j + m)], one correlate per phase.
         offset = self._offset
-        count = len(range(offset, len(x), RATIO))
-        self._offset = (offset - len(x)) % RATIO
+        count = len(range(offset, n, RATIO))
+        self._offset = (offset - n) % RATIO
         y = np.zeros(count)
         if count:
             for p in range(RATIO):
