@@ -42,6 +42,7 @@ class SlotOutput:
 
 
 SlotSink = Callable[[SlotOutput], None]
+ResetHook = Callable[[], None]  # told that the slot's model state was reset (its audio queued downstream is stale)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Slot:
     call_id: str
     sink: SlotSink
     oracle: OracleBuffer
+    on_reset: ResetHook | None = None
     inbox: deque[np.ndarray] = field(default_factory=deque)
     needs_reset: bool = True
     got_audio: bool = False  # underruns count only once the caller's audio has started
@@ -108,7 +110,7 @@ class FrameLoop:
         with self._lock:
             return sum(s is None for s in self._slots)
 
-    def join(self, call_id: str, sink: SlotSink) -> int:
+    def join(self, call_id: str, sink: SlotSink, on_reset: ResetHook | None = None) -> int:
         with self._lock:
             if self._closed:
                 raise EngineClosed("engine is stopping")
@@ -116,7 +118,7 @@ class FrameLoop:
                 if slot is None:
                     lm = self.batch.lm
                     oracle = OracleBuffer(lm.oracle_start_token_id, lm.text_padding_token_id)
-                    self._slots[row] = Slot(row, call_id, sink, oracle)
+                    self._slots[row] = Slot(row, call_id, sink, oracle, on_reset)
                     metrics.ENGINE_SLOTS_BUSY.set(self.max_calls - sum(s is None for s in self._slots))
                     return row
         raise EngineFull(f"all {self.max_calls} call slots are busy")
@@ -239,6 +241,26 @@ class FrameLoop:
             return ""
         return self.tokenizer.id_to_piece(token)
 
+    def safe_tick(self) -> bool:
+        """`tick`, but a failure resets every slot instead of killing the loop. False if it failed."""
+        try:
+            self.tick()
+            return True
+        except Exception:
+            log.exception("engine tick failed; resetting every slot")
+            with self._lock:
+                slots = [slot for slot in self._slots if slot is not None]
+                for slot in slots:
+                    slot.needs_reset = True
+                    slot.oracle.clear()
+            for slot in slots:
+                if slot.on_reset is not None:
+                    try:
+                        slot.on_reset()
+                    except Exception:
+                        log.exception("call %s: reset hook failed", slot.call_id)
+            return False
+
     # ---- the real-time thread ----
 
     def warmup(self, ticks: int = 4) -> None:
@@ -277,14 +299,7 @@ class FrameLoop:
             if now < deadline:
                 time.sleep(deadline - now)
             started = self.clock()
-            try:
-                self.tick()
-            except Exception:
-                log.exception("engine tick failed; resetting every slot")
-                with self._lock:
-                    for slot in self._slots:
-                        if slot is not None:
-                            slot.needs_reset = True
+            self.safe_tick()
             finished = self.clock()
             elapsed = finished - started
             self.stats.ticks += 1

@@ -111,6 +111,9 @@ class LocalCallSession:
         self._engine.frame_loop.set_oracle(self.row, self.call_id, candidate_id, text, triggered_at)
         self._put(OracleUpdate(text=text, at=time.monotonic()))
 
+    def _on_reset(self) -> None:  # frame-loop thread
+        self._loop.call_soon_threadsafe(self._on_notice, "reset", "the engine reset this call's model state")
+
     def _on_notice(self, kind: str, detail: str) -> None:
         self._put(EngineNotice(kind=kind, detail=detail))  # type: ignore[arg-type]
 
@@ -128,11 +131,6 @@ class LocalCallSession:
             if item is _CLOSED:
                 return
             yield item  # type: ignore[misc]
-
-    def set_oracle_text(self, text: str, candidate_id: int | None = None) -> None:
-        """Feed a draft directly (tests and tools; the back-end normally does this)."""
-        cid = candidate_id if candidate_id is not None else int(time.monotonic() * 1000)
-        self._on_oracle(text, time.monotonic(), cid)
 
     async def close(self) -> None:
         if self._closed:
@@ -208,7 +206,7 @@ class LocalEngine:
         if old is not None:  # the same call reconnecting: the new stream replaces the old seat
             await old.close()
         session = LocalCallSession(self, call_id, row=-1, queue_size=self.config.output_queue_frames)
-        session.row = self.frame_loop.join(call_id, session._sink)  # raises EngineFull
+        session.row = self.frame_loop.join(call_id, session._sink, session._on_reset)  # raises EngineFull
         self._sessions[call_id] = session
         if self.backend is not None:
             try:

@@ -259,3 +259,22 @@ def test_oracle_lag_is_measured_when_the_boundary_token_is_fed(tiny_bundle) -> N
     assert _metric("kame_oracle_lag_seconds_count") == before + 1
     ((call, cid, _fed_at, lag),) = list(loop.oracle_fed)
     assert (call, cid) == ("A", 7) and 0.5 <= lag < 5.0
+
+
+def test_a_failing_tick_resets_every_slot_and_the_loop_goes_on(tiny_bundle) -> None:
+    loop = _loop(tiny_bundle)
+    resets: list[str] = []
+    a, b = Recorder(), Recorder()
+    row_a = loop.join("A", a, on_reset=lambda: resets.append("A"))
+    loop.join("B", b, on_reset=lambda: resets.append("B"))
+    for _ in range(3):
+        assert loop.safe_tick()
+    # A token outside the oracle vocabulary (a tokenizer that does not match the model) makes the
+    # real embedding lookup fail inside the batched step.
+    loop._slots[row_a].oracle.set_candidate(99, [10**6])
+    assert loop.safe_tick()  # the candidate's boundary token
+    assert not loop.safe_tick()
+    assert sorted(resets) == ["A", "B"]
+    assert loop.safe_tick()  # the next tick runs, every row restarted from a clean state
+    assert not a.outputs[-1].voiced and not b.outputs[-1].voiced  # a reset row's first frame
+    assert loop.safe_tick() and a.outputs[-1].voiced

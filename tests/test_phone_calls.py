@@ -241,3 +241,31 @@ def test_refuses_to_serve_without_a_token_unless_insecure_dev() -> None:
     ServiceConfig(host="127.0.0.1", insecure_dev=True).check()
 
 
+
+
+async def test_an_engine_reset_clears_the_audio_queued_at_twilio(tiny_checkpoint: Path) -> None:
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
+        call_sid, params = await phone.answer(http)
+        ws = await phone.open_stream(http)
+        await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))
+        seq = 2
+
+        async def next_event() -> str:
+            nonlocal seq
+            await ws.send_str(tm.media_msg("MZ1", seq, seq - 1, 20 * seq, b"\xff" * 160))
+            seq += 1
+            m = await ws.receive(timeout=5)
+            return json.loads(m.data)["event"]
+
+        while await next_event() != "media":
+            pass
+        session = phone.engine._sessions[call_sid]
+        # A token the model cannot embed makes the batched tick fail: every slot is reset, and the
+        # audio already queued at Twilio for this call is now stale.
+        phone.engine.frame_loop._slots[session.row].oracle.set_candidate(99, [10**6])
+        events = [await next_event() for _ in range(40)]
+        assert "clear" in events
+        assert events[events.index("clear") + 1 :].count("media") > 0  # and the call goes on
+        await ws.send_str(tm.stop_msg("MZ1", 999, call_sid, "AC1"))
+        await ws.close()
+        await phone.settled()
