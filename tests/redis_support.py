@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import shutil
+import socket
+from pathlib import Path
 
+import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
 REDIS_URL = os.environ.get("KAME_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -11,3 +16,45 @@ REDIS_URL = os.environ.get("KAME_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 def redis_errors() -> float:
     return REGISTRY.get_sample_value("kame_redis_errors_total") or 0.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A throwaway redis-server. AOF with fsync on every write, so a SIGKILL loses nothing that was
+    acknowledged: then "nothing lost" below is about the store, not about Redis durability."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.dir = data_dir
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        exe = shutil.which("redis-server")
+        assert exe, "redis-server is not installed (scripts/setup.sh installs it)"
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--daemonize", "no", "--save", ""]
+        args += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.dir)]
+        self.proc = await asyncio.create_subprocess_exec(
+            exe, *args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+        )
+        client = aioredis.Redis.from_url(self.url)
+        try:
+            async with asyncio.timeout(10):
+                while True:
+                    try:
+                        if await client.ping():
+                            return
+                    except (OSError, aioredis.ConnectionError):
+                        await asyncio.sleep(0.05)
+        finally:
+            await client.aclose()
+
+    async def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()

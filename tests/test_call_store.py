@@ -6,9 +6,7 @@ The outage tests start their own redis-server on a free port, so they can kill a
 from __future__ import annotations
 
 import asyncio
-import shutil
 import signal
-import socket
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
@@ -27,7 +25,7 @@ from telephony.call_store import (
     open_call_store,
 )
 
-from .redis_support import REDIS_URL, redis_errors
+from .redis_support import REDIS_URL, RedisServer, redis_errors
 
 T0 = 1_700_000_000.0  # fixed epoch seconds, so records compare exactly
 NONBLOCKING_S = 0.25  # generous for a loaded CI box; a write that waited on Redis takes >= 0.5 s here
@@ -266,48 +264,6 @@ async def test_password_never_logged(caplog: pytest.LogCaptureFixture) -> None:
 
 
 # ---- Redis outages, with a redis-server of the test's own ----
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RedisServer:
-    """A throwaway redis-server. AOF with fsync on every write, so a SIGKILL loses nothing that was
-    acknowledged: then "nothing lost" below is about the store, not about Redis durability."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.dir = data_dir
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self) -> None:
-        exe = shutil.which("redis-server")
-        assert exe, "redis-server is not installed (scripts/setup.sh installs it)"
-        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--daemonize", "no", "--save", ""]
-        args += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.dir)]
-        self.proc = await asyncio.create_subprocess_exec(
-            exe, *args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
-        )
-        client = aioredis.Redis.from_url(self.url)
-        try:
-            async with asyncio.timeout(10):
-                while True:
-                    try:
-                        if await client.ping():
-                            return
-                    except (OSError, aioredis.ConnectionError):
-                        await asyncio.sleep(0.05)
-        finally:
-            await client.aclose()
-
-    async def kill(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.kill()
-            await self.proc.wait()
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -14,6 +15,7 @@ from telephony.logs import JsonFormatter, call_id_var, setup_logging
 from telephony.sim_caller import simulate_call
 
 from .phone_fixtures import flite_wav, running_phone
+from .redis_support import RedisServer, redis_errors
 
 ISSUE_METRICS = [
     "kame_first_audio_seconds", "kame_turn_latency_seconds", "kame_turn_overlaps_total", "kame_oracle_lag_seconds",
@@ -104,3 +106,36 @@ def test_json_logs_carry_the_call_id(capsys: pytest.CaptureFixture[str]) -> None
     assert lines[0]["call_id"] == "CA" + "1" * 32 and lines[0]["msg"] == "stream started"
     assert lines[1]["call_id"] is None and lines[1]["level"] == "warning"
     assert isinstance(JsonFormatter().format(logging.makeLogRecord({"msg": "x"})), str)
+
+
+async def test_redis_stopped_and_restarted_mid_call_loses_nothing(
+    tiny_checkpoint: Path, hello_wav: Path, tmp_path: Path
+) -> None:
+    redis = RedisServer(tmp_path)
+    await redis.start()
+    store = open_call_store(redis.url, key_prefix="kame-test-outage:", socket_timeout_s=0.5, retry_max_s=0.2)
+    errors_before = redis_errors()
+    try:
+        async with running_phone(tiny_checkpoint, store=store) as phone:
+            call = asyncio.create_task(simulate_call(
+                phone.ws_url, hello_wav, auth_token=phone.token, public_url=phone.base, hold_after=2.0,
+                dtmf=[("4", 1.5), ("2", 3.0)],
+            ))
+            await asyncio.sleep(1.0)
+            await redis.kill()  # Redis goes away in the middle of the call
+            await asyncio.sleep(2.5)
+            await redis.start()  # and comes back (its AOF kept what it had acknowledged)
+            report = await call
+            assert report.outcome == "completed", report.errors
+            assert report.bot_seconds_received > 0.6 * report.call_seconds  # the call never noticed
+            await phone.settled()
+            record = await store.get(report.call_sid)
+    finally:
+        await store.aclose()
+        await redis.kill()
+    assert redis_errors() > errors_before  # the outage was counted
+    assert record is not None
+    assert record.state == "ended" and record.end_reason == "completed"  # written after the restart
+    assert record.stream_sid == report.stream_sid and record.first_audio_s is not None  # before the outage
+    assert record.dtmf == ["4", "2"]  # the first during the outage, the second after
+    assert any(t.role == "bot" for t in record.turns)
