@@ -304,7 +304,12 @@ def _hypothesis(decoder: Decoder) -> str:
 
 
 def make_stt(kind: str, config: PocketsphinxConfig | None = None) -> Callable[[], StreamingSTT]:
-    """A factory of per-call STT objects for `--stt {pocketsphinx,none}`."""
+    """A factory of per-call STT objects for `--stt {pocketsphinx,none,kyutai}`.
+
+    `kyutai` loads the process-wide batched engine now (KAME_STT_CHECKPOINT, default kyutai/stt-1b-en_fr;
+    KAME_STT_DEVICE, default cuda if available; KAME_STT_MAX_STREAMS rows, default 16), so a missing
+    checkpoint fails at start-up with a `CheckpointError`; each call then takes one row of it.
+    """
     if kind == "pocketsphinx":
         import pocketsphinx  # noqa: F401  (fail at start-up, not on the first call)
 
@@ -312,9 +317,7 @@ def make_stt(kind: str, config: PocketsphinxConfig | None = None) -> Callable[[]
     if kind == "none":
         return NullSTT
     if kind == "kyutai":
-        raise NotImplementedError(
-            "--stt kyutai is not implemented yet: it needs a running Kyutai STT server "
-            "(moshi-server with a kyutai/stt-*-en checkpoint) and a websocket client for it in "
-            "engine/stt.py; use --stt pocketsphinx or --stt none"
-        )
+        from .stt_kyutai import shared_engine  # torch + moshi: imported only for this kind
+
+        return shared_engine().open_stream
     raise ValueError(f"unknown STT kind {kind!r}: expected pocketsphinx, none or kyutai")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
 from engine.backend import BackendConfig, BackendServices
@@ -50,7 +51,8 @@ def backend_from_args(args: argparse.Namespace) -> BackendServices | None:
 
 
 async def load_engine(args: argparse.Namespace) -> LocalEngine:
-    backend = backend_from_args(args)
+    # Off the event loop: `--stt kyutai` loads a model here, and /healthz must keep answering meanwhile.
+    backend = await asyncio.to_thread(backend_from_args, args)
     if backend is not None:
         # Build STT decoders before the first call instead of during it (~0.4 s each, GIL held).
         await backend.warm_up(min(args.max_calls, 8))

@@ -1,0 +1,558 @@
+"""`--stt kyutai`: Kyutai's streaming STT (delayed-streams-modeling) through the `moshi` package, one
+batch row per call, all calls stepped together like the KAME front-end.
+
+A Kyutai STT model is a moshi `LMModel` with no depformer (`dep_q=0`, text out only) that reads all of
+Mimi's codebooks (`n_q=32`, every stream undelayed). Each 80 ms frame: Mimi encodes it, the LM takes one
+step and emits one text token, which describes the audio `stt_config.audio_delay_seconds` earlier (0.5 s
+for stt-1b-en_fr, 2.5 s for stt-2.6b-en). Tokens are SentencePiece pieces; 3 is padding and 0 the
+end-of-padding word boundary (both carry no text). The 1B model can carry extra heads; head 2's class-0
+probability is its semantic end-of-turn signal.
+
+What is verified and what is assumed (public sources read, no real weights here):
+- verified from moshi 0.2.13's code: `CheckpointInfo` pops `model_type`, `stt_config`, `lm_gen_config` and
+  the file names, the rest are `LMModel` kwargs; `get_mimi` uses `max(dep_q, n_q - dep_q)` codebooks;
+  with `dep_q=0` there is no depformer and `LMGen.step` returns `[B, 1, 1]` text tokens, -2 for rows that
+  did not execute; `step_with_extra_heads` softmaxes each extra head over `[B, 1, dim]`.
+- verified from delayed-streams-modeling (`scripts/stt_from_file_pytorch.py`, the Rust `asr.rs`): greedy
+  decoding, `audio_silence_prefix_seconds` of silence before the audio, text ids 0 and 3 are not words.
+- read in third-party code, not checked against the weights: stt-2.6b-en's config.json (n_q 32, dep_q 0,
+  33 zero delays, text_card 4000, delay 2.5 s, prefix 1.0 s, no extra heads); stt-1b-en_fr's delay 0.5 s;
+  the end-of-turn head is `extra_heads[2]`, class 0, threshold 0.5, near 1 in silence before any speech
+  (so it only counts once the utterance has words); and that the PyTorch stt-1b-en_fr weights may lack
+  the extra heads (then finals come from the no-new-word gap alone).
+
+Design:
+- `KyutaiSttEngine` owns Mimi + `LMGen(support_out_of_sync=True, use_sampling=False)` in streaming mode
+  for `max_streams` rows and one thread that ticks every 80 ms. A clock, not frame arrival, drives it:
+  calls' frames reach the engine at jittered times through the back-end's thread pool, and stepping per
+  arrival would cost one whole-batch step per call per frame. Each tick steps once for every row that
+  has a frame; a row without one sits out (exec mask off) instead of holding the batch. A row whose
+  backlog grows past `catchup_backlog_frames` (a stalled tick, the silence prefix) gets extra steps in
+  the same tick, at most `max_steps_per_tick`. An idle engine does not touch the model.
+- A call joins by a per-row reset (moshi resets KV caches, conv state and offsets in place) and leaves by
+  simply not executing; -2 rows are never decoded. Batch shape never changes, so CUDA graphs stay valid.
+- Finals: when the end-of-turn head fires, the final waits `audio_delay_seconds` more steps so the last
+  words (which lag the audio) are in it; fallback, and the only rule without heads: no new word for
+  `final_gap_s` (0.8 s) of the row's audio; also `max_utterance_s`, and `flush()`.
+- `feed()` never waits for the model: it queues frames and returns what was produced since the last
+  call, so results reach the back-end with the next frame (<= 80 ms later on a live phone stream).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from moshi.models import loaders
+from moshi.models.lm import LMGen
+from moshi.utils import compile as moshi_compile
+from safetensors import SafetensorError
+
+from .checkpoint import CheckpointError, resolve_checkpoint
+from .interface import FRAME_SAMPLES, FRAME_SECONDS
+from .stt import SttResult
+
+log = logging.getLogger(__name__)
+
+UNGENERATED = -2  # moshi's "this row produced nothing"
+TEXT_PADDING, END_OF_PADDING = 3, 0  # Kyutai STT text ids that carry no text
+DEFAULT_CHECKPOINT = "kyutai/stt-1b-en_fr"
+
+
+class SttCapacityError(RuntimeError):
+    """Every row of the shared Kyutai STT engine is taken by a call."""
+
+
+@dataclass(frozen=True)
+class KyutaiSttOptions:
+    end_of_turn_head: int = 2  # index into the model's extra heads; class 0 = "turn is over"
+    end_of_turn_threshold: float = 0.5
+    final_gap_s: float = 0.8  # no new word for this long (of the row's audio): final
+    max_utterance_s: float = 30.0
+    max_backlog_s: float = 4.0  # frames queued beyond this are dropped, oldest first
+    catchup_backlog_frames: int = 3
+    max_steps_per_tick: int = 4
+    warmup_steps: int = 2  # on CUDA the second step captures the graphs
+
+
+def _frames(seconds: float) -> int:
+    return max(0, math.ceil(round(seconds / FRAME_SECONDS, 6)))
+
+
+class TranscriptAssembler:
+    """One row's text: tokens in, partials (the current utterance so far) and finals out. Pure logic."""
+
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        vocab_size: int,
+        *,
+        delay_steps: int,
+        gap_steps: int,
+        max_steps: int,
+        eot_threshold: float | None,
+    ) -> None:
+        self._decode = decode
+        self._vocab = vocab_size
+        self.delay_steps = delay_steps
+        self.gap_steps = max(1, gap_steps)
+        self.max_steps = max(1, max_steps)
+        self.eot_threshold = eot_threshold
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens: list[int] = []
+        self._since_word = 0
+        self._utt_steps = 0
+        self._final_in: int | None = None  # steps until the end-of-turn final
+        self._partial = ""
+
+    def step(self, token: int, eot_prob: float | None = None) -> list[SttResult]:
+        if token < 0:  # UNGENERATED: the row did not run this step
+            return []
+        out: list[SttResult] = []
+        if TEXT_PADDING < token < self._vocab:
+            self.tokens.append(token)
+            self._since_word = 0
+            text = self._text()
+            if text != self._partial:
+                self._partial = text
+                out.append(SttResult(text, final=False))
+        else:
+            self._since_word += 1
+        if not self.tokens:
+            return out
+        self._utt_steps += 1
+        if self.eot_threshold is not None and eot_prob is not None:
+            if eot_prob < self.eot_threshold:
+                self._final_in = None  # talking (again)
+            elif self._final_in is None:
+                self._final_in = self.delay_steps  # the last words are still `delay` steps behind
+        end_of_turn = False
+        if self._final_in is not None:
+            end_of_turn = self._final_in <= 0
+            self._final_in -= 1
+        if end_of_turn or self._since_word >= self.gap_steps or self._utt_steps >= self.max_steps:
+            out.extend(self.flush())
+        return out
+
+    def flush(self) -> list[SttResult]:
+        if not self.tokens:
+            return []
+        text = self._text()
+        self.reset()
+        return [SttResult(text, final=True)]
+
+    def _text(self) -> str:
+        return " ".join(self._decode(self.tokens).split())
+
+
+@dataclass
+class _Row:
+    lease: int
+    assembler: TranscriptAssembler
+    inbox: deque[np.ndarray] = field(default_factory=deque)
+    outbox: list[SttResult] = field(default_factory=list)
+    needs_reset: bool = True
+    steps: int = 0
+    dropped_frames: int = 0
+    failure: str | None = None
+
+
+@dataclass(frozen=True)
+class SttStep:
+    """What one batched step produced (for tests and benchmarks)."""
+
+    tokens: np.ndarray  # [B] int64, UNGENERATED where the row did not execute
+    executed: np.ndarray  # [B] bool
+    end_of_turn: np.ndarray | None  # [B] float32 probabilities, None if the model has no such head
+
+
+class KyutaiSttEngine:
+    """Mimi + Kyutai STT LM for `max_streams` calls, stepped as one batch by its own thread."""
+
+    def __init__(
+        self,
+        source: str,
+        device: torch.device | str | None = None,
+        max_streams: int = 16,
+        dtype: torch.dtype | None = None,
+        *,
+        options: KyutaiSttOptions | None = None,
+        revision: str | None = None,
+        start: bool = True,
+    ) -> None:
+        if max_streams < 1:
+            raise ValueError("max_streams must be >= 1")
+        self.options = opts = options or KyutaiSttOptions()
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.batch_size = B = max_streams
+        self.source = source
+        info = _load_info(source, revision)
+        self.stt_config = dict(info.stt_config)
+        if self.device.type != "cuda":
+            # As in KameBatch: moshi's lazy torch.compile costs tens of seconds per shape on CPU for no gain.
+            moshi_compile._compile_disabled = True
+        try:
+            self.mimi = info.get_mimi(device=self.device)
+            self.lm = info.get_moshi(device=self.device, dtype=dtype)
+            self.tokenizer = info.get_text_tokenizer()
+        except (RuntimeError, OSError, KeyError, TypeError, ValueError, SafetensorError) as e:
+            first = " ".join(str(e).strip().splitlines()[:3])
+            raise CheckpointError(
+                f"Kyutai STT checkpoint {source} does not load: {type(e).__name__}: {first}"
+            ) from None
+        if self.lm.dep_q != 0:
+            raise CheckpointError(f"{source} is not a Kyutai STT model: dep_q={self.lm.dep_q} (an STT LM has 0)")
+        self.lm_gen = LMGen(self.lm, use_sampling=False, support_out_of_sync=True)
+        self.has_end_of_turn = len(self.lm.extra_heads) > opts.end_of_turn_head
+        self.delay_steps = _frames(float(self.stt_config.get("audio_delay_seconds", 0.0)))
+        self.prefix_frames = _frames(float(self.stt_config.get("audio_silence_prefix_seconds", 0.0)))
+        self._max_backlog = max(1, _frames(opts.max_backlog_s)) + self.prefix_frames
+        self._vocab = self.tokenizer.vocab_size()
+
+        self._stack = ExitStack()
+        self._stack.enter_context(self.lm_gen.streaming(B))
+        self._stack.enter_context(self.mimi.streaming(B))
+        pin = self.device.type == "cuda"
+        self._pcm_in = torch.zeros(B, 1, FRAME_SAMPLES, dtype=torch.float32, pin_memory=pin)
+        self._rows: list[_Row | None] = [None] * B
+        self._leases = 0
+        self._lock = threading.Lock()
+        self._model_lock = threading.Lock()  # one step at a time (thread vs. direct callers)
+        self._running = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.steps = 0
+        self.last_step_s = 0.0
+        log.info(
+            "Kyutai STT %s on %s: %d rows, text delay %d frames, prefix %d frames, end-of-turn head: %s",
+            source, self.device, B, self.delay_steps, self.prefix_frames, self.has_end_of_turn,
+        )
+        if start:
+            self.start()
+
+    # ---- rows (any thread) ----
+
+    @property
+    def free_rows(self) -> int:
+        with self._lock:
+            return sum(r is None for r in self._rows)
+
+    def open_stream(self) -> KyutaiStreamingSTT:
+        """A `StreamingSTT` bound to a free row (`SttCapacityError` if there is none)."""
+        row, lease = self._acquire()
+        return KyutaiStreamingSTT(self, row, lease)
+
+    def _new_assembler(self) -> TranscriptAssembler:
+        opts = self.options
+        return TranscriptAssembler(
+            lambda ids: self.tokenizer.decode(ids),
+            self._vocab,
+            delay_steps=self.delay_steps,
+            gap_steps=_frames(opts.final_gap_s),
+            max_steps=_frames(opts.max_utterance_s),
+            eot_threshold=opts.end_of_turn_threshold if self.has_end_of_turn else None,
+        )
+
+    def _acquire(self) -> tuple[int, int]:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the Kyutai STT engine is closed")
+            for index, row in enumerate(self._rows):
+                if row is None:
+                    self._leases += 1
+                    new = _Row(self._leases, self._new_assembler())
+                    new.inbox.extend(np.zeros(FRAME_SAMPLES, np.float32) for _ in range(self.prefix_frames))
+                    self._rows[index] = new
+                    return index, new.lease
+        raise SttCapacityError(
+            f"all {self.batch_size} Kyutai STT rows are busy (one per call): raise KAME_STT_MAX_STREAMS "
+            f"(now {self.batch_size}) or take fewer calls"
+        )
+
+    def _row(self, index: int, lease: int) -> _Row:
+        row = self._rows[index]
+        if row is None or row.lease != lease:
+            raise RuntimeError(f"Kyutai STT row {index} is no longer held by this stream")
+        if row.failure is not None:
+            raise RuntimeError(f"Kyutai STT engine step failed: {row.failure}")
+        return row
+
+    def _push(self, index: int, lease: int, frames: list[np.ndarray]) -> None:
+        with self._lock:
+            row = self._row(index, lease)
+            row.inbox.extend(frames)
+            while len(row.inbox) > self._max_backlog:  # the engine fell behind: keep the newest audio
+                row.inbox.popleft()
+                row.dropped_frames += 1
+                if row.dropped_frames in (1, 100) or row.dropped_frames % 1000 == 0:
+                    log.warning("Kyutai STT row %d lagging: %d frames dropped", index, row.dropped_frames)
+
+    def _drain(self, index: int, lease: int) -> list[SttResult]:
+        with self._lock:
+            row = self._row(index, lease)
+            out, row.outbox = row.outbox, []
+            return out
+
+    def _flush(self, index: int, lease: int) -> list[SttResult]:
+        with self._lock:
+            row = self._row(index, lease)
+            out, row.outbox = row.outbox, []
+            return out + row.assembler.flush()
+
+    def _reset(self, index: int, lease: int) -> None:
+        with self._lock:
+            row = self._row(index, lease)
+            row.inbox.clear()
+            row.inbox.extend(np.zeros(FRAME_SAMPLES, np.float32) for _ in range(self.prefix_frames))
+            row.outbox.clear()
+            row.assembler.reset()
+            row.needs_reset = True
+
+    def _release(self, index: int, lease: int) -> None:
+        with self._lock:
+            row = self._rows[index]
+            if row is not None and row.lease == lease:
+                self._rows[index] = None  # sits out (exec mask off) until the next call resets it
+
+    # ---- the model ----
+
+    @torch.no_grad()
+    def step(self) -> SttStep | None:
+        """One batched step for every row with a queued frame; None (model untouched) if none has one."""
+        B = self.batch_size
+        pcm = np.zeros((B, FRAME_SAMPLES), dtype=np.float32)
+        active = np.zeros(B, dtype=bool)
+        reset = np.zeros(B, dtype=bool)
+        leases = [0] * B
+        with self._model_lock:
+            with self._lock:
+                for index, row in enumerate(self._rows):
+                    if row is None or not row.inbox or row.failure is not None:
+                        continue
+                    pcm[index] = row.inbox.popleft()
+                    active[index] = True
+                    leases[index] = row.lease
+                    if row.needs_reset:
+                        reset[index], row.needs_reset = True, False
+            if not active.any():
+                return None
+            started = time.perf_counter()
+            try:
+                tokens, eot = self._model_step(pcm, active, reset)
+            except Exception as exc:
+                self._fail(active, leases, exc)
+                raise
+            self.last_step_s = time.perf_counter() - started
+            self.steps += 1
+            with self._lock:
+                for index, row in enumerate(self._rows):
+                    if row is None or not active[index] or row.lease != leases[index]:
+                        continue  # left during the step: its output is dropped
+                    row.steps += 1
+                    prob = float(eot[index]) if eot is not None else None
+                    row.outbox.extend(row.assembler.step(int(tokens[index]), prob))
+        return SttStep(tokens=tokens, executed=active, end_of_turn=eot)
+
+    def _model_step(
+        self, pcm: np.ndarray, active: np.ndarray, reset: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        if reset.any():
+            mask = torch.from_numpy(reset).to(self.device)
+            self.lm_gen.reset_streaming(mask)
+            self.mimi.reset_streaming(mask)
+        exec_mask = torch.from_numpy(active).to(self.device)
+        self.lm_gen.set_exec_mask(exec_mask)
+        self.mimi.set_exec_mask(exec_mask)
+        self._pcm_in[:, 0].copy_(torch.from_numpy(pcm))
+        codes = self.mimi.encode(self._pcm_in.to(self.device, non_blocking=True))  # [B, n_q, 1]
+        result = self.lm_gen.step_with_extra_heads(codes)
+        assert result is not None  # support_out_of_sync never returns None
+        out, heads = result
+        text = out[:, 0, 0]  # moshi wrote UNGENERATED for rows that did not execute
+        columns = [text[:, None].float()]
+        if self.has_end_of_turn:
+            columns.append(heads[self.options.end_of_turn_head][:, 0, :1].float())
+        packed = torch.cat(columns, dim=1).cpu().numpy()  # one device->host copy per step
+        tokens = packed[:, 0].astype(np.int64)
+        tokens[~active] = UNGENERATED
+        eot = None
+        if self.has_end_of_turn:
+            eot = packed[:, 1].astype(np.float32)
+            eot[~active] = np.nan
+        return tokens, eot
+
+    def _fail(self, active: np.ndarray, leases: list[int], exc: Exception) -> None:
+        """A failed step leaves model state unknown: its rows report the error and get reset on reuse."""
+        with self._lock:
+            for index, row in enumerate(self._rows):
+                if row is not None and active[index] and row.lease == leases[index]:
+                    row.failure = f"{type(exc).__name__}: {exc}"
+
+    def backlog(self) -> int:
+        with self._lock:
+            return max((len(r.inbox) for r in self._rows if r is not None), default=0)
+
+    def tick(self) -> int:
+        """One 80 ms tick: a step, plus catch-up steps while some row is behind. Returns the steps run."""
+        steps = 0
+        while steps < self.options.max_steps_per_tick:
+            if steps and self.backlog() <= self.options.catchup_backlog_frames:
+                break
+            if self.step() is None:
+                break
+            steps += 1
+        return steps
+
+    def warmup(self, steps: int | None = None) -> None:
+        """Step every row a few times on silence (first steps are slow; on CUDA this captures graphs)."""
+        n = self.options.warmup_steps if steps is None else steps
+        if n <= 0:
+            return
+        B = self.batch_size
+        everyone = torch.ones(B, dtype=torch.bool, device=self.device)
+        silence = np.zeros((B, FRAME_SAMPLES), np.float32)
+        with self._model_lock, torch.no_grad():
+            for i in range(n):
+                self._model_step(silence, np.ones(B, bool), np.full(B, i == 0))
+            self.lm_gen.reset_streaming(everyone)
+            self.mimi.reset_streaming(everyone)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self.warmup()
+        self._running.set()
+        self._thread = threading.Thread(target=self._run, name="kyutai-stt", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._running.clear()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        with self._model_lock:
+            self._stack.close()
+
+    def _run(self) -> None:
+        deadline = time.monotonic()
+        while self._running.is_set():
+            now = time.monotonic()
+            if now < deadline:
+                time.sleep(deadline - now)
+            try:
+                self.tick()
+            except Exception:
+                log.exception("Kyutai STT step failed; its calls' STT objects will report it")
+            deadline += FRAME_SECONDS
+            if time.monotonic() > deadline + FRAME_SECONDS:
+                deadline = time.monotonic()  # far behind: re-anchor instead of bursting
+
+
+class KyutaiStreamingSTT:
+    """One call's `StreamingSTT` on a row of a shared `KyutaiSttEngine`."""
+
+    def __init__(self, engine: KyutaiSttEngine, row: int, lease: int) -> None:
+        self.engine = engine
+        self.row = row
+        self._lease = lease
+        self._carry = np.zeros(0, np.float32)  # samples short of a whole frame
+        self._closed = False
+
+    def feed(self, pcm24k: np.ndarray) -> list[SttResult]:
+        self._check_open()
+        x = np.asarray(pcm24k, dtype=np.float32).reshape(-1)
+        if x.size:
+            buf = np.concatenate([self._carry, x]) if self._carry.size else x
+            n = buf.size // FRAME_SAMPLES
+            frames = [buf[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES].copy() for i in range(n)]
+            self._carry = buf[n * FRAME_SAMPLES :].copy()
+            if frames:
+                self.engine._push(self.row, self._lease, frames)
+        return self.engine._drain(self.row, self._lease)
+
+    def flush(self) -> list[SttResult]:
+        """The current utterance's final now (text still `audio_delay_seconds` behind is not in it)."""
+        self._check_open()
+        return self.engine._flush(self.row, self._lease)
+
+    def reset(self) -> None:
+        self._check_open()
+        self._carry = np.zeros(0, np.float32)
+        self.engine._reset(self.row, self._lease)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.engine._release(self.row, self._lease)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("KyutaiStreamingSTT used after close()")
+
+
+def _load_info(source: str, revision: str | None) -> loaders.CheckpointInfo:
+    """Resolve like our KAME checkpoints (local dir or HF repo id), then hand moshi a `CheckpointInfo`."""
+    try:
+        files = resolve_checkpoint(source, revision)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"Kyutai STT checkpoint (KAME_STT_CHECKPOINT={source}): {e}. For the STT, point "
+            f"KAME_STT_CHECKPOINT at the downloaded directory."
+        ) from None
+    config = files.config
+    model_type = config.get("model_type", "moshi")
+    if model_type != "stt":
+        raise CheckpointError(f"{source} is not a Kyutai STT checkpoint: config.json has model_type {model_type!r}")
+    return loaders.CheckpointInfo(
+        moshi_weights=files.lm_weights,
+        mimi_weights=files.mimi_weights,
+        tokenizer=files.tokenizer,
+        lm_config=files.lm_kwargs,
+        raw_config=config,
+        mimi_config=files.mimi_config,
+        model_type=model_type,
+        lm_gen_config=files.lm_gen_config,
+        stt_config=dict(config.get("stt_config", {})),
+        model_id=dict(config.get("model_id", {})),
+    )
+
+
+_SHARED: KyutaiSttEngine | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def engine_from_env(env: Mapping[str, str] | None = None) -> KyutaiSttEngine:
+    """KAME_STT_CHECKPOINT (repo id or dir), KAME_STT_DEVICE (default cuda if available), KAME_STT_MAX_STREAMS."""
+    env = os.environ if env is None else env
+    source = env.get("KAME_STT_CHECKPOINT") or DEFAULT_CHECKPOINT
+    device = env.get("KAME_STT_DEVICE") or None
+    raw = env.get("KAME_STT_MAX_STREAMS") or "16"
+    try:
+        max_streams = int(raw)
+    except ValueError:
+        raise ValueError(f"KAME_STT_MAX_STREAMS must be an integer, got {raw!r}") from None
+    return KyutaiSttEngine(source, device=device, max_streams=max_streams)
+
+
+def shared_engine() -> KyutaiSttEngine:
+    """The process-wide engine, built from the environment on first use."""
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = engine_from_env()
+        return _SHARED
+

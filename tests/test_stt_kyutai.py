@@ -1,0 +1,297 @@
+"""Kyutai STT through moshi, batched across calls: mechanics on CPU with a tiny random-weight checkpoint.
+
+Random weights give garbage words: these tests check loading, row ownership, batch isolation, the -2
+rule and the `StreamingSTT` contract, not accuracy.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.checkpoint import CheckpointError
+from engine.interface import FRAME_SAMPLES
+from engine.stt import SttResult, make_stt
+from engine.stt_kyutai import (
+    UNGENERATED,
+    KyutaiStreamingSTT,
+    KyutaiSttEngine,
+    KyutaiSttOptions,
+    SttCapacityError,
+    TranscriptAssembler,
+)
+from engine.tiny_stt_checkpoint import TINY_STT_CONFIG, make_tiny_stt_checkpoint
+
+
+@pytest.fixture(scope="module")
+def stt_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_stt_checkpoint(tmp_path_factory.mktemp("tiny-stt"))
+
+
+@pytest.fixture
+def make_engine(stt_checkpoint: Path):
+    engines: list[KyutaiSttEngine] = []
+
+    def make(max_streams: int = 3, **kwargs) -> KyutaiSttEngine:
+        kwargs.setdefault("start", False)
+        engine = KyutaiSttEngine(str(stt_checkpoint), "cpu", max_streams, **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def audio(seed: int, frames: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    gains = rng.uniform(0.01, 0.5, size=frames)
+    return [(rng.standard_normal(FRAME_SAMPLES) * g).astype(np.float32) for g in gains]
+
+
+# --- loading ---------------------------------------------------------------------------------------
+def test_loads_through_moshis_checkpoint_info(make_engine) -> None:
+    engine = make_engine()
+    assert engine.lm.dep_q == 0 and engine.lm.depformer is None  # text out only
+    assert engine.mimi.num_codebooks == engine.lm.n_q == 32  # every Mimi codebook in
+    assert engine.has_end_of_turn and len(engine.lm.extra_heads) == 4
+    assert engine.stt_config == TINY_STT_CONFIG
+    assert (engine.delay_steps, engine.prefix_frames) == (3, 2)  # 0.24 s and 0.16 s at 12.5 Hz
+
+
+def test_missing_file_is_a_clear_error(stt_checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(stt_checkpoint, ckpt)
+    (ckpt / "mimi.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"missing mimi\.safetensors") as err:
+        KyutaiSttEngine(str(ckpt), "cpu", 2, start=False)
+    assert "KAME_STT_CHECKPOINT" in str(err.value)
+
+
+def test_corrupt_weights_are_a_clear_error(stt_checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(stt_checkpoint, ckpt)
+    (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="does not load"):
+        KyutaiSttEngine(str(ckpt), "cpu", 2, start=False)
+
+
+def test_a_kame_checkpoint_is_not_an_stt_one(tiny_checkpoint: Path) -> None:
+    with pytest.raises(CheckpointError, match="not a Kyutai STT checkpoint.*model_type 'kame'"):
+        KyutaiSttEngine(str(tiny_checkpoint), "cpu", 2, start=False)
+
+
+def test_no_network_and_no_local_copy_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    import huggingface_hub.constants as hfc
+
+    monkeypatch.setattr(hfc, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hfc, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(CheckpointError) as err:
+        KyutaiSttEngine("kyutai/stt-1b-en_fr", "cpu", 2, start=False)
+    msg = str(err.value)
+    assert "kyutai/stt-1b-en_fr" in msg and "download" in msg and "KAME_STT_CHECKPOINT" in msg
+    assert "Traceback" not in msg
+
+
+# --- rows ------------------------------------------------------------------------------------------
+def test_calls_share_one_engine_one_row_each_and_capacity_is_clear(make_engine) -> None:
+    engine = make_engine(max_streams=3)
+    calls = [engine.open_stream() for _ in range(3)]
+    assert all(isinstance(c, KyutaiStreamingSTT) and c.engine is engine for c in calls)
+    assert sorted(c.row for c in calls) == [0, 1, 2] and engine.free_rows == 0
+    with pytest.raises(SttCapacityError, match=r"all 3 Kyutai STT rows are busy.*KAME_STT_MAX_STREAMS"):
+        engine.open_stream()
+    calls[1].close()
+    calls[1].close()  # idempotent
+    assert engine.free_rows == 1
+    again = engine.open_stream()
+    assert again.row == 1
+    with pytest.raises(RuntimeError, match="after close"):
+        calls[1].feed(audio(0, 1)[0])
+    again.feed(audio(0, 1)[0])  # the old handle cannot touch the row's new owner
+    assert len(engine._rows[1].inbox) == engine.prefix_frames + 1
+
+
+def run_rows(engine: KyutaiSttEngine, script: dict[int, list[tuple[int, np.ndarray | None]]], steps: int):
+    """Drive `engine.step()` by hand. `script[step]` lists (stream no, frame or None = close)."""
+    streams: dict[int, KyutaiStreamingSTT] = {}
+    tokens: dict[int, list[int]] = {}
+    for step in range(steps):
+        for no, frame in script.get(step, []):
+            if frame is None:
+                streams.pop(no).close()
+                continue
+            if no not in streams:
+                streams[no] = engine.open_stream()
+            streams[no].feed(frame)
+        while True:  # drain every queued frame (the silence prefix first)
+            out = engine.step()
+            if out is None:
+                break
+            for no, s in streams.items():
+                if out.executed[s.row]:
+                    tokens.setdefault(no, []).append(int(out.tokens[s.row]))
+                else:
+                    assert out.tokens[s.row] == UNGENERATED
+            if engine.backlog() == 0:
+                break
+    return tokens, streams
+
+
+def test_a_call_joining_and_leaving_does_not_change_another_calls_tokens(make_engine) -> None:
+    a, b, c = audio(1, 30), audio(2, 12), audio(3, 8)
+    alone = make_engine(max_streams=3)
+    ref, _ = run_rows(alone, {i: [(0, a[i])] for i in range(30)}, 30)
+
+    busy = make_engine(max_streams=3)
+    script: dict[int, list] = {i: [(0, a[i])] for i in range(30)}
+    script[13] = []  # A's frame is late: A sits out this step while B runs...
+    script[14] = [(0, a[13]), (0, a[14])]  # ...and catches up on the next one
+    for i in range(12):
+        script.setdefault(8 + i, []).append((1, b[i]))  # B joins at step 8 (row 1)
+    script[20].append((1, None))  # and leaves
+    for i in range(8):
+        script.setdefault(22 + i, []).append((2, c[i]))  # C reuses row 1 (a per-row reset mid-stream)
+    got, streams = run_rows(busy, script, 30)
+
+    assert len(ref[0]) == 30 + alone.prefix_frames
+    assert got[0] == ref[0]
+    assert got[1] != got[0][: len(got[1])]  # B really ran something else next to A
+    # C in the reused row behaves as on a fresh row 1 of a fresh engine: the reset cleared B's state.
+    fresh = make_engine(max_streams=3)
+    hold = fresh.open_stream()  # row 0 stays idle
+    c_ref, _ = run_rows(fresh, {i: [(2, c[i])] for i in range(8)}, 8)
+    hold.close()
+    assert streams[2].row == 1 and got[2] == c_ref[2]
+
+
+def test_ungenerated_is_never_decoded(make_engine) -> None:
+    engine = make_engine(max_streams=3)
+    decoded: list[int] = []
+    real = engine.tokenizer
+
+    class Spy:
+        def decode(self, ids: list[int]) -> str:
+            decoded.extend(ids)
+            return real.decode(ids)
+
+    engine.tokenizer = Spy()
+    s0, s1 = engine.open_stream(), engine.open_stream()
+    frames = audio(4, 20)
+    saw_sit_out = False
+    for i, frame in enumerate(frames):
+        s0.feed(frame)
+        if i % 3 == 0:
+            s1.feed(frame)  # s1 is mostly late: it sits out (-2) most steps
+        while (out := engine.step()) is not None:
+            saw_sit_out |= not out.executed[s1.row]
+            assert (out.tokens[~out.executed] == UNGENERATED).all()
+            assert (out.tokens[out.executed] >= 0).all()
+            assert np.isnan(out.end_of_turn[~out.executed]).all()
+    assert saw_sit_out and decoded and min(decoded) > 3  # only word pieces: no -2, padding or boundary
+    assert s0.feed(np.zeros(0, np.float32)) != [] or s0.flush() != []
+
+
+# --- the StreamingSTT contract -----------------------------------------------------------------------
+def test_streaming_stt_contract_with_the_engine_thread(make_engine) -> None:
+    engine = make_engine(max_streams=2, start=True)
+    stt = engine.open_stream()
+    pcm = np.concatenate(audio(5, 25))
+    results: list[SttResult] = []
+    for start in range(0, pcm.size, 1000):  # any chunk length: whole frames are cut out, the rest carried
+        out = stt.feed(pcm[start : start + 1000])
+        assert isinstance(out, list)
+        results += out
+    deadline = time.monotonic() + 10
+    while engine._rows[stt.row].steps < 25 + engine.prefix_frames and time.monotonic() < deadline:
+        time.sleep(0.02)  # the backlog drains through catch-up steps
+    assert engine._rows[stt.row].steps == 25 + engine.prefix_frames
+    assert stt._carry.size == pcm.size % FRAME_SAMPLES
+    results += stt.feed(np.zeros(0, np.float32))
+    results += stt.flush()
+    assert results and all(isinstance(r, SttResult) for r in results)
+    assert results[-1].final and all(r.text for r in results)
+    assert stt.flush() == []
+    stt.reset()  # a fresh utterance and a fresh row state
+    assert engine._rows[stt.row].needs_reset
+    stt.close()
+    assert engine.free_rows == 2
+
+
+def test_make_stt_kyutai_binds_a_process_wide_engine(stt_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.stt_kyutai as mod
+
+    monkeypatch.setenv("KAME_STT_CHECKPOINT", str(stt_checkpoint))
+    monkeypatch.setenv("KAME_STT_DEVICE", "cpu")
+    monkeypatch.setenv("KAME_STT_MAX_STREAMS", "2")
+    monkeypatch.setattr(mod, "_SHARED", None)
+    factory = make_stt("kyutai")
+    try:
+        first, second = factory(), factory()
+        assert isinstance(first, KyutaiStreamingSTT) and first.engine is second.engine is mod._SHARED
+        assert {first.row, second.row} == {0, 1} and first.engine.batch_size == 2
+        second.close()
+        assert make_stt("kyutai")().engine is first.engine  # one engine per process
+    finally:
+        assert mod._SHARED is not None
+        mod._SHARED.close()
+
+
+# --- utterances: pure logic ----------------------------------------------------------------------------
+def assembler(eot: float | None = 0.5, delay: int = 2, gap: int = 4, max_steps: int = 100) -> TranscriptAssembler:
+    words = {10: "▁hello", 11: "▁world", 12: "s"}
+    return TranscriptAssembler(
+        lambda ids: "".join(words[i] for i in ids).replace("▁", " "),
+        100,
+        delay_steps=delay,
+        gap_steps=gap,
+        max_steps=max_steps,
+        eot_threshold=eot,
+    )
+
+
+def feed_tokens(asm: TranscriptAssembler, steps: list[tuple[int, float | None]]) -> list[tuple[int, SttResult]]:
+    return [(i, r) for i, (tok, p) in enumerate(steps) for r in asm.step(tok, p)]
+
+
+def test_partials_grow_with_word_pieces_and_padding_says_nothing() -> None:
+    out = feed_tokens(assembler(eot=None), [(3, None), (10, None), (0, None), (11, None), (12, None), (3, None)])
+    assert [(i, r.text, r.final) for i, r in out] == [
+        (1, "hello", False), (3, "hello world", False), (4, "hello worlds", False),
+    ]
+
+
+def test_final_after_a_gap_without_new_words() -> None:
+    out = feed_tokens(assembler(eot=None, gap=4), [(10, None)] + [(3, None)] * 6)
+    assert [(i, r.text, r.final) for i, r in out] == [(0, "hello", False), (4, "hello", True)]
+
+
+def test_end_of_turn_final_waits_for_the_delayed_text_and_is_cancelled_by_speech() -> None:
+    steps = [(10, 0.9)]  # before any word the head is high in silence: ignored until there are words
+    steps += [(3, 0.8), (11, 0.1), (3, 0.1), (3, 0.7), (3, 0.9), (3, 0.9), (3, 0.9)]
+    out = feed_tokens(assembler(eot=0.5, delay=2, gap=50), [(3, 0.99)] + steps)
+    # fires at 2, cancelled at 3 (talking), fires again at 5: final 2 steps later, at 7
+    assert [(i, r.text, r.final) for i, r in out] == [
+        (1, "hello", False), (3, "hello world", False), (7, "hello world", True),
+    ]
+
+
+def test_ungenerated_steps_do_not_count_and_flush_and_max_length() -> None:
+    asm = assembler(eot=None, gap=2, max_steps=3)
+    assert asm.step(UNGENERATED) == [] and asm.step(10) == [SttResult("hello", False)]
+    assert asm.step(UNGENERATED) == [] and asm.step(UNGENERATED) == []  # sitting out is not silence
+    assert asm.step(10) == [SttResult("hello hello", False)]
+    assert asm.step(10) == [SttResult("hello hello hello", False), SttResult("hello hello hello", True)]
+    asm.step(11)
+    assert asm.flush() == [SttResult("world", True)] and asm.flush() == []
+
+
+def test_options_defaults_match_the_documented_rules() -> None:
+    opts = KyutaiSttOptions()
+    assert (opts.end_of_turn_head, opts.end_of_turn_threshold, opts.final_gap_s) == (2, 0.5, 0.8)
