@@ -28,7 +28,7 @@ from telephony.sim_caller import CallReport, simulate_call
 from telephony.twiml import parse_connect_stream
 
 from .phone_fixtures import flite_wav, new_call_sid
-from .redis_support import REDIS_URL, redis_errors
+from .redis_support import REDIS_URL, free_port, redis_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -222,11 +222,6 @@ async def test_local_cluster() -> None:
 def question_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return flite_wav("Hello, what time does the store open on Monday?", tmp_path_factory.mktemp("speech") / "q.wav")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -8,11 +8,12 @@ import time
 
 import numpy as np
 import pytest
-from prometheus_client import REGISTRY
 
 from engine.batch import UNGENERATED, KameBatch, SamplingConfig
 from engine.frame_loop import FrameLoop, SlotOutput
 from engine.interface import FRAME_SAMPLES, EngineFull
+
+from .phone_fixtures import metric
 
 GREEDY = SamplingConfig(use_sampling=False)
 
@@ -28,10 +29,6 @@ def _caller_audio(seed: int, frames: int) -> list[np.ndarray]:
     f = rng.uniform(150, 900, size=3)
     x = sum(np.sin(2 * np.pi * fi * t) for fi in f) / 3 + 0.05 * rng.standard_normal(t.shape)
     return [x[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES].astype(np.float32) for i in range(frames)]
-
-
-def _metric(name: str) -> float:
-    return REGISTRY.get_sample_value(name) or 0.0
 
 
 class Recorder:
@@ -161,19 +158,19 @@ def test_late_frames_get_silence_and_count_underruns(tiny_bundle) -> None:
     rec = Recorder()
     row = loop.join("A", rec)
     loop.tick()  # caller audio not started yet: not an underrun
-    before = _metric("kame_engine_underruns_total")
+    before = metric("kame_engine_underruns_total")
     audio = _caller_audio(3, 8)
     loop.push_audio(row, "A", audio[0])
     loop.tick()
     loop.tick()
     loop.tick()
     assert loop._slots[row].underruns == 2
-    assert _metric("kame_engine_underruns_total") - before == 2
-    over_before = _metric("kame_engine_input_overruns_total")
+    assert metric("kame_engine_underruns_total") - before == 2
+    over_before = metric("kame_engine_input_overruns_total")
     for frame in audio:  # 8 frames at once: more than the queue bound of 4
         loop.push_audio(row, "A", frame)
     assert loop._slots[row].overruns == 4
-    assert _metric("kame_engine_input_overruns_total") - over_before == 4
+    assert metric("kame_engine_input_overruns_total") - over_before == 4
 
 
 def test_capacity_and_bad_frames(tiny_bundle) -> None:
@@ -231,7 +228,7 @@ def test_real_time_thread_streams_and_reports_ticks(tiny_bundle) -> None:
         if len(outs) >= 10:
             got.set()
 
-    ticks_before = _metric("kame_engine_tick_seconds_count")
+    ticks_before = metric("kame_engine_tick_seconds_count")
     loop.start(warmup_ticks=2)
     try:
         row = loop.join("A", sink)
@@ -245,18 +242,18 @@ def test_real_time_thread_streams_and_reports_ticks(tiny_bundle) -> None:
         loop.stop()
     assert [o.index for o in outs[:10]] == list(range(10))
     assert loop.stats.ticks >= 10
-    assert _metric("kame_engine_tick_seconds_count") - ticks_before >= 10
-    assert _metric("kame_engine_slots_busy") == 1
+    assert metric("kame_engine_tick_seconds_count") - ticks_before >= 10
+    assert metric("kame_engine_slots_busy") == 1
 
 
 def test_oracle_lag_is_measured_when_the_boundary_token_is_fed(tiny_bundle) -> None:
     loop = _loop(tiny_bundle)
     row = loop.join("A", Recorder())
-    before = _metric("kame_oracle_lag_seconds_count")
+    before = metric("kame_oracle_lag_seconds_count")
     loop.set_oracle(row, "A", 7, "Hello", triggered_at=loop.clock() - 0.5)
     loop.tick()
     loop.tick()  # the second token of the same candidate is not a new lag sample
-    assert _metric("kame_oracle_lag_seconds_count") == before + 1
+    assert metric("kame_oracle_lag_seconds_count") == before + 1
     ((call, cid, _fed_at, lag),) = list(loop.oracle_fed)
     assert (call, cid) == ("A", 7) and 0.5 <= lag < 5.0
 

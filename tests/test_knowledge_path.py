@@ -14,7 +14,7 @@ from engine.backend import BackendConfig, BackendServices
 from telephony.sim_caller import simulate_call
 
 from .llm_server import FakeLlm
-from .phone_fixtures import flite_wav, running_phone
+from .phone_fixtures import flite_wav, metric, running_phone
 
 QUESTIONS = {
     "store": "What time does the store open on Monday?",
@@ -46,7 +46,7 @@ async def test_two_calls_each_get_their_own_llm_answer_as_oracle(
         BackendConfig(stt="pocketsphinx", llm_base_url=llm_server.base_url, llm_api_key="sk-test", llm_model="m")
     )
     await backend.warm_up(2)
-    lag_before = _lag_count()
+    lag_before = metric("kame_oracle_lag_seconds_count")
     async with running_phone(tiny_checkpoint, max_calls=2, backend=backend) as phone:
         lm, sp = phone.engine.bundle.lm, phone.engine.bundle.tokenizer
         fed: list[np.ndarray] = []  # per tick: the oracle token each row fed (frame-loop thread)
@@ -90,10 +90,5 @@ async def test_two_calls_each_get_their_own_llm_answer_as_oracle(
         assert notes and notes[-1].startswith("Sure, about") and key in notes[-1]
         caller_words = " ".join(t.text or "" for t in records[key].turns if t.role == "caller")
         assert key in caller_words
-    assert _lag_count() > lag_before  # oracle lag was measured
+    assert metric("kame_oracle_lag_seconds_count") > lag_before  # oracle lag was measured
 
-
-def _lag_count() -> float:
-    from prometheus_client import REGISTRY
-
-    return REGISTRY.get_sample_value("kame_oracle_lag_seconds_count") or 0.0
