@@ -24,6 +24,7 @@ from . import metrics
 from .batch import UNGENERATED, KameBatch
 from .interface import FRAME_SAMPLES, FRAME_SECONDS, EngineClosed, EngineFull
 from .oracle_buffer import OracleBuffer
+from .ticker import FrameTicker
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,7 @@ class FrameLoop:
         self.stats = LoopStats()
         self._slots: list[Slot | None] = [None] * self.max_calls
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._running = threading.Event()
+        self._ticker = FrameTicker("kame-frame-loop", self.safe_tick, self._record_timing, clock)
         self._closed = False
         self._tick_no = 0
         # (call id, candidate id, fed at, lag) for the last candidates whose boundary token was fed: the
@@ -274,42 +274,21 @@ class FrameLoop:
         self.batch.reset_rows(everyone)
 
     def start(self, warmup_ticks: int = 4) -> None:
-        if self._thread is not None:
+        if self._ticker.running:
             return
         self.warmup(warmup_ticks)
-        self._running.set()
-        self._thread = threading.Thread(target=self._run, name="kame-frame-loop", daemon=True)
-        self._thread.start()
+        self._ticker.start()
 
     def stop(self) -> None:
         with self._lock:
             self._closed = True
-        self._running.clear()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        self._ticker.stop()
 
-    def _run(self) -> None:
-        import torch
-
-        torch.set_grad_enabled(False)
-        deadline = self.clock()
-        while self._running.is_set():
-            now = self.clock()
-            if now < deadline:
-                time.sleep(deadline - now)
-            started = self.clock()
-            self.safe_tick()
-            finished = self.clock()
-            elapsed = finished - started
-            self.stats.ticks += 1
-            self.stats.last_tick_s = elapsed
-            self.stats.tick_s.append(elapsed)
-            metrics.ENGINE_TICK_SECONDS.observe(elapsed)
-            # Tick k owns [deadline, deadline + 80 ms): finishing later means its frame was late.
-            if finished > deadline + FRAME_SECONDS:
-                self.stats.deadline_misses += 1
-                metrics.ENGINE_DEADLINE_MISSES.inc()
-            deadline += FRAME_SECONDS
-            if finished > deadline + FRAME_SECONDS:
-                deadline = finished  # far behind: re-anchor instead of bursting to catch up
+    def _record_timing(self, elapsed: float, late: bool) -> None:
+        self.stats.ticks += 1
+        self.stats.last_tick_s = elapsed
+        self.stats.tick_s.append(elapsed)
+        metrics.ENGINE_TICK_SECONDS.observe(elapsed)
+        if late:
+            self.stats.deadline_misses += 1
+            metrics.ENGINE_DEADLINE_MISSES.inc()

@@ -60,6 +60,7 @@ from safetensors import SafetensorError
 from .checkpoint import CheckpointError, resolve_checkpoint
 from .interface import FRAME_SAMPLES, FRAME_SECONDS
 from .stt import SttResult
+from .ticker import FrameTicker
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +231,7 @@ class KyutaiSttEngine:
         self._leases = 0
         self._lock = threading.Lock()
         self._model_lock = threading.Lock()  # one step at a time (thread vs. direct callers)
-        self._running = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._ticker = FrameTicker("kyutai-stt", self._tick_logged)
         self._closed = False
         self.steps = 0
         self.last_step_s = 0.0
@@ -430,36 +430,23 @@ class KyutaiSttEngine:
             self.mimi.reset_streaming(everyone)
 
     def start(self) -> None:
-        if self._thread is not None:
+        if self._ticker.running:
             return
         self.warmup()
-        self._running.set()
-        self._thread = threading.Thread(target=self._run, name="kyutai-stt", daemon=True)
-        self._thread.start()
+        self._ticker.start()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-        self._running.clear()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        self._ticker.stop()
         with self._model_lock:
             self._stack.close()
 
-    def _run(self) -> None:
-        deadline = time.monotonic()
-        while self._running.is_set():
-            now = time.monotonic()
-            if now < deadline:
-                time.sleep(deadline - now)
-            try:
-                self.tick()
-            except Exception:
-                log.exception("Kyutai STT step failed; its calls' STT objects will report it")
-            deadline += FRAME_SECONDS
-            if time.monotonic() > deadline + FRAME_SECONDS:
-                deadline = time.monotonic()  # far behind: re-anchor instead of bursting
+    def _tick_logged(self) -> None:
+        try:
+            self.tick()
+        except Exception:
+            log.exception("Kyutai STT step failed; its calls' STT objects will report it")
 
 
 class KyutaiStreamingSTT:

@@ -1,0 +1,70 @@
+"""A thread that runs one step every 80 ms against a monotonic deadline (the engine's real-time clock).
+
+Used by the KAME frame loop and the batched Kyutai STT. A step that overruns makes the next one start
+late rather than skip; a loop that falls more than a frame behind re-anchors its deadline instead of
+bursting through steps to catch up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from .interface import FRAME_SECONDS
+
+TimingHook = Callable[[float, bool], None]  # (seconds the step took, whether it finished past its frame)
+
+
+class FrameTicker:
+    def __init__(
+        self,
+        name: str,
+        step: Callable[[], object],
+        on_timing: TimingHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        period_s: float = FRAME_SECONDS,
+    ) -> None:
+        self.name = name
+        self.step = step
+        self.on_timing = on_timing
+        self.clock = clock
+        self.period_s = period_s
+        self._running = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._running.set()
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._running.clear()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+            self._thread = None
+
+    def _run(self) -> None:
+        import torch
+
+        torch.set_grad_enabled(False)  # grad mode is per thread
+        deadline = self.clock()
+        while self._running.is_set():
+            now = self.clock()
+            if now < deadline:
+                time.sleep(deadline - now)
+            started = self.clock()
+            self.step()  # the step owns its errors: a raise here ends the thread
+            finished = self.clock()
+            if self.on_timing is not None:
+                # Step k owns [deadline, deadline + period): finishing later means its frame was late.
+                self.on_timing(finished - started, finished > deadline + self.period_s)
+            deadline += self.period_s
+            if finished > deadline + self.period_s:
+                deadline = finished  # far behind: re-anchor instead of bursting to catch up
