@@ -52,10 +52,11 @@ class CallerTranscript:
 
 @dataclass(frozen=True, slots=True)
 class OracleUpdate:
-    """A new candidate reply from the LLM became this call's oracle."""
+    """The call's oracle is now this draft: a new candidate, or a longer text of the current one."""
 
-    text: str
-    at: float
+    text: str  # the whole draft so far
+    at: float  # time.monotonic()
+    candidate: int = 0  # the same id while one LLM answer streams in; a new id supersedes it
 
 
 @dataclass(frozen=True, slots=True)

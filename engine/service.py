@@ -109,7 +109,7 @@ class LocalCallSession:
 
     def _on_oracle(self, text: str, triggered_at: float, candidate_id: int) -> None:
         self._engine.frame_loop.set_oracle(self.row, self.call_id, candidate_id, text, triggered_at)
-        self._put(OracleUpdate(text=text, at=time.monotonic()))
+        self._put(OracleUpdate(text=text, at=time.monotonic(), candidate=candidate_id))
 
     def _on_reset(self) -> None:  # frame-loop thread
         self._loop.call_soon_threadsafe(self._on_notice, "reset", "the engine reset this call's model state")

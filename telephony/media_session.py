@@ -89,6 +89,7 @@ class MediaStreamSession:
         self.turns = TurnTracker()
         self._pump: asyncio.Task[None] | None = None
         self._last_message_at = time.monotonic()
+        self._oracle_draft: tuple[int, str, float] | None = None  # (candidate, latest text, started)
         self._ended = False
         self._end_reason = "completed"
 
@@ -273,13 +274,29 @@ class MediaStreamSession:
                         self._flush_bot_turn()
                         await self.ctx.store.append_turn(call_sid, "caller", out.text)
                 elif isinstance(out, OracleUpdate):
-                    await self.ctx.store.append_oracle(call_sid, out.text)
+                    await self._on_oracle(out)
                 elif isinstance(out, EngineNotice):
                     log.warning("engine notice %s: %s", out.kind, out.detail)
                     if out.kind == "reset":
                         await self.clear()
         except (ConnectionResetError, RuntimeError) as e:  # socket gone under us: the receive loop ends the call
             log.info("output pump stopped: %s", e)
+
+    async def _on_oracle(self, update: OracleUpdate) -> None:
+        # A draft streams in as a growing text: the call record keeps one entry per candidate (its last
+        # text, at the time it started), not one per streamed chunk.
+        draft = self._oracle_draft
+        if draft is not None and draft[0] != update.candidate:
+            await self._record_oracle()
+            draft = None
+        self._oracle_draft = (update.candidate, update.text, draft[2] if draft else update.at)
+
+    async def _record_oracle(self) -> None:
+        if self._oracle_draft is None or self.state.call_sid is None:
+            return
+        _, text, started = self._oracle_draft
+        self._oracle_draft = None
+        await self.ctx.store.append_oracle(self.state.call_sid, text, at=time.time() - (time.monotonic() - started))
 
     def _after_send(self, out: BotAudio, sent: float) -> None:
         st = self.state
@@ -329,6 +346,7 @@ class MediaStreamSession:
             metrics.CALLS_ACTIVE.dec()
             metrics.CALLS_TOTAL.labels(outcome=reason).inc()
             self._flush_bot_turn()
+            await self._record_oracle()
             if reason != "replaced":
                 await self.ctx.forget_stream(call_sid, self)
                 await self.ctx.store.end(call_sid, reason)

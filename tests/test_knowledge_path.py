@@ -86,8 +86,10 @@ async def test_two_calls_each_get_their_own_llm_answer_as_oracle(
         last = sp.decode(candidates[-1])
         assert last.startswith("Sure, about") and key in last and other not in last, last
         assert records[key] is not None
-        notes = [n.text for n in records[key].oracle]
+        notes = [n.text or "" for n in records[key].oracle]
         assert notes and notes[-1].startswith("Sure, about") and key in notes[-1]
+        # One entry per candidate with its whole text, not one per streamed chunk.
+        assert not any(b.startswith(a) and a != b for a, b in zip(notes, notes[1:], strict=False)), notes
         caller_words = " ".join(t.text or "" for t in records[key].turns if t.role == "caller")
         assert key in caller_words
     assert metric("kame_oracle_lag_seconds_count") > lag_before  # oracle lag was measured
