@@ -99,16 +99,29 @@ class ServerContext:
             self.no_streams.set()
 
     def webhook_ok(self, request: web.Request, form: Any, endpoint: str) -> bool:
+        """Twilio's signature over the public URL it called and the form it posted."""
         token = self.config.twilio_auth_token
         if token is None:  # --insecure-dev, loopback only
             return True
         url = public_url_for(request.raw_path, self.config.base_url)
-        ok = validate_webhook(token, url, form, request.headers.get(SIGNATURE_HEADER))
-        if not ok:
-            reason = "missing_signature" if SIGNATURE_HEADER not in request.headers else "bad_signature"
-            metrics.WEBHOOK_REJECTIONS.labels(endpoint=endpoint, reason=reason).inc()
-            log.warning("%s: %s from %s", endpoint, reason, request.remote)
-        return ok
+        return _counted(request, endpoint, validate_webhook(token, url, form, request.headers.get(SIGNATURE_HEADER)))
+
+    def websocket_ok(self, request: web.Request) -> bool:
+        """Twilio's signature on the Media Streams upgrade: over this node's own wss URL, no params."""
+        token = self.config.twilio_auth_token
+        if token is None:
+            return True
+        url = websocket_signature_url(self.config.node_base_url, request.path)
+        return _counted(request, "media", validate_websocket(token, url, request.headers.get(SIGNATURE_HEADER)))
+
+
+def _counted(request: web.Request, endpoint: str, ok: bool) -> bool:
+    """Count and log a refused signature (never the token or the signature itself)."""
+    if not ok:
+        reason = "missing_signature" if SIGNATURE_HEADER not in request.headers else "bad_signature"
+        metrics.WEBHOOK_REJECTIONS.labels(endpoint=endpoint, reason=reason).inc()
+        log.warning("%s refused (%s) from %s", endpoint, reason, request.remote)
+    return ok
 
 
 def _ctx(request: web.Request) -> ServerContext:
@@ -154,14 +167,8 @@ async def handle_voice(request: web.Request) -> web.Response:
 
 async def handle_media(request: web.Request) -> web.StreamResponse:
     ctx = _ctx(request)
-    token = ctx.config.twilio_auth_token
-    if token is not None:
-        url = websocket_signature_url(ctx.config.node_base_url, request.path)  # the node's own stream URL
-        if not validate_websocket(token, url, request.headers.get(SIGNATURE_HEADER)):
-            reason = "missing_signature" if SIGNATURE_HEADER not in request.headers else "bad_signature"
-            metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason=reason).inc()
-            log.warning("media upgrade refused (%s) from %s", reason, request.remote)
-            return web.Response(status=403, text="invalid Twilio signature")
+    if not ctx.websocket_ok(request):  # refused before the upgrade
+        return web.Response(status=403, text="invalid Twilio signature")
     if ctx.engine is None or not ctx.engine.ready:
         return web.Response(status=503, text="engine not ready")
     # No permessage-deflate: Twilio does not ask for it, and it costs CPU on every 20 ms message.
