@@ -40,9 +40,11 @@ class SlotOutput:
     index: int  # frame number since the call joined
     oracle_token: int  # the oracle token this slot fed on this step
     held: bool  # muted by the forced response delay
+    fresh: bool = False  # the slot's model state was (re)started at this step
 
 
 SlotSink = Callable[[SlotOutput], None]
+TickSink = Callable[[list[tuple["Slot", SlotOutput]]], None]  # every slot's output of one tick, at once
 ResetHook = Callable[[], None]  # told that the slot's model state was reset (its audio queued downstream is stale)
 
 
@@ -52,7 +54,7 @@ class Slot:
 
     row: int
     call_id: str
-    sink: SlotSink
+    sink: SlotSink | None  # None: the loop's tick sink takes this slot's outputs with everyone else's
     oracle: OracleBuffer
     on_reset: ResetHook | None = None
     inbox: deque[np.ndarray] = field(default_factory=deque)
@@ -83,8 +85,10 @@ class FrameLoop:
         max_queued_frames: int = 4,
         forced_delay_ms: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        on_tick: TickSink | None = None,
     ) -> None:
         self.batch = batch
+        self.on_tick = on_tick
         self.tokenizer = tokenizer
         self.max_calls = batch.batch_size
         self.max_queued_frames = max_queued_frames
@@ -110,7 +114,7 @@ class FrameLoop:
         with self._lock:
             return sum(s is None for s in self._slots)
 
-    def join(self, call_id: str, sink: SlotSink, on_reset: ResetHook | None = None) -> int:
+    def join(self, call_id: str, sink: SlotSink | None, on_reset: ResetHook | None = None) -> int:
         with self._lock:
             if self._closed:
                 raise EngineClosed("engine is stopping")
@@ -227,13 +231,20 @@ class FrameLoop:
                 index=slot.frames_out,
                 oracle_token=int(oracle[row]),
                 held=bool(held[row]),
+                fresh=bool(reset[row]),
             )
             slot.frames_out += 1
-            try:
-                slot.sink(out)
-            except Exception:  # a broken consumer must not stop the other calls
-                log.exception("call %s: output sink failed", slot.call_id)
+            if slot.sink is not None:
+                try:
+                    slot.sink(out)
+                except Exception:  # a broken consumer must not stop the other calls
+                    log.exception("call %s: output sink failed", slot.call_id)
             delivered.append((slot, out))
+        if self.on_tick is not None and delivered:
+            try:
+                self.on_tick(delivered)
+            except Exception:
+                log.exception("tick sink failed")
         return delivered
 
     def _piece(self, token: int) -> str:

@@ -31,14 +31,28 @@ class EngineClosed(EngineError):
 
 
 @dataclass(frozen=True, slots=True)
-class BotAudio:
-    """The bot's next 80 ms: `pcm` is float32 mono at 24 kHz, exactly FRAME_SAMPLES long."""
+class BotFrames:
+    """One engine tick: the bot's next 80 ms for every seated call, in one piece.
 
-    pcm: np.ndarray
-    text: str  # text piece the model emitted with this frame ('' for padding)
-    index: int  # frame number since the call joined
-    voiced: bool  # False while the model has produced no real audio yet (the row's first frames)
-    produced_at: float = 0.0  # time.monotonic() when the engine finished the frame
+    Row i belongs to `call_ids[i]`. The engine makes all rows at the same instant, so the edge takes them
+    as one batch (one resample + encode pass, then one fan-out) rather than as N separate messages.
+    """
+
+    call_ids: tuple[str, ...]
+    pcm: np.ndarray  # [N, FRAME_SAMPLES] float32 mono 24 kHz; rows not voiced hold silence
+    texts: tuple[str, ...]  # the text piece each row emitted ('' for padding)
+    voiced: tuple[bool, ...]  # False while a row has produced no real audio yet (its first frames)
+    indices: tuple[int, ...]  # each row's frame number since its call joined
+    # True where the row's model state started afresh with this frame (its call's first frame, or after
+    # an engine reset): audio from before, still queued downstream, is stale and should be cleared.
+    fresh: tuple[bool, ...]
+    produced_at: float  # time.monotonic() when the engine finished the tick
+
+    def __post_init__(self) -> None:
+        n = len(self.call_ids)
+        per_row = (self.texts, self.voiced, self.indices, self.fresh)
+        if self.pcm.shape != (n, FRAME_SAMPLES) or any(len(column) != n for column in per_row):
+            raise ValueError(f"BotFrames rows disagree: {n} calls, pcm {self.pcm.shape}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +81,8 @@ class EngineNotice:
     detail: str
 
 
-EngineOutput = BotAudio | CallerTranscript | OracleUpdate | EngineNotice
+# What one call's `outputs()` yields; its audio comes in the engine-wide `BotFrames` instead.
+EngineOutput = CallerTranscript | OracleUpdate | EngineNotice
 
 
 @runtime_checkable
@@ -81,7 +96,7 @@ class CallSession(Protocol):
         ...
 
     def outputs(self) -> AsyncIterator[EngineOutput]:
-        """The call's outputs, in order, until the call is closed."""
+        """The call's events (transcripts, oracle drafts, notices), in order, until the call is closed."""
         ...
 
     async def close(self) -> None:
@@ -104,4 +119,10 @@ class Engine(Protocol):
 
     async def open_call(self, call_id: str) -> CallSession:
         """Seat a call; raises EngineFull or EngineClosed."""
+        ...
+
+    def bot_frames(self) -> AsyncIterator[BotFrames]:
+        """Every tick's audio for all seated calls, in order, until the engine stops. One consumer.
+
+        A consumer that falls behind loses the oldest ticks; the engine never waits for it."""
         ...

@@ -1,7 +1,8 @@
 """`LocalEngine`: the engine in this process, behind the `Engine`/`CallSession` boundary.
 
-The frame loop runs in its own thread; this module bridges it to asyncio: outputs hop onto the event loop
-with `call_soon_threadsafe`, and nothing here ever waits on the model.
+The frame loop runs in its own thread; this module bridges it to asyncio: each tick's audio for every call
+hops onto the event loop as one `BotFrames` with one `call_soon_threadsafe`, each call's events through its
+own queue, and nothing here ever waits on the model.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch
 
 from .batch import KameBatch, SamplingConfig
 from .checkpoint import KameBundle, load_kame
-from .frame_loop import FrameLoop, SlotOutput
+from .frame_loop import FrameLoop, Slot, SlotOutput
 from .interface import (
-    BotAudio,
+    BotFrames,
     CallerTranscript,
     EngineClosed,
     EngineNotice,
@@ -64,7 +65,8 @@ class EngineConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     warmup_ticks: int = 4
     max_queued_frames: int = 4
-    output_queue_frames: int = 64  # per call; ~5 s of audio if the consumer stalls
+    output_queue_events: int = 64  # per call: transcripts, oracle drafts and notices waiting for the edge
+    frames_queue_ticks: int = 8  # ticks of audio (640 ms) waiting for the edge before the oldest is dropped
 
 
 _CLOSED = object()
@@ -81,10 +83,6 @@ class LocalCallSession:
         self._dropped = 0
         self.backend: CallBackendHooks | None = None
 
-    # -- called from the frame-loop thread --
-    def _sink(self, out: SlotOutput) -> None:
-        self._loop.call_soon_threadsafe(self._deliver, out, time.monotonic())
-
     # -- event loop --
     def _put(self, item: object) -> None:
         if self._closed:
@@ -95,13 +93,6 @@ class LocalCallSession:
             if self._dropped in (1, 100, 1000):
                 log.warning("call %s: output consumer is behind, %d outputs dropped", self.call_id, self._dropped)
         self._queue.put_nowait(item)
-
-    def _deliver(self, out: SlotOutput, produced_at: float) -> None:
-        if self._closed:
-            return
-        self._put(BotAudio(pcm=out.pcm, text=out.piece, index=out.index, voiced=out.voiced, produced_at=produced_at))
-        if self.backend is not None and out.piece:
-            self.backend.feed_bot_text(out.piece)
 
     def _on_transcript(self, text: str, final: bool, at: float) -> None:
         self._engine.frame_loop.caller_turn(self.row, self.call_id, speaking=not final)
@@ -162,10 +153,14 @@ class LocalEngine:
             bundle.tokenizer,
             max_queued_frames=config.max_queued_frames,
             forced_delay_ms=config.forced_delay_ms,
+            on_tick=self._on_tick,
         )
         self._sessions: dict[str, LocalCallSession] = {}
         self._ready = False
         self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._frames: asyncio.Queue[BotFrames | None] = asyncio.Queue(maxsize=config.frames_queue_ticks)
+        self._frames_dropped = 0
 
     @classmethod
     async def load(cls, config: EngineConfig, backend: BackendProvider | None = None) -> LocalEngine:
@@ -174,6 +169,7 @@ class LocalEngine:
         return cls(bundle, config, backend)
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(self.frame_loop.start, self.config.warmup_ticks)
         self._ready = True
         log.info("engine ready: %d call slots on %s", self.max_calls, self.config.device)
@@ -184,8 +180,46 @@ class LocalEngine:
         for session in list(self._sessions.values()):
             await session.close()
         await asyncio.to_thread(self.frame_loop.stop)
+        self._put_frames(None)
         if self.backend is not None:
             await self.backend.aclose()
+
+    # ---- audio, one batch per tick ----
+
+    def _on_tick(self, delivered: list[tuple[Slot, SlotOutput]]) -> None:  # frame-loop thread
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        outs = [out for _, out in delivered]
+        frames = BotFrames(
+            call_ids=tuple(slot.call_id for slot, _ in delivered),
+            pcm=np.stack([out.pcm for out in outs]),
+            texts=tuple(out.piece for out in outs),
+            voiced=tuple(out.voiced for out in outs),
+            indices=tuple(out.index for out in outs),
+            fresh=tuple(out.fresh for out in outs),
+            produced_at=time.monotonic(),
+        )
+        loop.call_soon_threadsafe(self._deliver_frames, frames)
+
+    def _deliver_frames(self, frames: BotFrames) -> None:
+        for call_id, piece in zip(frames.call_ids, frames.texts, strict=True):
+            session = self._sessions.get(call_id)
+            if piece and session is not None and session.backend is not None:
+                session.backend.feed_bot_text(piece)  # the LLM's view of what the bot has said
+        self._put_frames(frames)
+
+    def _put_frames(self, item: BotFrames | None) -> None:
+        if self._frames.full():
+            self._frames.get_nowait()  # a stalled consumer loses the oldest tick, never the engine
+            self._frames_dropped += 1
+            if self._frames_dropped in (1, 100, 1000) or self._frames_dropped % 10_000 == 0:
+                log.warning("bot audio consumer is behind: %d ticks dropped", self._frames_dropped)
+        self._frames.put_nowait(item)
+
+    async def bot_frames(self) -> AsyncIterator[BotFrames]:
+        while (frames := await self._frames.get()) is not None:
+            yield frames
 
     @property
     def max_calls(self) -> int:
@@ -205,8 +239,8 @@ class LocalEngine:
         old = self._sessions.get(call_id)
         if old is not None:  # the same call reconnecting: the new stream replaces the old seat
             await old.close()
-        session = LocalCallSession(self, call_id, row=-1, queue_size=self.config.output_queue_frames)
-        session.row = self.frame_loop.join(call_id, session._sink, session._on_reset)  # raises EngineFull
+        session = LocalCallSession(self, call_id, row=-1, queue_size=self.config.output_queue_events)
+        session.row = self.frame_loop.join(call_id, None, session._on_reset)  # raises EngineFull
         self._sessions[call_id] = session
         if self.backend is not None:
             try:

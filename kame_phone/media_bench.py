@@ -5,7 +5,8 @@
 The real service (webhook, signed WebSocket upgrade, `MediaStreamSession`, framing, resampling, μ-law,
 metrics, the in-memory call store) runs in this process on 127.0.0.1 with a `LoopbackEngine` in place of
 the model: one shared task ticks every 80 ms and echoes each call's last caller frame back as voiced bot
-audio, so the outbound volume is realistic and engine compute is nil. The callers run in a separate
+audio, all calls in one `BotFrames` as the real engine does, so the outbound volume is realistic and
+engine compute is nil. The callers run in a separate
 process (spawned), so their CPU is not charged to the server: each one answers like Twilio (signed
 voice webhook, TwiML, signed upgrade, `connected`, `start`, 20 ms μ-law `media` at real-time pace,
 mark echoes, `stop`) and counts the bot's frames.
@@ -45,12 +46,12 @@ import numpy as np
 from prometheus_client import REGISTRY
 from twilio.request_validator import RequestValidator
 
-from engine.interface import FRAME_SECONDS, BotAudio, EngineClosed, EngineFull, EngineOutput
+from engine.interface import FRAME_SAMPLES, FRAME_SECONDS, BotFrames, EngineClosed, EngineFull, EngineOutput
 from telephony import twilio_messages as tm
 from telephony.call_store import MemoryCallStore
 from telephony.config import ServiceConfig
 from telephony.mulaw import float_to_ulaw
-from telephony.server import VOICE_PATH, ServerContext, ServiceHandle
+from telephony.server import VOICE_PATH, ServerContext, ServiceHandle, freeze_startup_heap
 from telephony.signatures import SIGNATURE_HEADER, websocket_signature_url
 from telephony.twiml import parse_connect_stream
 
@@ -76,8 +77,8 @@ class LoopbackSession:
         self.call_id = call_id
         self._engine = engine
         self._queue: asyncio.Queue[EngineOutput | None] = asyncio.Queue()
-        self._last: np.ndarray | None = None
-        self._index = 0
+        self.last: np.ndarray | None = None
+        self.index = 0
         self._closed = False
         # time.monotonic() of every caller frame pushed and every bot frame produced, in order: matched with
         # the caller process's send/receive times (CLOCK_MONOTONIC is one clock for the whole machine)
@@ -86,20 +87,10 @@ class LoopbackSession:
 
     def push_audio(self, pcm: np.ndarray) -> None:
         self.pushed_at.append(time.monotonic())
-        self._last = pcm
-
-    def _emit(self) -> None:
-        if self._last is None or self._closed:
-            return
-        now = time.monotonic()
-        out = BotAudio(self._last, text="", index=self._index, voiced=True, produced_at=now)
-        self.produced_at.append(now)
-        self._index += 1
-        self._queue.put_nowait(out)
-        self._engine.backlog_max = max(self._engine.backlog_max, self._queue.qsize())
+        self.last = pcm
 
     async def outputs(self) -> AsyncIterator[EngineOutput]:
-        while (item := await self._queue.get()) is not None:
+        while (item := await self._queue.get()) is not None:  # no events: the loopback has no back-end
             yield item
 
     async def close(self) -> None:
@@ -124,7 +115,8 @@ class LoopbackEngine:
         self.tick_busy_s: list[float] = []  # time spent emitting, per tick
         self.missed_ticks = 0  # ticks skipped because the loop was over a frame late
         self.frames_emitted = 0
-        self.backlog_max = 0  # deepest any call's output queue got (1 = the pump keeps up)
+        self.backlog_max = 0  # deepest the tick queue got (1 = the fan-out keeps up)
+        self._frames: asyncio.Queue[BotFrames | None] = asyncio.Queue()
 
     @property
     def max_calls(self) -> int:
@@ -165,6 +157,38 @@ class LoopbackEngine:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
+        self._frames.put_nowait(None)
+
+    async def bot_frames(self) -> AsyncIterator[BotFrames]:
+        while (frames := await self._frames.get()) is not None:
+            yield frames
+
+    def _emit(self) -> None:
+        """One tick: every call with caller audio gets it back, all rows in one `BotFrames`."""
+        sessions = [s for s in self._sessions.values() if s.last is not None]
+        if not sessions:
+            return
+        now = time.monotonic()
+        pcm = np.empty((len(sessions), FRAME_SAMPLES), dtype=np.float32)
+        for row, session in enumerate(sessions):
+            pcm[row] = session.last
+            session.produced_at.append(now)
+        n = len(sessions)
+        self._frames.put_nowait(
+            BotFrames(
+                call_ids=tuple(s.call_id for s in sessions),
+                pcm=pcm,
+                texts=("",) * n,
+                voiced=(True,) * n,
+                indices=tuple(s.index for s in sessions),
+                fresh=tuple(s.index == 0 for s in sessions),
+                produced_at=now,
+            )
+        )
+        for session in sessions:
+            session.index += 1
+        self.frames_emitted += n
+        self.backlog_max = max(self.backlog_max, self._frames.qsize())
 
     async def _tick_forever(self) -> None:
         deadline = time.monotonic()
@@ -179,9 +203,7 @@ class LoopbackEngine:
                 skipped = int((woke - deadline) / FRAME_SECONDS)
                 self.missed_ticks += skipped
                 deadline += skipped * FRAME_SECONDS
-            for session in list(self._sessions.values()):
-                session._emit()
-            self.frames_emitted += len(self._sessions)
+            self._emit()
             self.tick_busy_s.append(time.monotonic() - woke)
 
 
@@ -195,7 +217,8 @@ class CallerPlan:
     auth_token: str = field(repr=False)
     calls: int
     seconds: float
-    stagger_s: float  # call i starts i * stagger_s / calls after the first
+    stagger_s: float  # calls start spread over this long, in a random order
+    seed: int = 0
     compress: int = 0  # offer permessage-deflate with this window (0: don't, as Twilio)
 
 
@@ -250,8 +273,12 @@ class _Callers:
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
             t0 = time.monotonic() + 0.2
-            step = self.plan.stagger_s / max(self.plan.calls, 1)
-            return await asyncio.gather(*(self._call(session, t0 + i * step) for i in range(self.plan.calls)))
+            # Real calls start whenever their callers dial, so their 20 ms packet clocks have unrelated phases.
+            # Evenly spaced starts (10 ms apart for 200 calls over 2 s) would put half the calls' packets on
+            # the same instant and the other half 10 ms later: bursts of 100 messages no real trunk sends.
+            rng = np.random.default_rng(self.plan.seed)
+            starts = np.sort(rng.uniform(0.0, self.plan.stagger_s, self.plan.calls))
+            return await asyncio.gather(*(self._call(session, t0 + float(at)) for at in starts))
 
     async def _call(self, session: aiohttp.ClientSession, start_at: float) -> CallResult:
         result = CallResult()
@@ -368,6 +395,7 @@ async def _in_caller_process(plan: CallerPlan, timeout_s: float) -> dict[str, An
 def run_callers(plan: CallerPlan) -> dict[str, Any]:
     """The caller process's entry point: place every call, return the per-call results and own costs."""
     callers = _Callers(plan)
+    freeze_startup_heap()  # the callers must not pause for the collector any more than the server does
     cpu0, wall0 = time.process_time(), time.monotonic()
     results = asyncio.run(callers.run())
     cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
@@ -544,6 +572,7 @@ async def run_media_bench(
     token = secrets.token_hex(16)
     ctx = ServerContext(ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token), MemoryCallStore(), engine)
     handle = await ServiceHandle(ctx).start()
+    freeze_startup_heap()  # as `kame-phone serve` does once it is up
     log(f"media bench: {calls} calls x {seconds:g}s, starts staggered over {stagger:g}s, on {handle.http_url}")
     probe = _LoopLag()
     lag_task = asyncio.create_task(probe.run())

@@ -1,8 +1,10 @@
 """One Twilio Media Streams WebSocket: caller audio to the engine, the bot's audio back, in real time.
 
-Two tasks per stream, both owned here: the receive loop (this object's `run`) and the output pump that
-forwards the engine's 80 ms frames as μ-law media messages the moment the engine makes them (the engine
-ticks in real time, so Twilio's playout buffer stays a frame or two deep and `clear` is rarely needed).
+Two tasks per stream, both owned here: the receive loop (this object's `run`) and the event pump that
+records the engine's transcripts and oracle drafts for the call. The bot's audio comes from the server's
+one `BotAudioFanout`, which encodes a whole engine tick for every call at once and hands each stream its
+μ-law through `send_bot_audio` the moment the engine makes it (the engine ticks in real time, so Twilio's
+playout buffer stays a frame or two deep and `clear` is rarely needed).
 Bad input is counted, logged with the call id and dropped; it never reaches another call.
 """
 
@@ -18,7 +20,6 @@ from typing import TYPE_CHECKING
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from engine.interface import (
-    BotAudio,
     CallerTranscript,
     CallSession,
     EngineError,
@@ -27,7 +28,7 @@ from engine.interface import (
 )
 
 from . import metrics
-from .framing import InboundFramer, OutboundFramer
+from .framing import InboundFramer
 from .logs import call_id_var
 from .turns import TurnTracker
 from .twilio_messages import (
@@ -42,12 +43,12 @@ from .twilio_messages import (
     DtmfMessage,
     MarkMessage,
     MediaMessage,
+    MediaMessageTemplate,
     ProtocolError,
     StartMessage,
     StopMessage,
     clear_message,
     mark_message,
-    media_message,
     parse_twilio_message,
 )
 
@@ -85,9 +86,10 @@ class MediaStreamSession:
         self.state = StreamState()
         self.engine_call: CallSession | None = None
         self.inbound = InboundFramer()
-        self.outbound = OutboundFramer()
         self.turns = TurnTracker()
         self._pump: asyncio.Task[None] | None = None
+        self._media: MediaMessageTemplate | None = None  # set at `start`, once the streamSid is known
+        self._last_mark_at_frame = 0
         self._last_message_at = time.monotonic()
         self._oracle_draft: tuple[int, str, float] | None = None  # (candidate, latest text, started)
         self._ended = False
@@ -200,6 +202,7 @@ class MediaStreamSession:
         self.state.call_sid = call_sid
         self.state.stream_sid = message.stream_sid
         self.state.started_at = time.monotonic()
+        self._media = MediaMessageTemplate(message.stream_sid)
         metrics.CALLS_ACTIVE.inc()
         log.info("stream %s started (tracks %s)", message.stream_sid, ",".join(start.tracks))
         await self.ctx.store.update(
@@ -247,40 +250,60 @@ class MediaStreamSession:
         assert self.state.call_sid is not None
         await self.ctx.store.append_dtmf(self.state.call_sid, digit)
 
-    # ---- engine -> Twilio ----
+    # ---- engine -> Twilio: audio (from the server's BotAudioFanout) ----
+
+    @property
+    def playing(self) -> bool:
+        """Streaming with an engine seat: the bot's audio can go out."""
+        return self._media is not None and self.engine_call is not None and not self._ended and not self.ws.closed
+
+    def note_bot_text(self, piece: str) -> None:
+        if piece:
+            self.state.bot_words.append(piece)
+
+    async def restart_playout(self) -> None:
+        """The engine started this call's model afresh (after a reset): drop what Twilio still has queued."""
+        if self.state.frames_sent:
+            await self.clear()
+
+    async def send_bot_audio(self, mulaw: bytes) -> float | None:
+        """Send one engine frame (80 ms of μ-law) as one media message; when it left, or None if it did not."""
+        assert self._media is not None
+        try:
+            await self.ws.send_frame(self._media.render(mulaw), WSMsgType.TEXT)
+        except (ConnectionResetError, RuntimeError):  # socket gone under us: the receive loop ends the call
+            return None
+        return time.monotonic()
+
+    def after_bot_audio(self, level_dbfs: float, produced_at: float, sent: float) -> None:
+        """Account for a frame `send_bot_audio` sent (kept apart so a tick's sends go out back to back)."""
+        metrics.MEDIA_OUTBOUND_SECONDS.observe(sent - produced_at)
+        self._after_send(level_dbfs, sent)
+
+    async def send_mark_if_due(self) -> None:
+        """A mark every `mark_every_frames` frames, so Twilio's echoes tell what has actually played."""
+        st = self.state
+        if st.frames_sent - self._last_mark_at_frame < self.ctx.config.mark_every_frames or self._media is None:
+            return
+        self._last_mark_at_frame = st.frames_sent
+        with contextlib.suppress(ConnectionResetError, RuntimeError):
+            await self.ws.send_str(mark_message(self._media.stream_sid, f"f{st.frames_sent}"))
+            st.marks_sent += 1
+
+    # ---- engine -> this call's record: events ----
 
     async def _pump_outputs(self) -> None:
         assert self.engine_call is not None and self.state.call_sid is not None
-        call_sid, stream_sid = self.state.call_sid, self.state.stream_sid
-        assert stream_sid is not None
-        every = self.ctx.config.mark_every_frames
-        try:
-            async for out in self.engine_call.outputs():
-                if isinstance(out, BotAudio):
-                    if out.text:
-                        self.state.bot_words.append(out.text)
-                    if not out.voiced:
-                        continue
-                    await self.ws.send_str(media_message(stream_sid, self.outbound.encode(out.pcm)))
-                    sent = time.monotonic()
-                    if out.produced_at:
-                        metrics.MEDIA_OUTBOUND_SECONDS.observe(sent - out.produced_at)
-                    self._after_send(out, sent)
-                    if self.state.frames_sent % every == 0:
-                        await self.ws.send_str(mark_message(stream_sid, f"f{self.state.frames_sent}"))
-                        self.state.marks_sent += 1
-                elif isinstance(out, CallerTranscript):
-                    if out.final:
-                        self._flush_bot_turn()
-                        await self.ctx.store.append_turn(call_sid, "caller", out.text)
-                elif isinstance(out, OracleUpdate):
-                    await self._on_oracle(out)
-                elif isinstance(out, EngineNotice):
-                    log.warning("engine notice %s: %s", out.kind, out.detail)
-                    if out.kind == "reset":
-                        await self.clear()
-        except (ConnectionResetError, RuntimeError) as e:  # socket gone under us: the receive loop ends the call
-            log.info("output pump stopped: %s", e)
+        call_sid = self.state.call_sid
+        async for out in self.engine_call.outputs():
+            if isinstance(out, CallerTranscript):
+                if out.final:
+                    self._flush_bot_turn()
+                    await self.ctx.store.append_turn(call_sid, "caller", out.text)
+            elif isinstance(out, OracleUpdate):
+                await self._on_oracle(out)
+            elif isinstance(out, EngineNotice):  # a reset's stale audio is cleared by `restart_playout`
+                log.warning("engine notice %s: %s", out.kind, out.detail)
 
     async def _on_oracle(self, update: OracleUpdate) -> None:
         # A draft streams in as a growing text: the call record keeps one entry per candidate (its last
@@ -298,7 +321,7 @@ class MediaStreamSession:
         self._oracle_draft = None
         await self.ctx.store.append_oracle(self.state.call_sid, text, at=time.time() - (time.monotonic() - started))
 
-    def _after_send(self, out: BotAudio, sent: float) -> None:
+    def _after_send(self, level_dbfs: float, sent: float) -> None:
         st = self.state
         st.frames_sent += 1
         if not st.first_audio_sent and st.started_at is not None:
@@ -306,7 +329,7 @@ class MediaStreamSession:
             first = sent - st.started_at
             metrics.FIRST_AUDIO_SECONDS.observe(first)
             self._store_soon(self.ctx.store.add_latency(st.call_sid, "first_audio", first))
-        reply = self.turns.bot_frame(out.pcm, sent)
+        reply = self.turns.bot_level(level_dbfs, sent)
         if reply is not None:
             metrics.TURN_LATENCY_SECONDS.observe(reply.latency_s)
             self._store_soon(self.ctx.store.add_latency(st.call_sid, "turn", reply.latency_s))
@@ -335,6 +358,7 @@ class MediaStreamSession:
         if self._ended:
             return
         self._ended = True
+        self.ctx.fanout.forget(self)
         if self._pump is not None:
             self._pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -352,7 +376,10 @@ class MediaStreamSession:
                 await self.ctx.store.end(call_sid, reason)
             log.info(
                 "stream ended (%s): %d packets in, %d frames out, %d/%d marks played",
-                reason, self.state.inbound_packets, self.state.frames_sent, self.state.marks_played,
+                reason,
+                self.state.inbound_packets,
+                self.state.frames_sent,
+                self.state.marks_played,
                 self.state.marks_sent,
             )
         if not self.ws.closed:
@@ -362,4 +389,3 @@ class MediaStreamSession:
         """A newer stream for the same call takes over: stop playing and step aside."""
         await self.clear()
         await self.end("replaced")
-

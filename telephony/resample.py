@@ -11,9 +11,15 @@ Measured (freqz, 65536 points; tests/test_audio_path.py): delay 3.0 ms per direc
 >= 79 dB from 4.0 kHz, which holds every image of upsampling and every alias of downsampling;
 each phase runs as one `np.correlate` (about 3x faster than a matrix product over a strided window
 view, which numpy cannot hand to BLAS).
+
+`DownsamplerBank` does the outbound direction for every call of an engine tick at once: the frames are cut
+into overlapping blocks and multiplied by one banded (Toeplitz) matrix, a single float32 BLAS product
+(1.4 ms for 200 calls on one core here, against 7 ms for 200 separate `process` calls). Same filter.
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 from scipy.signal import remez
@@ -113,3 +119,87 @@ class Downsampler24to8(_StreamingFir):
             for p in range(RATIO):
                 y += np.correlate(ext[offset + p :: RATIO], self._taps_reversed[p::RATIO], "valid")[:count]
         return y.astype(np.float32)
+
+
+_BLOCK = 32  # outputs per block of the batched product: 32 keeps the band matrix (240 x 32) mostly taps
+_BLOCK_IN = RATIO * _BLOCK + _TAPS - 1  # 240 inputs feed one block of outputs
+
+
+def _band_matrix() -> np.ndarray:
+    """[_BLOCK_IN, _BLOCK] float32: column j holds the taps (oldest-first) under inputs 3j .. 3j + 144."""
+    m = np.zeros((_BLOCK_IN, _BLOCK), dtype=np.float32)
+    for j in range(_BLOCK):
+        m[RATIO * j : RATIO * j + _TAPS, j] = LOWPASS[::-1]
+    m.setflags(write=False)
+    return m
+
+
+_BAND = _band_matrix()
+
+
+class DownsamplerBank:
+    """24 kHz -> 8 kHz for many streams at once, e.g. every call of one engine tick.
+
+    Each stream's filter history is a row of one array, so a tick costs one gather, one band-matrix
+    product and one scatter whatever the number of calls. Output equals `Downsampler24to8.process` per
+    stream (to float32 rounding). Streams are named by any hashable key; `forget` frees a key's row.
+    """
+
+    def __init__(self, capacity: int = 16) -> None:
+        self._history = np.zeros((capacity, _TAPS - 1), dtype=np.float32)
+        self._rows: dict[Hashable, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+        self._scratch: dict[str, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def _row(self, key: Hashable) -> int:
+        row = self._rows.get(key)
+        if row is None:
+            if not self._free:  # grow: double the rows, history of the new ones is silence
+                old = len(self._history)
+                self._history = np.concatenate([self._history, np.zeros_like(self._history)])
+                self._free = list(range(2 * old - 1, old - 1, -1))
+            row = self._rows[key] = self._free.pop()
+            self._history[row] = 0.0
+        return row
+
+    def forget(self, key: Hashable) -> None:
+        row = self._rows.pop(key, None)
+        if row is not None:
+            self._free.append(row)
+
+    def process(self, keys: Sequence[Hashable], frames: np.ndarray) -> np.ndarray:
+        """Row i of `frames` ([N, n] float32 at 24 kHz, n a multiple of 96) continues stream `keys[i]`.
+
+        Returns [N, n // 3] float32 at 8 kHz."""
+        n_calls, n = frames.shape
+        if len(keys) != n_calls:
+            raise ValueError(f"{len(keys)} keys for {n_calls} frames")
+        if n % (RATIO * _BLOCK):
+            raise ValueError(f"frames of {n} samples: the bank takes multiples of {RATIO * _BLOCK}")
+        rows = [self._row(key) for key in keys]
+        blocks = n // (RATIO * _BLOCK)
+        ext = self._buffer("ext", (n_calls, _TAPS - 1 + n))
+        ext[:, : _TAPS - 1] = self._history[rows]
+        ext[:, _TAPS - 1 :] = frames
+        step, stride = ext.strides
+        windows = np.lib.stride_tricks.as_strided(
+            ext, shape=(n_calls, blocks, _BLOCK_IN), strides=(step, RATIO * _BLOCK * stride, stride), writeable=False
+        )
+        packed = self._buffer("packed", (n_calls, blocks, _BLOCK_IN))
+        packed[...] = windows
+        out = np.empty((n_calls * blocks, _BLOCK), dtype=np.float32)
+        np.matmul(packed.reshape(n_calls * blocks, _BLOCK_IN), _BAND, out=out)
+        self._history[rows] = ext[:, n:]
+        return out.reshape(n_calls, n // RATIO)
+
+    def _buffer(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A scratch array reused from tick to tick: megabytes that a fresh allocation would page-fault in
+        every 80 ms (measured: the product took 3x longer at p90 with fresh buffers)."""
+        size = int(np.prod(shape))
+        buf = self._scratch.get(name)
+        if buf is None or buf.size < size:
+            buf = self._scratch[name] = np.empty(size, dtype=np.float32)
+        return buf[:size].reshape(shape)

@@ -54,7 +54,11 @@ class TurnTracker:
         return None
 
     def bot_frame(self, pcm: np.ndarray, at: float) -> BotReply | None:
-        if level_dbfs(pcm) <= self.threshold_dbfs:
+        return self.bot_level(level_dbfs(pcm), at)
+
+    def bot_level(self, level: float, at: float) -> BotReply | None:
+        """`bot_frame` for a frame whose level (dBFS) is already known (the fan-out measures a whole tick)."""
+        if level <= self.threshold_dbfs:
             if self.bot_speaking_since is not None and at - self.last_bot_voice >= self.bot_hangover_s:
                 self.bot_speaking_since = None
             return None

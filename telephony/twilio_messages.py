@@ -121,9 +121,7 @@ def _encode_payload(audio: bytes) -> str:
 # Parsed as int, dumped back as the wire's string form.
 NumericStr = Annotated[int, PlainValidator(_numeric_str), PlainSerializer(str, return_type=str)]
 # Parsed from base64 into raw µ-law bytes, dumped back as base64.
-AudioPayload = Annotated[
-    bytes, PlainValidator(_decode_payload), PlainSerializer(_encode_payload, return_type=str)
-]
+AudioPayload = Annotated[bytes, PlainValidator(_decode_payload), PlainSerializer(_encode_payload, return_type=str)]
 Sid = Annotated[str, Field(min_length=1, max_length=64)]
 
 
@@ -274,6 +272,28 @@ def media_message(stream_sid: str, payload: bytes) -> str:
     return _dumps({"event": "media", "streamSid": stream_sid, "media": {"payload": _encode_payload(payload)}})
 
 
+class MediaMessageTemplate:
+    """`media_message` for one stream, as a prebuilt prefix and suffix around the base64 payload.
+
+    The bot sends 12.5 of these a second per call, a whole engine tick's worth at once: two byte
+    concatenations instead of a `json.dumps` and a UTF-8 encoding each. Base64 needs no JSON escaping, and
+    the streamSid is escaped once by `json.dumps` itself, so the text is exactly `media_message`'s.
+    """
+
+    __slots__ = ("stream_sid", "_prefix")
+
+    _SUFFIX = b'"}}'
+
+    def __init__(self, stream_sid: str) -> None:
+        self.stream_sid = stream_sid
+        whole = _dumps({"event": "media", "streamSid": stream_sid, "media": {"payload": "P"}}).encode("utf-8")
+        self._prefix = whole[: -len(b"P" + self._SUFFIX)]
+
+    def render(self, payload: bytes) -> bytes:
+        """The UTF-8 text of `media_message(stream_sid, payload)`, ready for a WebSocket TEXT frame."""
+        return self._prefix + base64.b64encode(payload) + self._SUFFIX
+
+
 def mark_message(stream_sid: str, name: str) -> str:
     """Ask Twilio to echo `name` back once the audio queued before it has played (or been cleared)."""
     return _dumps({"event": "mark", "streamSid": stream_sid, "mark": {"name": name}})
@@ -359,9 +379,7 @@ def dtmf_msg(stream_sid: str, seq: int, digit: str) -> str:
 
 
 def mark_msg(stream_sid: str, seq: int, name: str) -> str:
-    return _dumps(
-        {"event": "mark", "sequenceNumber": str(seq), "streamSid": stream_sid, "mark": {"name": name}}
-    )
+    return _dumps({"event": "mark", "sequenceNumber": str(seq), "streamSid": stream_sid, "mark": {"name": name}})
 
 
 def stop_msg(stream_sid: str, seq: int, call_sid: str, account_sid: str) -> str:

@@ -275,3 +275,20 @@ def test_a_failing_tick_resets_every_slot_and_the_loop_goes_on(tiny_bundle) -> N
     assert loop.safe_tick()  # the next tick runs, every row restarted from a clean state
     assert not a.outputs[-1].voiced and not b.outputs[-1].voiced  # a reset row's first frame
     assert loop.safe_tick() and a.outputs[-1].voiced
+
+
+def test_the_tick_sink_gets_every_slot_at_once_and_fresh_marks_restarts(tiny_bundle) -> None:
+    ticks: list[list[tuple[str, SlotOutput]]] = []
+    loop = _loop(tiny_bundle, on_tick=lambda outs: ticks.append([(slot.call_id, out) for slot, out in outs]))
+    row_a = loop.join("A", None)  # no per-slot sink: the tick sink takes it
+    loop.tick()
+    loop.join("B", None)
+    loop.tick()
+    assert [[(c, o.fresh) for c, o in t] for t in ticks] == [[("A", True)], [("A", False), ("B", True)]]
+    loop._slots[row_a].oracle.set_candidate(99, [10**6])  # as above: the batched step fails on it
+    assert loop.safe_tick()
+    assert not loop.safe_tick()
+    assert loop.safe_tick()
+    assert [(c, o.fresh) for c, o in ticks[-1]] == [("A", True), ("B", True)]  # both restarted
+    assert loop.safe_tick()
+    assert [(c, o.fresh) for c, o in ticks[-1]] == [("A", False), ("B", False)]
