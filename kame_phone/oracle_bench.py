@@ -2,8 +2,10 @@
 
 Harness: the real engine (tiny model, CPU, one slot per call), the real per-call back-end (policy,
 conversation, streaming OpenAI client), and a local OpenAI-compatible server with a fixed time to first
-token. The STT is replaced by a scripted caller that says a word every 300 ms and ends a sentence every
-8 words, so 32 calls fit on a 2-core machine (pocketsphinx costs ~0.13 s of CPU per second of audio).
+token, in a process of its own as a real LLM endpoint would be (in ours, its streams charged their CPU
+and GIL time to the system under test). The STT is replaced by a scripted caller that says a word every
+300 ms and ends a sentence every 8 words, so 32 calls fit on a 2-core machine (pocketsphinx costs
+~0.13 s of CPU per second of audio).
 
 Reported: oracle lag (transcript update -> the candidate's boundary token fed to the call's row), the
 LLM's time to first token as the client saw it, and their difference per candidate: the delay the
@@ -14,10 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import platform
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
@@ -121,14 +127,44 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q) * 1000) if values else float("nan")
 
 
+def _serve_llm(ttft_s: float, port_out: Connection, stop: Event, requests_out: Connection) -> None:
+    """The LLM server process: serve until `stop` is set, then report how many requests came."""
+
+    async def main() -> None:
+        llm_server = FixedLatencyLlm(ttft_s)
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", llm_server.handle)
+        runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port_out.send(runner.addresses[0][1])
+        await asyncio.to_thread(stop.wait)
+        await runner.cleanup()
+        requests_out.send(llm_server.requests)
+
+    asyncio.run(main())
+
+
 async def run_oracle_bench(calls: int = 32, seconds: float = 20.0, ttft_ms: float = 300.0, log=print) -> dict[str, Any]:
-    llm_server = FixedLatencyLlm(ttft_ms / 1000)
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", llm_server.handle)
-    runner = web.AppRunner(app, shutdown_timeout=0.5)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    base_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    mp = multiprocessing.get_context("spawn")
+    port_in, port_out = mp.Pipe(duplex=False)
+    requests_in, requests_out = mp.Pipe(duplex=False)
+    stop = mp.Event()
+    server = mp.Process(target=_serve_llm, args=(ttft_ms / 1000, port_out, stop, requests_out), daemon=True)
+    server.start()
+    try:
+        return await _run(calls, seconds, ttft_ms, log, port_in, stop, requests_in)
+    finally:
+        stop.set()
+        await asyncio.to_thread(server.join, 10)
+        if server.is_alive():
+            server.kill()
+
+
+async def _run(calls, seconds, ttft_ms, log, port_in, stop, requests_in) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    if not await asyncio.to_thread(port_in.poll, 60):
+        raise RuntimeError("the LLM server process did not start")
+    base_url = f"http://127.0.0.1:{port_in.recv()}/v1"
     llm = LlmClient(LlmConfig(model="bench", base_url=base_url, api_key="none", timeout_s=10.0))
     provider = _Provider(llm, ThreadPoolExecutor(max_workers=2, thread_name_prefix="bench-stt"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -138,7 +174,8 @@ async def run_oracle_bench(calls: int = 32, seconds: float = 20.0, ttft_ms: floa
         )
     await engine.start()
     sessions = [await engine.open_call(f"bench-{i:03d}") for i in range(calls)]
-    drains = [asyncio.create_task(_drain(s)) for s in sessions]
+    drains = [asyncio.create_task(_drain(s.outputs())) for s in sessions]
+    drains.append(asyncio.create_task(_drain(engine.bot_frames())))  # as the phone edge would take them
     silence = np.zeros(FRAME_SAMPLES, dtype=np.float32)
     t0 = time.monotonic()
     next_at = t0
@@ -155,7 +192,8 @@ async def run_oracle_bench(calls: int = 32, seconds: float = 20.0, ttft_ms: floa
     for d in drains:
         d.cancel()
     await engine.stop()
-    await runner.cleanup()
+    stop.set()
+    requests = requests_in.recv() if await asyncio.to_thread(requests_in.poll, 10) else 0
 
     lags, ttfts, added = [], [], []
     for call_id, cand, fed_at, lag in fed:
@@ -167,7 +205,7 @@ async def run_oracle_bench(calls: int = 32, seconds: float = 20.0, ttft_ms: floa
         ttfts.append(arrived_at - triggered_at)
         added.append(fed_at - arrived_at)
     result = {
-        "calls": calls, "seconds": seconds, "llm_ttft_ms_configured": ttft_ms, "llm_requests": llm_server.requests,
+        "calls": calls, "seconds": seconds, "llm_ttft_ms_configured": ttft_ms, "llm_requests": requests,
         "candidates_fed": len(lags),
         "oracle_lag_p50_ms": _pct(lags, 50), "oracle_lag_p99_ms": _pct(lags, 99),
         "llm_ttft_p50_ms": _pct(ttfts, 50), "llm_ttft_p99_ms": _pct(ttfts, 99),
@@ -176,7 +214,7 @@ async def run_oracle_bench(calls: int = 32, seconds: float = 20.0, ttft_ms: floa
         "machine": f"{platform.machine()}, {_cores()} cores", "engine": "tiny model on CPU",
     }
     log(f"# oracle path: {calls} calls for {seconds:.0f} s, LLM TTFT {ttft_ms:.0f} ms, tiny engine on CPU")
-    log(f"candidates fed: {len(lags)} of {llm_server.requests} requests")
+    log(f"candidates fed: {len(lags)} of {requests} requests")
     log(f"oracle lag p50/p99: {result['oracle_lag_p50_ms']:.0f}/{result['oracle_lag_p99_ms']:.0f} ms; "
         f"LLM TTFT p50/p99: {result['llm_ttft_p50_ms']:.0f}/{result['llm_ttft_p99_ms']:.0f} ms")
     log(f"lag minus TTFT p50/p99: {result['lag_minus_ttft_p50_ms']:.1f}/{result['lag_minus_ttft_p99_ms']:.1f} ms"
@@ -185,8 +223,8 @@ async def run_oracle_bench(calls: int = 32, seconds: float = 20.0, ttft_ms: floa
     return result
 
 
-async def _drain(session) -> None:  # type: ignore[no-untyped-def]
-    async for _ in session.outputs():
+async def _drain(stream: AsyncIterator[Any]) -> None:
+    async for _ in stream:
         pass
 
 

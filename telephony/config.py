@@ -38,6 +38,12 @@ class ServiceConfig:
     max_message_bytes: int = 64 * 1024
     flood_burst_packets: int = 50  # inbound packets allowed ahead of real time (1 s)
     mark_every_frames: int = 6  # one playout mark per 480 ms of bot audio
+    # Bot audio a peer has not read yet, beyond which its frames are dropped rather than queued: one
+    # fan-out task sends every call's audio, so it must never wait on a single slow socket (~2.6 s).
+    outbound_backlog_bytes: int = 32 * 1024
+    # The kernel's send buffer per media socket (Linux doubles it). Left to autotuning it grows to MBs,
+    # minutes of audio at 11 KB/s, so a peer that stopped reading would go unnoticed that long. 0: kernel's.
+    media_send_buffer_bytes: int = 64 * 1024
     drain_timeout_s: float = 600.0
 
     @classmethod

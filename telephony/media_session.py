@@ -79,8 +79,19 @@ class StreamState:
 
 
 class MediaStreamSession:
-    def __init__(self, ws: web.WebSocketResponse, ctx: ServerContext, *, peer: str = "?") -> None:
+    def __init__(
+        self,
+        ws: web.WebSocketResponse,
+        ctx: ServerContext,
+        *,
+        peer: str = "?",
+        transport: asyncio.BaseTransport | None = None,
+    ) -> None:
         self.ws = ws
+        # The connection's transport, to see how much we have written that the peer has not read yet.
+        self._transport = transport if isinstance(transport, asyncio.WriteTransport) else None
+        self._backlogged_since: float | None = None
+        self._frames_dropped = 0
         self.ctx = ctx
         self.peer = peer
         self.state = StreamState()
@@ -267,13 +278,38 @@ class MediaStreamSession:
             await self.clear()
 
     async def send_bot_audio(self, mulaw: bytes) -> float | None:
-        """Send one engine frame (80 ms of μ-law) as one media message; when it left, or None if it did not."""
+        """Send one engine frame (80 ms of μ-law) as one media message; when it left, or None if it did not.
+
+        Never waits for the peer: a peer that stops reading gets its frames dropped (and, after
+        `silent_socket_s` of that, its stream closed) instead of stalling every other call's audio."""
         assert self._media is not None
+        if self._peer_backlogged():
+            return None
         try:
             await self.ws.send_frame(self._media.render(mulaw), WSMsgType.TEXT)
         except (ConnectionResetError, RuntimeError):  # socket gone under us: the receive loop ends the call
             return None
         return time.monotonic()
+
+    def _peer_backlogged(self) -> bool:
+        transport = self._transport
+        if transport is None or transport.get_write_buffer_size() <= self.ctx.config.outbound_backlog_bytes:
+            self._backlogged_since = None
+            return False
+        now = time.monotonic()
+        if self._backlogged_since is None:
+            self._backlogged_since = now
+        metrics.MEDIA_OUTBOUND_DROPPED.inc()
+        self._frames_dropped += 1
+        if self._frames_dropped in (1, 10) or self._frames_dropped % 100 == 0:
+            log.warning(
+                "peer is not reading: %d bytes unsent, %d bot frames dropped",
+                transport.get_write_buffer_size(), self._frames_dropped,
+            )
+        if now - self._backlogged_since > self.ctx.config.silent_socket_s:
+            self._end_reason = "stalled_peer"
+            transport.abort()  # a clean close would queue behind the unread bytes; the receive loop ends the call
+        return True
 
     def after_bot_audio(self, level_dbfs: float, produced_at: float, sent: float) -> None:
         """Account for a frame `send_bot_audio` sent (kept apart so a tick's sends go out back to back)."""

@@ -44,6 +44,10 @@ MEDIA_OUTBOUND_SECONDS = Histogram(
     "From engine output to the outbound media message being sent.",
     buckets=[b / 1000 for b in _MEDIA_BUCKETS_MS],
 )
+MEDIA_OUTBOUND_DROPPED = Counter(
+    "kame_media_outbound_dropped_frames_total",
+    "Bot frames not sent because the peer was not reading its socket (its unsent backlog was full).",
+)
 STREAM_EVENTS = Counter(
     "kame_twilio_stream_events_total",
     "Media Stream status callbacks from Twilio by event (stream-started, stream-stopped, stream-error).",

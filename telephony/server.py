@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -182,7 +183,10 @@ async def handle_media(request: web.Request) -> web.StreamResponse:
     # No permessage-deflate: Twilio does not ask for it, and it costs CPU on every 20 ms message.
     ws = web.WebSocketResponse(max_msg_size=ctx.config.max_message_bytes, autoping=True, compress=False)
     await ws.prepare(request)
-    await MediaStreamSession(ws, ctx, peer=str(request.remote)).run()
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is not None and ctx.config.media_send_buffer_bytes > 0:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, ctx.config.media_send_buffer_bytes)
+    await MediaStreamSession(ws, ctx, peer=str(request.remote), transport=request.transport).run()
     return ws
 
 

@@ -4,21 +4,35 @@ and the fan-out that plays each row to its own call."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import os
+import secrets
+import socket
 import wave
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import aiohttp
 import numpy as np
 import pytest
+from twilio.request_validator import RequestValidator
 
 from engine.interface import FRAME_SAMPLES, BotFrames
 from kame_phone.media_bench import LoopbackEngine
+from telephony import twilio_messages as tm
 from telephony.call_store import MemoryCallStore
 from telephony.config import ServiceConfig
 from telephony.resample import Downsampler24to8, DownsamplerBank
-from telephony.server import MEDIA_PATH, ServerContext, ServiceHandle
+from telephony.server import MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
+from telephony.signatures import SIGNATURE_HEADER, websocket_signature_url
 from telephony.sim_caller import simulate_call
 from telephony.twilio_messages import MediaMessageTemplate, media_message
+from telephony.twiml import parse_connect_stream
+
+from .phone_fixtures import metric
 
 
 def test_bank_equals_one_downsampler_per_stream_as_calls_come_and_go() -> None:
@@ -110,3 +124,98 @@ async def test_every_call_hears_its_own_row_of_the_tick(tmp_path: Path) -> None:
         assert report.outcome == "completed", report.errors
         assert report.bot_seconds_received > 2.0
         assert abs(_dominant_hz(tmp_path / f"{hz:.0f}.wav") - hz) < 20, hz
+
+
+@dataclass
+class DeafPeer:
+    sock: socket.socket
+    call_sid: str
+    send_media: Callable[[int], Awaitable[None]]  # media packet number k
+
+
+async def _deaf_twilio(base_url: str, token: str) -> DeafPeer:
+    """A Twilio that opens its stream and talks, but never reads what we send (a raw socket with a tiny
+    receive buffer, so its backlog reaches the server quickly)."""
+    async with aiohttp.ClientSession() as http:  # the voice webhook first, like Twilio
+        call_sid, account_sid = "CA" + secrets.token_hex(16), "AC" + "0" * 32
+        form = {"CallSid": call_sid, "AccountSid": account_sid, "From": "+15550001", "To": "+15550002"}
+        url = base_url + VOICE_PATH
+        sig = RequestValidator(token).compute_signature(url, form)
+        async with http.post(url, data=form, headers={SIGNATURE_HEADER: sig}) as r:
+            stream = parse_connect_stream(await r.text())
+    host, port = urlsplit(base_url).hostname, urlsplit(base_url).port
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, (host, port))
+    sig = RequestValidator(token).compute_signature(websocket_signature_url(base_url, MEDIA_PATH), {})
+    upgrade = (
+        f"GET {MEDIA_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\nSec-WebSocket-Version: 13\r\n"
+        f"{SIGNATURE_HEADER}: {sig}\r\n\r\n"
+    )
+    await loop.sock_sendall(sock, upgrade.encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += await loop.sock_recv(sock, 1)  # exactly the handshake; nothing after it is ever read
+    assert head.startswith(b"HTTP/1.1 101"), head
+
+    async def send(text: str) -> None:  # one masked text frame, as a client must send
+        data, mask = text.encode(), os.urandom(4)
+        n = len(data)
+        header = bytes([0x81, 0x80 | n]) if n < 126 else bytes([0x81, 0x80 | 126]) + n.to_bytes(2, "big")
+        await loop.sock_sendall(sock, header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data)))
+
+    stream_sid = "MZ" + secrets.token_hex(16)
+    await send(tm.connected_msg())
+    await send(tm.start_msg(stream_sid, call_sid, account_sid, dict(stream.parameters), seq=1))
+    return DeafPeer(sock, call_sid, lambda k: send(tm.media_msg(stream_sid, k + 2, k + 1, 20 * k, b"\x55" * 160)))
+
+
+async def test_a_peer_that_stops_reading_never_stalls_the_other_calls(tmp_path: Path) -> None:
+    engine = LoopbackEngine(max_calls=4)
+    token = "t" * 32
+    store = MemoryCallStore()
+    config = ServiceConfig(
+        host="127.0.0.1",
+        port=0,
+        twilio_auth_token=token,
+        outbound_backlog_bytes=2048,
+        media_send_buffer_bytes=4096,
+        silent_socket_s=1.5,
+    )
+    handle = await ServiceHandle(ServerContext(config, store, engine)).start()
+    ws_url = handle.http_url.replace("http://", "ws://") + MEDIA_PATH
+    dropped_before = metric("kame_media_outbound_dropped_frames_total")
+    deaf = await _deaf_twilio(handle.http_url, token)
+
+    async def keep_talking() -> None:  # the deaf peer keeps sending, so only its reading is at fault
+        for k in range(10**6):
+            try:
+                await deaf.send_media(k)
+            except OSError:
+                return  # the server gave up on it
+            await asyncio.sleep(0.02)
+
+    talker = asyncio.create_task(keep_talking())
+    t = np.arange(8 * 8000) / 8000
+    try:
+        report = await simulate_call(
+            ws_url, (0.3 * np.sin(2 * np.pi * 700 * t)).astype(np.float32),
+            auth_token=token, public_url=None, hold_after=0.5,
+        )
+        async with asyncio.timeout(10):
+            # The store has no change feed to wait on: poll it.
+            while (record := await store.get(deaf.call_sid)) is None or record.end_reason is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+    finally:
+        talker.cancel()
+        deaf.sock.close()
+        await engine.stop()
+        await handle.aclose()
+    assert record.end_reason == "stalled_peer"
+    assert metric("kame_media_outbound_dropped_frames_total") > dropped_before
+    # Meanwhile the good call got all its audio, on time.
+    assert report.outcome == "completed", report.errors
+    assert report.bot_seconds_played > 7.5  # played in real time: nothing held back behind the deaf peer
