@@ -196,6 +196,7 @@ class CallBackend:
         if len(self._audio) > self._max_pending_frames:
             self._audio.popleft()  # the STT fell behind real time: keep the newest audio
             self._dropped_frames += 1
+            metrics.STT_DROPPED_FRAMES.inc()
             if self._dropped_frames in (1, 100) or self._dropped_frames % 1000 == 0:
                 log.warning("call %s: STT lagging, %d caller frames dropped", self.call_id, self._dropped_frames)
         self._call_on_loop(self._wake_stt)

@@ -1,6 +1,7 @@
 """Streaming reply drafts from any OpenAI-compatible chat endpoint (OpenAI, vLLM, llama.cpp, ...).
 
 One `LlmClient` (one `openai.AsyncOpenAI`, one connection pool) serves every call of the process.
+Every request is counted in `LLM_REQUESTS` when it starts.
 Failures are turned into an `LlmError` with a `kind` label, counted in `LLM_ERRORS{kind}` and logged
 with the call id. The API key never reaches a log line: it is scrubbed from error messages, because
 some servers echo request headers back in their error bodies.
@@ -91,6 +92,9 @@ class LlmClient:
 
         Raises `LlmError` (already counted and logged). Cancellation closes the HTTP stream.
         """
+        # Counted before the request is made, so that failed requests are in the denominator of the
+        # error ratio (LLM_ERRORS / LLM_REQUESTS) too.
+        metrics.LLM_REQUESTS.inc()
         cfg = self.config
         extra: dict[str, Any] = {}
         if cfg.max_tokens is not None:

@@ -37,8 +37,13 @@ LLM_TTFT_SECONDS = Histogram(
     "LLM time to first streamed token.",
     buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
 )
+LLM_REQUESTS = Counter("kame_llm_requests_total", "LLM draft requests started.")
 LLM_ERRORS = Counter("kame_llm_errors_total", "LLM request failures by kind.", ["kind"])
 STT_ERRORS = Counter("kame_stt_errors_total", "Speech-to-text failures.")
+STT_DROPPED_FRAMES = Counter(
+    "kame_stt_dropped_frames_total",
+    "Caller frames dropped because the STT fell behind real time.",
+)
 STT_PARTIAL_SECONDS = Histogram(
     "kame_stt_partial_latency_seconds",
     "From the end of a caller frame to the partial transcript that includes it.",

@@ -57,6 +57,7 @@ from moshi.models.lm import LMGen
 from moshi.utils import compile as moshi_compile
 from safetensors import SafetensorError
 
+from . import metrics
 from .checkpoint import CheckpointError, resolve_checkpoint
 from .interface import FRAME_SAMPLES, FRAME_SECONDS
 from .stt import SttResult
@@ -296,6 +297,7 @@ class KyutaiSttEngine:
             while len(row.inbox) > self._max_backlog:  # the engine fell behind: keep the newest audio
                 row.inbox.popleft()
                 row.dropped_frames += 1
+                metrics.STT_DROPPED_FRAMES.inc()
                 if row.dropped_frames in (1, 100) or row.dropped_frames % 1000 == 0:
                     log.warning("Kyutai STT row %d lagging: %d frames dropped", index, row.dropped_frames)
 

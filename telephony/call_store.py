@@ -20,9 +20,11 @@ import itertools
 import json
 import logging
 import random
+import threading
 import time
 import urllib.parse
 import uuid
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, get_args
@@ -32,7 +34,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, ReadOnlyError, RedisError, ResponseError
 
-from telephony.metrics import REDIS_ERRORS
+from telephony.metrics import CALL_STORE_DROPPED_OPS, CALL_STORE_PENDING_OPS, REDIS_ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -344,6 +346,35 @@ def _encode_scalar(value: str | float | None) -> str | None:
     return None if value is None else (repr(value) if isinstance(value, float) else str(value))
 
 
+# Every open RedisCallStore, for the CALL_STORE_PENDING_OPS gauge (the sum of their buffers). Weak, so
+# the metric keeps no store alive; dead and closed ones are pruned on each register and each scrape.
+# No weakref callbacks: /metrics renders in a worker thread, so all access goes through the lock.
+_open_stores: list[weakref.ref[RedisCallStore]] = []
+_open_stores_lock = threading.Lock()
+
+
+def _open_stores_pruned() -> list[RedisCallStore]:
+    """The live, unclosed stores; drops the other refs. Call with the lock held."""
+    live = [store for ref in _open_stores if (store := ref()) is not None and not store._closed]
+    _open_stores[:] = [weakref.ref(store) for store in live]
+    return live
+
+
+def _register_store(store: RedisCallStore) -> None:
+    with _open_stores_lock:
+        _open_stores_pruned()
+        _open_stores.append(weakref.ref(store))
+
+
+def _pending_ops_total() -> int:
+    with _open_stores_lock:
+        stores = _open_stores_pruned()
+    return sum(store.pending_ops for store in stores)
+
+
+CALL_STORE_PENDING_OPS.set_function(_pending_ops_total)
+
+
 class RedisCallStore(_OpStore):
     """Redis-backed store. Writes go to a bounded in-memory buffer, flushed in order by one
     background task with retry and backoff; reads merge the ops not yet flushed for that call."""
@@ -380,6 +411,7 @@ class RedisCallStore(_OpStore):
         self._writer: asyncio.Task[None] | None = None
         self._closed = False
         self.dropped_ops = 0  # ops lost to the buffer bound (or written after aclose)
+        _register_store(self)
 
     @property
     def pending_ops(self) -> int:
@@ -415,6 +447,7 @@ class RedisCallStore(_OpStore):
     def _drop(self, n: int, why: str) -> None:
         before = self.dropped_ops
         self.dropped_ops += n
+        CALL_STORE_DROPPED_OPS.inc(n)
         if before == 0 or before // 1000 != self.dropped_ops // 1000:  # don't log every op in an outage
             logger.warning("call store: dropped %d op(s), %d in total: %s", n, self.dropped_ops, why)
         self._progress.set()

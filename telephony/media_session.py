@@ -133,7 +133,8 @@ class MediaStreamSession:
                         self._end_reason = "oversize"
                     else:
                         log.warning("websocket error: %s", exc)
-                        self._end_reason = "socket_error"
+                        if self._end_reason == "completed":  # keep a reason already given (stalled_peer)
+                            self._end_reason = "socket_error"
                     break
                 else:  # CLOSE, CLOSING, CLOSED
                     break
@@ -305,6 +306,7 @@ class MediaStreamSession:
             log.warning(
                 "peer is not reading: %d bytes unsent, %d bot frames dropped",
                 transport.get_write_buffer_size(), self._frames_dropped,
+                extra={"call_id": self.state.call_sid},  # logged from the fan-out task, outside the call's context
             )
         if now - self._backlogged_since > self.ctx.config.silent_socket_s:
             self._end_reason = "stalled_peer"
@@ -394,6 +396,9 @@ class MediaStreamSession:
         if self._ended:
             return
         self._ended = True
+        # A stream refused before its start has no length; a replaced one is counted by its successor.
+        if self.state.started_at is not None and reason != "replaced":
+            metrics.CALL_DURATION_SECONDS.observe(time.monotonic() - self.state.started_at)
         self.ctx.fanout.forget(self)
         if self._pump is not None:
             self._pump.cancel()

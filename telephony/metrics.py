@@ -6,6 +6,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS_MS = (20, 40, 80, 120, 160, 240, 320, 480, 640, 800, 1000, 1500, 2000, 3000, 5000)
 _MEDIA_BUCKETS_MS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 40, 50, 100)
+_CALL_DURATION_BUCKETS_S = (5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 
 FIRST_AUDIO_SECONDS = Histogram(
     "kame_first_audio_seconds",
@@ -23,6 +24,11 @@ TURN_OVERLAPS = Counter(
 )
 CALLS_ACTIVE = Gauge("kame_calls_active", "Calls with an open media stream.")
 CALLS_TOTAL = Counter("kame_calls_total", "Calls by outcome.", ["outcome"])
+CALL_DURATION_SECONDS = Histogram(
+    "kame_call_duration_seconds",
+    "Streamed call length, from the stream's start to its end.",
+    buckets=_CALL_DURATION_BUCKETS_S,
+)
 TWILIO_PROTOCOL_ERRORS = Counter(
     "kame_twilio_protocol_errors_total",
     "Bad or unexpected Media Streams input by kind.",
@@ -34,6 +40,14 @@ WEBHOOK_REJECTIONS = Counter(
     ["endpoint", "reason"],
 )
 REDIS_ERRORS = Counter("kame_redis_errors_total", "Failed writes or reads against Redis.")
+CALL_STORE_DROPPED_OPS = Counter(
+    "kame_call_store_dropped_ops_total",
+    "Call-store writes lost: the write-behind buffer was full (Redis down or slow), or the store was closed.",
+)
+CALL_STORE_PENDING_OPS = Gauge(
+    "kame_call_store_pending_ops",
+    "Call-store writes buffered in process, not yet acknowledged by Redis.",
+)
 MEDIA_INBOUND_SECONDS = Histogram(
     "kame_media_inbound_seconds",
     "From a frame's last inbound packet to its 80 ms frame handed to the engine.",

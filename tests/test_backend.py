@@ -47,8 +47,16 @@ def llm_errors(kind: str) -> float:
     return REGISTRY.get_sample_value("kame_llm_errors_total", {"kind": kind}) or 0.0
 
 
+def llm_requests() -> float:
+    return REGISTRY.get_sample_value("kame_llm_requests_total") or 0.0
+
+
 def stt_errors() -> float:
     return REGISTRY.get_sample_value("kame_stt_errors_total") or 0.0
+
+
+def stt_dropped_frames() -> float:
+    return REGISTRY.get_sample_value("kame_stt_dropped_frames_total") or 0.0
 
 
 # --- helpers ----------------------------------------------------------------------------------------
@@ -296,8 +304,10 @@ def test_conversation_merges_partial_into_the_open_user_turn_and_continues_split
 async def test_stream_draft_yields_growing_drafts(llm_server: FakeLlm) -> None:
     llm = make_llm(llm_server)
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "what time do you open"}]
+    requests_before = llm_requests()
     drafts = [d async for d in llm.stream_draft(messages, call_id="c1")]
     await llm.aclose()
+    assert llm_requests() == requests_before + 1  # one request, however many chunks
     answer = answer_for(messages)
     assert drafts[-1] == answer and len(drafts) == len(answer.split(" "))
     assert all(b.startswith(a) and len(b) > len(a) for a, b in zip(drafts, drafts[1:], strict=False))
@@ -322,7 +332,7 @@ async def test_stream_draft_classifies_failures(
 ) -> None:
     llm_server.mode, llm_server.status = mode, status
     llm = make_llm(llm_server)
-    before = llm_errors(kind)
+    before, requests_before = llm_errors(kind), llm_requests()
     caplog.set_level(logging.DEBUG)
     got: list[str] = []
     with pytest.raises(LlmError) as err:
@@ -331,6 +341,7 @@ async def test_stream_draft_classifies_failures(
     await llm.aclose()
     assert err.value.kind == kind
     assert llm_errors(kind) == before + 1
+    assert llm_requests() == requests_before + 1  # a failed request is a request: errors / requests
     assert "call-xyz" in caplog.text and kind in caplog.text
     assert API_KEY not in caplog.text and API_KEY not in str(err.value)
     if mode in ("malformed", "broken"):
@@ -367,13 +378,14 @@ async def test_stream_draft_connection_refused() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    before = llm_errors("connection")
+    before, requests_before = llm_errors("connection"), llm_requests()
     llm = LlmClient(LlmConfig(model="m", base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY))
     with pytest.raises(LlmError) as err:
         async for _ in llm.stream_draft([{"role": "user", "content": "x"}]):
             pass
     await llm.aclose()
     assert err.value.kind == "connection" and llm_errors("connection") == before + 1
+    assert llm_requests() == requests_before + 1  # counted before it was sent: it never reached a server
 
 
 async def test_abandoning_a_draft_closes_the_stream(llm_server: FakeLlm) -> None:
@@ -561,6 +573,59 @@ async def test_stt_failure_is_counted_and_the_stt_restarted(executor) -> None:
     assert len(made) == 2
     await backend.aclose()
     assert made[1].closed
+
+
+class StallingSTT:
+    """A recogniser that hangs in its first `feed` until released: the STT falls behind real time."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.heard: list[int] = []  # k of each frame(k) fed, in order
+        self.closed = False
+
+    def feed(self, pcm24k: np.ndarray) -> list[SttResult]:
+        self.entered.set()
+        assert self.release.wait(30), "never released"
+        self.heard += [round(float(pcm24k[i]) * 100) for i in range(0, len(pcm24k), FRAME_SAMPLES)]
+        return []
+
+    def flush(self) -> list[SttResult]:
+        return []
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_lagging_stt_drops_the_oldest_caller_frames_and_counts_them(executor) -> None:
+    stt = StallingSTT()
+    rec = Recorder()
+    backend = CallBackend(
+        "lag",
+        stt_factory=lambda: stt,
+        llm=None,
+        executor=executor,
+        on_transcript=rec.on_transcript,
+        on_oracle=rec.on_oracle,
+        max_pending_audio_s=0.24,  # 3 frames of 80 ms
+    )
+    await backend.start()
+    backend.feed_audio(frame(1))
+    await wait_until(stt.entered.is_set)  # the STT is stuck on frame 1
+    before = stt_dropped_frames()
+    for k in range(2, 12):  # 10 more frames while it is stuck: only the newest 3 can wait
+        backend.feed_audio(frame(k))
+    assert stt_dropped_frames() == before + 7
+    stt.release.set()
+    await wait_until(lambda: stt.heard == [1, 9, 10, 11])  # the newest audio survived
+    backend.feed_audio(frame(12))  # caught up: nothing more is dropped
+    await wait_until(lambda: stt.heard[-1] == 12)
+    assert stt_dropped_frames() == before + 7
+    await backend.aclose()
+    assert stt.closed
 
 
 async def test_stt_only_without_llm_and_feeding_from_another_thread(executor) -> None:

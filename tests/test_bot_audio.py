@@ -173,7 +173,7 @@ async def _deaf_twilio(base_url: str, token: str) -> DeafPeer:
     return DeafPeer(sock, call_sid, lambda k: send(tm.media_msg(stream_sid, k + 2, k + 1, 20 * k, b"\x55" * 160)))
 
 
-async def test_a_peer_that_stops_reading_never_stalls_the_other_calls(tmp_path: Path) -> None:
+async def test_a_peer_that_stops_reading_never_stalls_the_other_calls(caplog: pytest.LogCaptureFixture) -> None:
     engine = LoopbackEngine(max_calls=4)
     token = "t" * 32
     store = MemoryCallStore()
@@ -216,6 +216,8 @@ async def test_a_peer_that_stops_reading_never_stalls_the_other_calls(tmp_path: 
         await handle.aclose()
     assert record.end_reason == "stalled_peer"
     assert metric("kame_media_outbound_dropped_frames_total") > dropped_before
+    warned = [r for r in caplog.records if r.getMessage().startswith("peer is not reading")]
+    assert warned and all(getattr(r, "call_id", None) == deaf.call_sid for r in warned)
     # Meanwhile the good call got all its audio, on time.
     assert report.outcome == "completed", report.errors
     assert report.bot_seconds_played > 7.5  # played in real time: nothing held back behind the deaf peer

@@ -6,13 +6,16 @@ The outage tests start their own redis-server on a free port, so they can kill a
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
 
 from telephony.call_store import (
     CallRecord,
@@ -274,6 +277,14 @@ async def server(tmp_path: Path) -> AsyncIterator[RedisServer]:
     await srv.kill()
 
 
+def pending_ops_gauge() -> float:
+    return REGISTRY.get_sample_value("kame_call_store_pending_ops") or 0.0
+
+
+def dropped_ops_counter() -> float:
+    return REGISTRY.get_sample_value("kame_call_store_dropped_ops_total") or 0.0
+
+
 def returns_at_once(write: Coroutine[object, object, None]) -> None:
     """The write finishes without ever suspending (no I/O, lock or sleep), and quickly."""
     start = time.perf_counter()
@@ -349,15 +360,51 @@ async def test_buffer_bound_drops_oldest_and_counts(server: RedisServer) -> None
     assert isinstance(store, RedisCallStore)
     await store.create(new_call("CA1"))
     await flushed(store)
+    pending_before, dropped_before = pending_ops_gauge(), dropped_ops_counter()
 
     await server.kill()
     for i in range(25):
         returns_at_once(store.append_turn("CA1", "caller", f"t{i}", at=T0 + i))
     assert (store.pending_ops, store.dropped_ops) == (10, 15)
+    # What /metrics shows: the buffer at its bound and every op it lost.
+    assert (pending_ops_gauge(), dropped_ops_counter()) == (pending_before + 10, dropped_before + 15)
 
     await server.start()
     await flushed(store)
+    assert pending_ops_gauge() == pending_before  # drained
     got = await store.get("CA1")
     assert got is not None
     assert [t.text for t in got.turns] == [f"t{i}" for i in range(15, 25)]  # the newest 10 survive
     await store.aclose()
+
+
+async def test_pending_ops_gauge_sums_the_open_stores_only(server: RedisServer) -> None:
+    base, dropped_before = pending_ops_gauge(), dropped_ops_counter()
+    a = open_call_store(server.url, socket_timeout_s=0.5, retry_max_s=0.2)
+    b = open_call_store(server.url, socket_timeout_s=0.5, retry_max_s=0.2)
+    assert isinstance(a, RedisCallStore) and isinstance(b, RedisCallStore)
+    await server.kill()
+    for store, n in ((a, 3), (b, 4)):
+        for i in range(n):
+            returns_at_once(store.append_dtmf("CA1", str(i)))
+    assert pending_ops_gauge() == base + 7  # both buffers
+
+    a.close_timeout_s = 0.2
+    await a.aclose()  # gives up on its 3 ops: no longer pending anywhere
+    assert a.pending_ops == 3 and pending_ops_gauge() == base + 4
+    returns_at_once(a.append_dtmf("CA1", "9"))  # a write after close is a dropped op
+    assert dropped_ops_counter() == dropped_before + 1
+
+    await server.start()
+    await flushed(b)
+    assert pending_ops_gauge() == base
+    await b.aclose()
+
+    # The gauge holds stores weakly: one dropped without aclose() is freed, not kept alive by the metric.
+    c = open_call_store(server.url)
+    ref, client = weakref.ref(c), c._redis  # type: ignore[attr-defined]
+    del c
+    gc.collect()
+    assert ref() is None
+    assert pending_ops_gauge() == base
+    await client.aclose()

@@ -21,6 +21,9 @@ ISSUE_METRICS = [
     "kame_first_audio_seconds", "kame_turn_latency_seconds", "kame_turn_overlaps_total", "kame_oracle_lag_seconds",
     "kame_engine_tick_seconds", "kame_engine_deadline_misses_total", "kame_engine_slots_busy", "kame_calls_active",
     "kame_calls_total", "kame_twilio_protocol_errors_total", "kame_llm_errors_total", "kame_redis_errors_total",
+    # asked for by SRE: the LLM error ratio's denominator, what is lost or queued under load, call length
+    "kame_llm_requests_total", "kame_stt_dropped_frames_total", "kame_call_store_dropped_ops_total",
+    "kame_call_store_pending_ops", "kame_call_duration_seconds",
 ]
 
 
@@ -58,6 +61,8 @@ async def test_admin_api_health_and_metrics_after_a_call(tiny_checkpoint: Path, 
             _metric_value(before, "kame_calls_total", '{outcome="completed"}') + 1
         assert _metric_value(after, "kame_first_audio_seconds_count") == \
             _metric_value(before, "kame_first_audio_seconds_count") + 1
+        assert _metric_value(after, "kame_call_duration_seconds_count") == \
+            _metric_value(before, "kame_call_duration_seconds_count") + 1
         assert _metric_value(after, "kame_engine_tick_seconds_count") > _metric_value(
             before, "kame_engine_tick_seconds_count")
         assert _metric_value(after, "kame_engine_slots_total") == 2

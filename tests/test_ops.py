@@ -167,6 +167,14 @@ def test_exported_metrics_cover_the_known_families() -> None:
     names = exported_metric_names()
     # Spot checks that the derivation works for each type (labelled counter, histogram, gauge).
     assert {"kame_llm_errors_total", "kame_turn_latency_seconds_bucket", "kame_engine_slots_busy"} <= names
+    # The SRE-requested families (request counter, drop counters, buffer gauge, call-length histogram).
+    assert {
+        "kame_llm_requests_total",
+        "kame_stt_dropped_frames_total",
+        "kame_call_store_dropped_ops_total",
+        "kame_call_store_pending_ops",
+        "kame_call_duration_seconds_bucket",
+    } <= names
 
 
 @pytest.mark.parametrize(
@@ -239,6 +247,12 @@ def test_dashboard_covers_the_core_signals() -> None:
         "kame_media_inbound_seconds_bucket",
         "kame_media_outbound_seconds_bucket",
         "kame_twilio_stream_events_total",
+        "kame_llm_requests_total",
+        "kame_call_duration_seconds_bucket",
+        "kame_call_store_pending_ops",
+        "kame_call_store_dropped_ops_total",
+        "kame_stt_dropped_frames_total",
+        "kame_media_outbound_dropped_frames_total",
     ):
         assert name in used, f"the dashboard shows nothing from {name}"
 
@@ -321,10 +335,12 @@ def test_alert_rules_are_well_formed() -> None:
         "kame_engine_tick_seconds_bucket",
         "kame_twilio_protocol_errors_total",
         "kame_llm_errors_total",
+        "kame_llm_requests_total",
         "kame_stt_errors_total",
         "kame_redis_errors_total",
         "kame_engine_slots_busy",
         "kame_engine_slots_total",
+        "kame_media_outbound_dropped_frames_total",
     ):
         assert name in exprs, f"no alert uses {name}"
     assert re.search(r"\bup\{[^}]*job=\"kame\"", exprs), "no instance-down alert on the kame job"
@@ -377,11 +393,17 @@ ALERT_SCENARIOS = [
     ),
     pytest.param(
         [
-            # a: 6 errors per 60 requests (10 %). b: every request fails.
-            _series("kame_llm_errors_total", {"instance": "a", "kind": "timeout"}, "0+6x30"),
-            _series("kame_llm_ttft_seconds_count", {"instance": "a"}, "0+54x30"),
-            _series("kame_llm_errors_total", {"instance": "b", "kind": "http"}, "0+60x30"),
-            _series("kame_llm_ttft_seconds_count", {"instance": "b"}, "0+0x30"),
+            # a: 6 errors per 60 requests (10 %, over two kinds). b: every request fails.
+            # c: requests and no errors. d: no requests at all (0/0 is no ratio, not an alert).
+            _series("kame_llm_requests_total", {"instance": "a"}, "0+60x30"),
+            _series("kame_llm_errors_total", {"instance": "a", "kind": "timeout"}, "0+4x30"),
+            _series("kame_llm_errors_total", {"instance": "a", "kind": "malformed"}, "0+2x30"),
+            _series("kame_llm_requests_total", {"instance": "b"}, "0+60x30"),
+            _series("kame_llm_errors_total", {"instance": "b", "kind": "server_error"}, "0+60x30"),
+            _series("kame_llm_requests_total", {"instance": "c"}, "0+60x30"),
+            _series("kame_llm_errors_total", {"instance": "c", "kind": "timeout"}, "0+0x30"),
+            _series("kame_llm_requests_total", {"instance": "d"}, "0+0x30"),
+            _series("kame_llm_errors_total", {"instance": "d", "kind": "timeout"}, "0+0x30"),
         ],
         [
             _alerts(
@@ -392,6 +414,17 @@ ALERT_SCENARIOS = [
             _alerts("KameLLMErrorRatioCritical", {"instance": "b", "severity": "critical"}),
         ],
         id="llm-errors",
+    ),
+    pytest.param(
+        [
+            # a: peers keep stalling (25 bot frames dropped per minute). b: one stalled peer at 2 m
+            # (500 frames in its silent_socket_s), then nothing: pending for 5 m, never firing. c: none.
+            _series("kame_media_outbound_dropped_frames_total", {"instance": "a"}, "0+25x30"),
+            _series("kame_media_outbound_dropped_frames_total", {"instance": "b"}, "0 0 500x28"),
+            _series("kame_media_outbound_dropped_frames_total", {"instance": "c"}, "0x30"),
+        ],
+        [_alerts("KameMediaOutboundFramesDropped", {"instance": "a", "severity": "warning"})],
+        id="media-outbound-drops",
     ),
     pytest.param(
         [

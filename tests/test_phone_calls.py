@@ -26,6 +26,7 @@ def question_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def test_a_call_end_to_end(tiny_checkpoint: Path, question_wav: Path, tmp_path: Path) -> None:
     completed = metric("kame_calls_total", outcome="completed")
     first_audio = metric("kame_first_audio_seconds_count")
+    calls_timed, seconds_timed = metric("kame_call_duration_seconds_count"), metric("kame_call_duration_seconds_sum")
     async with running_phone(tiny_checkpoint) as phone:
         report = await simulate_call(
             phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base,
@@ -47,6 +48,10 @@ async def test_a_call_end_to_end(tiny_checkpoint: Path, question_wav: Path, tmp_
     assert record.dtmf == ["7"]
     assert metric("kame_calls_total", outcome="completed") == completed + 1
     assert metric("kame_first_audio_seconds_count") == first_audio + 1
+    # One call length, in seconds, from the start event to the stop: what the caller measured, give or take.
+    assert metric("kame_call_duration_seconds_count") == calls_timed + 1
+    duration = metric("kame_call_duration_seconds_sum") - seconds_timed
+    assert 0.5 * report.call_seconds < duration < report.call_seconds + 2.0, (duration, report.call_seconds)
 
 
 async def test_voice_webhook_signatures(tiny_checkpoint: Path) -> None:
@@ -88,12 +93,14 @@ async def test_media_upgrade_needs_signature_and_admission(tiny_checkpoint: Path
             assert err.value.status == 403
         # Signed, but the start carries a token that the voice webhook never issued: closed, not served.
         rejected = metric("kame_calls_total", outcome="rejected")
+        calls_timed = metric("kame_call_duration_seconds_count")
         ws = await phone.open_stream(http)
         await ws.send_str(tm.connected_msg())
         await ws.send_str(tm.start_msg("MZ1", new_call_sid(), "AC1", {"token": "guess"}))
         msg = await ws.receive(timeout=5)
         assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == aiohttp.WSCloseCode.POLICY_VIOLATION
         assert metric("kame_calls_total", outcome="rejected") == rejected + 1
+        assert metric("kame_call_duration_seconds_count") == calls_timed  # never started: no call length
         assert phone.engine.free_slots == 2
 
 
