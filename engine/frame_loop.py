@@ -44,7 +44,7 @@ class SlotOutput:
 
 
 SlotSink = Callable[[SlotOutput], None]
-TickSink = Callable[[list[tuple["Slot", SlotOutput]]], None]  # every slot's output of one tick, at once
+TickSink = Callable[[list[tuple[str, SlotOutput]]], None]  # (call id, output) of every slot in one tick
 ResetHook = Callable[[], None]  # told that the slot's model state was reset (its audio queued downstream is stale)
 
 
@@ -74,6 +74,8 @@ class LoopStats:
     deadline_misses: int = 0
     last_tick_s: float = 0.0
     tick_s: deque[float] = field(default_factory=lambda: deque(maxlen=2048))
+    underruns: int = 0  # all slots, since start
+    overruns: int = 0
 
 
 class FrameLoop:
@@ -114,6 +116,11 @@ class FrameLoop:
         with self._lock:
             return sum(s is None for s in self._slots)
 
+    @property
+    def alive(self) -> bool:
+        """Its slots still exist (a child-process loop loses them when the process dies)."""
+        return not self._closed
+
     def join(self, call_id: str, sink: SlotSink | None, on_reset: ResetHook | None = None) -> int:
         with self._lock:
             if self._closed:
@@ -147,6 +154,7 @@ class FrameLoop:
                 # Audio faster than real time: drop the oldest frame so latency stays bounded.
                 slot.inbox.popleft()
                 slot.overruns += 1
+                self.stats.overruns += 1
                 metrics.ENGINE_OVERRUNS.inc()
 
     def set_oracle(
@@ -204,6 +212,7 @@ class FrameLoop:
                     pcm[row] = slot.inbox.popleft()
                 elif slot.got_audio:
                     slot.underruns += 1
+                    self.stats.underruns += 1
                     metrics.ENGINE_UNDERRUNS.inc()
                 held[row] = self._held(slot)
                 if not held[row]:  # while held the oracle waits: padding, cursor unmoved
@@ -242,7 +251,7 @@ class FrameLoop:
             delivered.append((slot, out))
         if self.on_tick is not None and delivered:
             try:
-                self.on_tick(delivered)
+                self.on_tick([(slot.call_id, out) for slot, out in delivered])
             except Exception:
                 log.exception("tick sink failed")
         return delivered

@@ -19,7 +19,8 @@ import torch
 
 from .batch import KameBatch, SamplingConfig
 from .checkpoint import KameBundle, load_kame
-from .frame_loop import FrameLoop, Slot, SlotOutput
+from .frame_loop import FrameLoop, SlotOutput
+from .frame_loop_process import ChildSpec, FrameLoopProcess
 from .interface import (
     BotFrames,
     CallerTranscript,
@@ -65,6 +66,10 @@ class EngineConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     warmup_ticks: int = 4
     max_queued_frames: int = 4
+    # Run the frame loop and the model in a child process: the back-end and the phone edge then no longer
+    # share this interpreter's GIL and scheduling with it (engine/frame_loop_process.py).
+    engine_process: bool = False
+    torch_threads: int = 0  # intra-op threads for the model; 0 leaves torch's default
     output_queue_events: int = 64  # per call: transcripts, oracle drafts and notices waiting for the edge
     frames_queue_ticks: int = 8  # ticks of audio (640 ms) waiting for the edge before the oldest is dropped
 
@@ -139,22 +144,41 @@ class LocalCallSession:
 
 
 class LocalEngine:
-    """The KAME engine in this process: one frame-loop thread, many call slots."""
+    """The KAME engine: one frame loop (a thread here, or a child process with `engine_process`), many
+    call slots, and each call's back-end in this process."""
 
     def __init__(
-        self, bundle: KameBundle, config: EngineConfig, backend: BackendProvider | None = None
+        self, bundle: KameBundle | None, config: EngineConfig, backend: BackendProvider | None = None
     ) -> None:
         self.config = config
-        self.bundle = bundle
+        self.bundle = bundle  # None when the model lives in the engine process
         self.backend = backend
-        batch = KameBatch(bundle.lm, bundle.mimi, config.max_calls, config.sampling)
-        self.frame_loop = FrameLoop(
-            batch,
-            bundle.tokenizer,
-            max_queued_frames=config.max_queued_frames,
-            forced_delay_ms=config.forced_delay_ms,
-            on_tick=self._on_tick,
-        )
+        self.frame_loop: FrameLoop | FrameLoopProcess
+        if config.engine_process:
+            spec = ChildSpec(
+                checkpoint=config.checkpoint,
+                device=config.device,
+                max_calls=config.max_calls,
+                context=config.context,
+                sampling=config.sampling,
+                forced_delay_ms=config.forced_delay_ms,
+                max_queued_frames=config.max_queued_frames,
+                torch_threads=config.torch_threads,
+            )
+            self.frame_loop = FrameLoopProcess(spec, on_tick=self._on_tick)
+        else:
+            if bundle is None:
+                raise ValueError("an in-process engine needs its loaded checkpoint")
+            if config.torch_threads > 0:
+                torch.set_num_threads(config.torch_threads)
+            batch = KameBatch(bundle.lm, bundle.mimi, config.max_calls, config.sampling)
+            self.frame_loop = FrameLoop(
+                batch,
+                bundle.tokenizer,
+                max_queued_frames=config.max_queued_frames,
+                forced_delay_ms=config.forced_delay_ms,
+                on_tick=self._on_tick,
+            )
         self._sessions: dict[str, LocalCallSession] = {}
         self._ready = False
         self._closing = False
@@ -164,7 +188,10 @@ class LocalEngine:
 
     @classmethod
     async def load(cls, config: EngineConfig, backend: BackendProvider | None = None) -> LocalEngine:
-        """Load the checkpoint off the event loop (it takes seconds to minutes)."""
+        """Load the checkpoint off the event loop (it takes seconds to minutes); with `engine_process` the
+        engine process loads it in `start` instead."""
+        if config.engine_process:
+            return cls(None, config, backend)
         bundle = await asyncio.to_thread(load_kame, config.checkpoint, config.device, None, config.context)
         return cls(bundle, config, backend)
 
@@ -186,13 +213,13 @@ class LocalEngine:
 
     # ---- audio, one batch per tick ----
 
-    def _on_tick(self, delivered: list[tuple[Slot, SlotOutput]]) -> None:  # frame-loop thread
+    def _on_tick(self, delivered: list[tuple[str, SlotOutput]]) -> None:  # frame-loop thread
         loop = self._loop
         if loop is None or loop.is_closed():
             return
         outs = [out for _, out in delivered]
         frames = BotFrames(
-            call_ids=tuple(slot.call_id for slot, _ in delivered),
+            call_ids=tuple(call_id for call_id, _ in delivered),
             pcm=np.stack([out.pcm for out in outs]),
             texts=tuple(out.piece for out in outs),
             voiced=tuple(out.voiced for out in outs),
@@ -231,7 +258,8 @@ class LocalEngine:
 
     @property
     def ready(self) -> bool:
-        return self._ready
+        # An engine process that died takes its slots with it: not ready (readyz 503, no new calls).
+        return self._ready and self.frame_loop.alive
 
     async def open_call(self, call_id: str) -> LocalCallSession:
         if self._closing or not self._ready:

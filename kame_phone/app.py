@@ -21,6 +21,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--context", type=int, default=None, help="KV window in 80 ms frames (3000 = 4 min)")
     g.add_argument("--forced-delay-ms", type=float, default=0.0, help="hold the reply until N ms after a turn")
     g.add_argument("--greedy", action="store_true", help="argmax instead of sampling (deterministic)")
+    g.add_argument("--engine-process", action="store_true",
+                   help="run the model and its 80 ms loop in a child process (own GIL and clock; crash-isolated)")
+    g.add_argument("--torch-threads", type=int, default=0, help="the model's intra-op CPU threads (0: torch's default)")
     b = parser.add_argument_group("back-end")
     b.add_argument("--stt", choices=["pocketsphinx", "kyutai", "none"], default="pocketsphinx")
     b.add_argument("--llm", choices=["openai", "none"], default="openai",
@@ -35,6 +38,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         context=args.context,
         forced_delay_ms=args.forced_delay_ms,
         sampling=SamplingConfig(use_sampling=not args.greedy),
+        engine_process=args.engine_process,
+        torch_threads=args.torch_threads,
     )
     if args.device:
         config.device = args.device

@@ -145,7 +145,15 @@ def _serve_llm(ttft_s: float, port_out: Connection, stop: Event, requests_out: C
     asyncio.run(main())
 
 
-async def run_oracle_bench(calls: int = 32, seconds: float = 20.0, ttft_ms: float = 300.0, log=print) -> dict[str, Any]:
+async def run_oracle_bench(
+    calls: int = 32,
+    seconds: float = 20.0,
+    ttft_ms: float = 300.0,
+    log=print,  # type: ignore[no-untyped-def]
+    *,
+    engine_process: bool = False,
+    torch_threads: int = 0,
+) -> dict[str, Any]:
     mp = multiprocessing.get_context("spawn")
     port_in, port_out = mp.Pipe(duplex=False)
     requests_in, requests_out = mp.Pipe(duplex=False)
@@ -153,7 +161,11 @@ async def run_oracle_bench(calls: int = 32, seconds: float = 20.0, ttft_ms: floa
     server = mp.Process(target=_serve_llm, args=(ttft_ms / 1000, port_out, stop, requests_out), daemon=True)
     server.start()
     try:
-        return await _run(calls, seconds, ttft_ms, log, port_in, stop, requests_in)
+        engine = EngineConfig(
+            device="cpu", max_calls=calls, sampling=SamplingConfig(), engine_process=engine_process,
+            torch_threads=torch_threads,
+        )
+        return await _run(engine, seconds, ttft_ms, log, port_in, stop, requests_in)
     finally:
         stop.set()
         await asyncio.to_thread(server.join, 10)
@@ -161,7 +173,8 @@ async def run_oracle_bench(calls: int = 32, seconds: float = 20.0, ttft_ms: floa
             server.kill()
 
 
-async def _run(calls, seconds, ttft_ms, log, port_in, stop, requests_in) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+async def _run(config, seconds, ttft_ms, log, port_in, stop, requests_in) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    calls = config.max_calls
     if not await asyncio.to_thread(port_in.poll, 60):
         raise RuntimeError("the LLM server process did not start")
     base_url = f"http://127.0.0.1:{port_in.recv()}/v1"
@@ -169,10 +182,9 @@ async def _run(calls, seconds, ttft_ms, log, port_in, stop, requests_in) -> dict
     provider = _Provider(llm, ThreadPoolExecutor(max_workers=2, thread_name_prefix="bench-stt"))
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = await asyncio.to_thread(make_tiny_checkpoint, Path(tmp) / "tiny")
-        engine = await LocalEngine.load(
-            EngineConfig(checkpoint=str(ckpt), device="cpu", max_calls=calls, sampling=SamplingConfig()), provider
-        )
-    await engine.start()
+        config.checkpoint = str(ckpt)
+        engine = await LocalEngine.load(config, provider)
+        await engine.start()  # inside: an engine process loads the checkpoint from the temporary dir
     sessions = [await engine.open_call(f"bench-{i:03d}") for i in range(calls)]
     drains = [asyncio.create_task(_drain(s.outputs())) for s in sessions]
     drains.append(asyncio.create_task(_drain(engine.bot_frames())))  # as the phone edge would take them
@@ -211,9 +223,11 @@ async def _run(calls, seconds, ttft_ms, log, port_in, stop, requests_in) -> dict
         "llm_ttft_p50_ms": _pct(ttfts, 50), "llm_ttft_p99_ms": _pct(ttfts, 99),
         "lag_minus_ttft_p50_ms": _pct(added, 50), "lag_minus_ttft_p99_ms": _pct(added, 99),
         "tick_p50_ms": _pct(ticks, 50), "tick_p99_ms": _pct(ticks, 99), "deadline_misses": misses,
-        "machine": f"{platform.machine()}, {_cores()} cores", "engine": "tiny model on CPU",
+        "machine": f"{platform.machine()}, {_cores()} cores",
+        "engine": "tiny model on CPU" + (", in its own process" if config.engine_process else ", in-process"),
+        "torch_threads": config.torch_threads,
     }
-    log(f"# oracle path: {calls} calls for {seconds:.0f} s, LLM TTFT {ttft_ms:.0f} ms, tiny engine on CPU")
+    log(f"# oracle path: {calls} calls for {seconds:.0f} s, LLM TTFT {ttft_ms:.0f} ms, {result['engine']}")
     log(f"candidates fed: {len(lags)} of {requests} requests")
     log(f"oracle lag p50/p99: {result['oracle_lag_p50_ms']:.0f}/{result['oracle_lag_p99_ms']:.0f} ms; "
         f"LLM TTFT p50/p99: {result['llm_ttft_p50_ms']:.0f}/{result['llm_ttft_p99_ms']:.0f} ms")

@@ -279,7 +279,7 @@ def test_a_failing_tick_resets_every_slot_and_the_loop_goes_on(tiny_bundle) -> N
 
 def test_the_tick_sink_gets_every_slot_at_once_and_fresh_marks_restarts(tiny_bundle) -> None:
     ticks: list[list[tuple[str, SlotOutput]]] = []
-    loop = _loop(tiny_bundle, on_tick=lambda outs: ticks.append([(slot.call_id, out) for slot, out in outs]))
+    loop = _loop(tiny_bundle, on_tick=ticks.append)
     row_a = loop.join("A", None)  # no per-slot sink: the tick sink takes it
     loop.tick()
     loop.join("B", None)

@@ -1,0 +1,325 @@
+"""The frame loop, and the model it owns, in a child process: `FrameLoopProcess` has `FrameLoop`'s methods.
+
+Why: in one interpreter the model's thread and the asyncio side (the phone edge, the STT + LLM back-end)
+share the GIL and the cores. Measured on CPU, 32 calls' LLM streams doubled the tick (35 -> 75 ms p50)
+and late ticks delayed every oracle. In its own process the loop keeps its own clock, a crash there
+cannot take the service down, and the model's memory is not in the service's heap.
+
+The parent keeps the slot table (rows are allocated here, so `join` needs no round trip) and talks to the
+child over one duplex pipe. Parent -> child: join, leave, audio, oracle, turn, stop. Child -> parent:
+ready, tick (every slot's output), reset (rows the engine restarted), timing, counters and oracle-fed
+samples, which the parent turns into its own metrics (the child's registry is never scraped).
+`time.monotonic()` is one clock for the whole machine, so timestamps cross unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from . import metrics
+from .frame_loop import FrameLoop, LoopStats, ResetHook, Slot, SlotOutput, SlotSink, TickSink
+from .interface import FRAME_SAMPLES, EngineClosed, EngineError, EngineFull
+from .oracle_buffer import OracleBuffer
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # loading a 7B checkpoint from a cold disk takes minutes
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """What the child needs to build the model and its loop (plain data: it is pickled to a spawned process)."""
+
+    checkpoint: str
+    device: str
+    max_calls: int
+    context: int | None
+    sampling: Any  # engine.batch.SamplingConfig
+    forced_delay_ms: float
+    max_queued_frames: int
+    torch_threads: int = 0  # 0: torch's default
+
+
+@dataclass
+class _Row:
+    call_id: str
+    on_reset: ResetHook | None
+
+
+class FrameLoopProcess:
+    """`FrameLoop`'s interface, with the loop running in a spawned child process."""
+
+    def __init__(self, spec: ChildSpec, on_tick: TickSink | None = None) -> None:
+        self.spec = spec
+        self.on_tick = on_tick
+        self.max_calls = spec.max_calls
+        self.stats = LoopStats()
+        self.oracle_fed: deque[tuple[str, int, float, float]] = deque(maxlen=10_000)
+        self._rows: list[_Row | None] = [None] * spec.max_calls
+        self._lock = threading.Lock()  # the slot table and the pipe's sending end
+        self._conn: Connection | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._reader: threading.Thread | None = None
+        self._closed = False
+        self.alive = False
+        self._counted = (0, 0)  # (underruns, overruns) already added to this process's metrics
+        metrics.ENGINE_SLOTS_TOTAL.set(self.max_calls)
+
+    # ---- lifecycle (blocking: call from a thread) ----
+
+    def start(self, warmup_ticks: int = 4) -> None:
+        if self._process is not None:
+            return
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA or threads
+        ours, theirs = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(
+            target=_child_main, args=(theirs, self.spec, warmup_ticks), name="kame-engine", daemon=True
+        )
+        self._process.start()
+        theirs.close()
+        self._conn = ours
+        if not ours.poll(START_TIMEOUT_S):
+            self._process.kill()
+            raise EngineError(f"the engine process did not come up in {START_TIMEOUT_S:.0f}s")
+        try:
+            kind, *rest = ours.recv()
+        except EOFError:
+            raise EngineError(f"the engine process died while starting (exit code {self._process.exitcode})") from None
+        if kind != "ready":
+            raise EngineError(f"the engine process failed to start: {rest[0] if rest else kind}")
+        self.alive = True
+        self._reader = threading.Thread(target=self._read_forever, name="kame-engine-reader", daemon=True)
+        self._reader.start()
+        log.info("engine process %d ready: %d slots", self._process.pid, self.max_calls)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._send(("stop",))
+        if self._process is not None:
+            self._process.join(10)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
+        if self._reader is not None:
+            self._reader.join(5)
+        if self._conn is not None:
+            self._conn.close()
+
+    # ---- FrameLoop's methods (any thread; never block) ----
+
+    @property
+    def free_slots(self) -> int:
+        with self._lock:
+            return sum(r is None for r in self._rows) if self.alive else 0
+
+    def join(self, call_id: str, sink: SlotSink | None, on_reset: ResetHook | None = None) -> int:
+        if sink is not None:
+            raise ValueError("a child-process frame loop delivers through its tick sink only")
+        with self._lock:
+            if self._closed or not self.alive:
+                raise EngineClosed("engine process is not running")
+            for row, taken in enumerate(self._rows):
+                if taken is None:
+                    self._rows[row] = _Row(call_id, on_reset)
+                    metrics.ENGINE_SLOTS_BUSY.set(sum(r is not None for r in self._rows))
+                    self._send_locked(("join", row, call_id))
+                    return row
+        raise EngineFull(f"all {self.max_calls} call slots are busy")
+
+    def leave(self, row: int, call_id: str) -> None:
+        with self._lock:
+            taken = self._rows[row]
+            if taken is not None and taken.call_id == call_id:
+                self._rows[row] = None
+                self._send_locked(("leave", row, call_id))
+            metrics.ENGINE_SLOTS_BUSY.set(sum(r is not None for r in self._rows))
+
+    def push_audio(self, row: int, call_id: str, pcm: np.ndarray) -> None:
+        if pcm.shape != (FRAME_SAMPLES,):
+            raise ValueError(f"expected {FRAME_SAMPLES} samples, got {pcm.shape}")
+        self._send(("audio", row, call_id, pcm.astype(np.float32, copy=False)))
+
+    def set_oracle(
+        self, row: int, call_id: str, candidate_id: int, text: str, triggered_at: float | None = None
+    ) -> None:
+        self._send(("oracle", row, call_id, candidate_id, text, triggered_at))
+
+    def caller_turn(self, row: int, call_id: str, speaking: bool) -> None:
+        self._send(("turn", row, call_id, speaking))
+
+    # ---- the pipe ----
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._send_locked(message)
+
+    def _send_locked(self, message: tuple[Any, ...]) -> None:
+        if self._conn is None or not self.alive:
+            return
+        try:
+            self._conn.send(message)
+        except (OSError, ValueError) as e:  # the child is gone: the reader reports it
+            log.debug("engine process pipe closed: %s", e)
+
+    def _read_forever(self) -> None:
+        assert self._conn is not None
+        while True:
+            try:
+                kind, *body = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                self._dispatch(kind, body)
+            except Exception:  # a broken consumer must not stop the pipe
+                log.exception("engine process message %r could not be handled", kind)
+        self.alive = False
+        if not self._closed:
+            code = self._process.exitcode if self._process is not None else None
+            log.error("the engine process died (exit code %s): no more audio for its calls", code)
+            with self._lock:
+                hooks = [r.on_reset for r in self._rows if r is not None and r.on_reset is not None]
+            for hook in hooks:  # their calls' state is gone with it
+                hook()
+
+    def _dispatch(self, kind: str, body: list[Any]) -> None:
+        if kind == "tick":
+            delivered, fed, counters = body
+            self.oracle_fed.extend(fed)
+            for _call, _cid, _at, lag in fed:
+                metrics.ORACLE_LAG_SECONDS.observe(lag)
+            self._count(counters)
+            if self.on_tick is not None and delivered:
+                self.on_tick(delivered)
+        elif kind == "timing":
+            elapsed, late = body
+            self.stats.ticks += 1
+            self.stats.last_tick_s = elapsed
+            self.stats.tick_s.append(elapsed)
+            metrics.ENGINE_TICK_SECONDS.observe(elapsed)
+            if late:
+                self.stats.deadline_misses += 1
+                metrics.ENGINE_DEADLINE_MISSES.inc()
+        elif kind == "reset":
+            (rows,) = body
+            with self._lock:
+                seated = [self._rows[row] for row, call_id in rows]
+                hooks = [
+                    r.on_reset
+                    for r, (_, call_id) in zip(seated, rows, strict=True)
+                    if r is not None and r.call_id == call_id and r.on_reset is not None
+                ]
+            for hook in hooks:
+                hook()
+
+    def _count(self, counters: tuple[int, int]) -> None:
+        underruns, overruns = counters
+        du, do = underruns - self._counted[0], overruns - self._counted[1]
+        if du > 0:
+            metrics.ENGINE_UNDERRUNS.inc(du)
+        if do > 0:
+            metrics.ENGINE_OVERRUNS.inc(do)
+        self._counted = counters
+        self.stats.underruns, self.stats.overruns = counters
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The child
+
+
+def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
+    import torch
+
+    from .batch import KameBatch
+    from .checkpoint import load_kame
+
+    if spec.torch_threads > 0:
+        torch.set_num_threads(spec.torch_threads)
+    send_lock = threading.Lock()
+
+    def send(message: tuple[Any, ...]) -> None:
+        with send_lock:
+            conn.send(message)
+
+    try:
+        bundle = load_kame(spec.checkpoint, spec.device, None, spec.context)
+        loop = _ChildFrameLoop(
+            send,
+            KameBatch(bundle.lm, bundle.mimi, spec.max_calls, spec.sampling),
+            bundle.tokenizer,
+            max_queued_frames=spec.max_queued_frames,
+            forced_delay_ms=spec.forced_delay_ms,
+        )
+        loop.start(warmup_ticks)
+    except Exception as e:
+        send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    send(("ready",))
+    _serve_commands(conn, loop)
+
+
+def _serve_commands(conn: Connection, loop: _ChildFrameLoop) -> None:
+    while True:
+        try:
+            kind, *body = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            break
+        if kind == "audio":
+            loop.push_audio(*body)
+        elif kind == "oracle":
+            loop.set_oracle(*body)
+        elif kind == "turn":
+            loop.caller_turn(*body)
+        elif kind == "join":
+            loop.join_row(*body)
+        elif kind == "leave":
+            loop.leave(*body)
+        elif kind == "stop":
+            break
+    loop.stop()
+
+
+class _ChildFrameLoop(FrameLoop):
+    """The real loop, in the child: seats calls in the rows the parent chose, and after each tick forwards
+    what the parent needs (outputs, oracle-fed samples, counters, resets, timing)."""
+
+    def __init__(self, send: Callable[[tuple[Any, ...]], None], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.send = send
+        self.pending_resets: list[tuple[int, str]] = []
+        self.on_tick = self._forward_tick
+
+    def join_row(self, row: int, call_id: str) -> None:
+        def reset_hook() -> None:  # called inside safe_tick; sent once the tick is over
+            self.pending_resets.append((row, call_id))
+
+        lm = self.batch.lm
+        with self._lock:
+            oracle = OracleBuffer(lm.oracle_start_token_id, lm.text_padding_token_id)
+            self._slots[row] = Slot(row, call_id, None, oracle, reset_hook)
+
+    def _forward_tick(self, delivered: list[tuple[str, SlotOutput]]) -> None:
+        fed = []
+        while self.oracle_fed:
+            fed.append(self.oracle_fed.popleft())
+        self.send(("tick", delivered, fed, (self.stats.underruns, self.stats.overruns)))
+
+    def safe_tick(self) -> bool:
+        ok = super().safe_tick()
+        if self.pending_resets:
+            resets, self.pending_resets = self.pending_resets, []
+            self.send(("reset", resets))
+        return ok
+
+    def _record_timing(self, elapsed: float, late: bool) -> None:
+        super()._record_timing(elapsed, late)
+        self.send(("timing", elapsed, late))

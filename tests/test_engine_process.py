@@ -1,0 +1,92 @@
+"""The frame loop and the model in a child process (`EngineConfig.engine_process`): calls, oracles and
+resets cross the pipe, the parent's metrics see the child's ticks, and a dead engine process is noticed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+
+from engine.batch import SamplingConfig
+from engine.interface import FRAME_SAMPLES, EngineNotice
+from engine.service import EngineConfig, LocalEngine
+from telephony.call_store import MemoryCallStore
+from telephony.config import ServiceConfig
+from telephony.server import MEDIA_PATH, ServerContext, ServiceHandle
+from telephony.sim_caller import simulate_call
+
+from .phone_fixtures import metric
+
+
+async def _engine(checkpoint: Path, slots: int = 2) -> LocalEngine:
+    config = EngineConfig(
+        checkpoint=str(checkpoint), device="cpu", max_calls=slots, warmup_ticks=2, engine_process=True,
+        sampling=SamplingConfig(use_sampling=False),
+    )
+    engine = await LocalEngine.load(config)
+    assert engine.bundle is None  # nothing of the model in this process
+    await engine.start()
+    return engine
+
+
+async def test_a_phone_call_is_answered_by_an_engine_in_its_own_process(tiny_checkpoint: Path) -> None:
+    engine = await _engine(tiny_checkpoint)
+    token = "k" * 32
+    ticks_before = metric("kame_engine_tick_seconds_count")
+    handle = await ServiceHandle(
+        ServerContext(ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token), MemoryCallStore(), engine)
+    ).start()
+    t = np.arange(2 * 8000) / 8000
+    try:
+        report = await simulate_call(
+            handle.http_url.replace("http://", "ws://") + MEDIA_PATH,
+            (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32),
+            auth_token=token, public_url=None, hold_after=0.5,
+        )
+    finally:
+        await handle.aclose()
+        await engine.stop()
+    assert report.outcome == "completed", report.errors
+    assert report.bot_seconds_received > 1.5 and report.first_audio_latency_s is not None
+    assert metric("kame_engine_tick_seconds_count") > ticks_before + 20  # the child's ticks, counted here
+
+
+async def test_an_oracle_crosses_into_the_engine_process(tiny_checkpoint: Path) -> None:
+    engine = await _engine(tiny_checkpoint)
+    lags_before = metric("kame_oracle_lag_seconds_count")
+    try:
+        call = await engine.open_call("CA-oracle")
+        call.push_audio(np.zeros(FRAME_SAMPLES, np.float32))
+        triggered = time.monotonic()
+        call._on_oracle("the store opens at nine", triggered, 5)
+        async with asyncio.timeout(5):
+            while not engine.frame_loop.oracle_fed:  # noqa: ASYNC110 - filled by the pipe's reader thread
+                await asyncio.sleep(0.02)
+        ((call_id, candidate, fed_at, lag),) = list(engine.frame_loop.oracle_fed)
+        assert (call_id, candidate) == ("CA-oracle", 5)
+        assert fed_at >= triggered and 0 <= lag < 1.0  # one clock on both sides of the pipe
+        assert metric("kame_oracle_lag_seconds_count") == lags_before + 1
+        await call.close()
+        assert engine.free_slots == 2
+    finally:
+        await engine.stop()
+
+
+async def test_a_dead_engine_process_is_noticed(tiny_checkpoint: Path) -> None:
+    engine = await _engine(tiny_checkpoint)
+    try:
+        call = await engine.open_call("CA-doomed")
+        assert engine.ready and engine.free_slots == 1
+        engine.frame_loop._process.kill()  # type: ignore[union-attr]
+        notices = []
+        async with asyncio.timeout(10):
+            async for out in call.outputs():
+                if isinstance(out, EngineNotice):
+                    notices.append(out)
+                    break
+        assert notices[0].kind == "reset"
+        assert not engine.ready and engine.free_slots == 0  # readyz turns 503; no new calls are admitted
+    finally:
+        await engine.stop()
