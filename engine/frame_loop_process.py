@@ -237,7 +237,12 @@ class FrameLoopProcess:
 
 
 def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
+    import signal
+
     import torch
+
+    # Ctrl-C reaches the whole process group: the parent drains its calls and then stops us over the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     from .batch import KameBatch
     from .checkpoint import load_kame

@@ -240,7 +240,9 @@ class Node:
         return f"ws://127.0.0.1:{self.port}{MEDIA_PATH}"
 
 
-def start_node(node_id: str, max_calls: int, checkpoint: Path, prefix: str, token: str, logdir: Path) -> Node:
+def start_node(
+    node_id: str, max_calls: int, checkpoint: Path, prefix: str, token: str, logdir: Path, *extra_args: str
+) -> Node:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KAME_", "TWILIO_", "PUBLIC_URL", "REDIS_"))}
     env |= {
@@ -251,7 +253,7 @@ def start_node(node_id: str, max_calls: int, checkpoint: Path, prefix: str, toke
         "KAME_NODE_ID": node_id,
     }
     cmd = [sys.executable, "-m", "kame_phone.cli", "serve", "--port", str(port), "--checkpoint", str(checkpoint),
-           "--device", "cpu", "--max-calls", str(max_calls), "--stt", "none", "--llm", "none", "--greedy"]
+           "--device", "cpu", "--max-calls", str(max_calls), "--stt", "none", "--llm", "none", "--greedy", *extra_args]
     log = logdir / f"{node_id}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -299,7 +301,7 @@ async def test_two_service_processes_share_one_redis(
 ) -> None:
     token = uuid.uuid4().hex
     a = start_node("node-a", 1, tiny_checkpoint, prefix, token, tmp_path)
-    b = start_node("node-b", 2, tiny_checkpoint, prefix, token, tmp_path)
+    b = start_node("node-b", 2, tiny_checkpoint, prefix, token, tmp_path, "--engine-process")  # both kinds of engine
     sids: list[str] = []
     tasks: list[asyncio.Task[CallReport]] = []
 
