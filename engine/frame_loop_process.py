@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -72,6 +73,11 @@ class FrameLoopProcess:
         self._closed = False
         self.alive = False
         self._counted = (0, 0)  # (underruns, overruns) already added to this process's metrics
+        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._audio_queued = 0
+        self.audio_shed = 0  # caller frames never sent because the child was that far behind
+        self._max_audio_queued = 8 * spec.max_calls  # ~640 ms of every call's audio
+        self._sender: threading.Thread | None = None
         metrics.ENGINE_SLOTS_TOTAL.set(self.max_calls)
 
     # ---- lifecycle (blocking: call from a thread) ----
@@ -99,12 +105,17 @@ class FrameLoopProcess:
         self.alive = True
         self._reader = threading.Thread(target=self._read_forever, name="kame-engine-reader", daemon=True)
         self._reader.start()
+        self._sender = threading.Thread(target=self._send_forever, name="kame-engine-sender", daemon=True)
+        self._sender.start()
         log.info("engine process %d ready: %d slots", self._process.pid, self.max_calls)
 
     def stop(self) -> None:
         with self._lock:
             self._closed = True
         self._send(("stop",))
+        self._outbox.put(None)  # the sender ends after the stop message
+        if self._sender is not None:
+            self._sender.join(5)
         if self._process is not None:
             self._process.join(10)
             if self._process.is_alive():
@@ -164,12 +175,30 @@ class FrameLoopProcess:
             self._send_locked(message)
 
     def _send_locked(self, message: tuple[Any, ...]) -> None:
-        if self._conn is None or not self.alive:
+        """Queue a message for the sender thread. Never blocks: a pipe write can, when the child is behind,
+        and the callers are the event loop's thread. Audio is shed when too much is queued (as the loop
+        itself sheds audio faster than real time); control messages never are."""
+        if not self.alive:
             return
-        try:
-            self._conn.send(message)
-        except (OSError, ValueError) as e:  # the child is gone: the reader reports it
-            log.debug("engine process pipe closed: %s", e)
+        if message[0] == "audio":
+            if self._audio_queued >= self._max_audio_queued:
+                self.audio_shed += 1
+                metrics.ENGINE_OVERRUNS.inc()
+                return
+            self._audio_queued += 1
+        self._outbox.put(message)
+
+    def _send_forever(self) -> None:
+        assert self._conn is not None
+        while (message := self._outbox.get()) is not None:
+            if message[0] == "audio":
+                with self._lock:
+                    self._audio_queued -= 1
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError) as e:  # the child is gone: the reader reports it
+                log.debug("engine process pipe closed: %s", e)
+                return
 
     def _read_forever(self) -> None:
         assert self._conn is not None

@@ -4,6 +4,8 @@ resets cross the pipe, the parent's metrics see the child's ticks, and a dead en
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -89,4 +91,32 @@ async def test_a_dead_engine_process_is_noticed(tiny_checkpoint: Path) -> None:
         assert notices[0].kind == "reset"
         assert not engine.ready and engine.free_slots == 0  # readyz turns 503; no new calls are admitted
     finally:
+        await engine.stop()
+
+
+async def test_a_stalled_engine_process_never_blocks_the_caller(tiny_checkpoint: Path) -> None:
+    """Pushing audio to an engine process that is frozen (SIGSTOP) returns at once: what the pipe cannot take
+    is shed and counted, and the call goes on when the process does."""
+    engine = await _engine(tiny_checkpoint)
+    process = engine.frame_loop._process  # type: ignore[union-attr]
+    assert process is not None and process.pid is not None
+    try:
+        call = await engine.open_call("CA-frozen")
+        frames = aiter(engine.bot_frames())
+        os.kill(process.pid, signal.SIGSTOP)
+        frame = np.zeros(FRAME_SAMPLES, np.float32)
+        started = time.monotonic()
+        for _ in range(300):  # ~2.3 MB: far more than the pipe's buffer
+            call.push_audio(frame)
+        assert time.monotonic() - started < 1.0
+        assert engine.frame_loop.audio_shed > 0  # type: ignore[union-attr]
+        os.kill(process.pid, signal.SIGCONT)
+        async with asyncio.timeout(10):
+            while True:
+                tick = await anext(frames)
+                if "CA-frozen" in tick.call_ids:
+                    break
+        assert engine.ready
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
         await engine.stop()
