@@ -121,6 +121,11 @@ class FrameLoop:
         """Its slots still exist (a child-process loop loses them when the process dies)."""
         return not self._closed
 
+    @property
+    def died(self) -> bool:
+        """Lost without being stopped (only a child-process loop can be)."""
+        return False
+
     def join(self, call_id: str, sink: SlotSink | None, on_reset: ResetHook | None = None) -> int:
         with self._lock:
             if self._closed:

@@ -59,9 +59,13 @@ class _Row:
 class FrameLoopProcess:
     """`FrameLoop`'s interface, with the loop running in a spawned child process."""
 
-    def __init__(self, spec: ChildSpec, on_tick: TickSink | None = None) -> None:
+    def __init__(
+        self, spec: ChildSpec, on_tick: TickSink | None = None, on_death: Callable[[], None] | None = None
+    ) -> None:
         self.spec = spec
         self.on_tick = on_tick
+        self.on_death = on_death  # from the reader thread, once, if the child dies unasked
+        self.died = False
         self.max_calls = spec.max_calls
         self.stats = LoopStats()
         self.oracle_fed: deque[tuple[str, int, float, float]] = deque(maxlen=10_000)
@@ -213,12 +217,13 @@ class FrameLoopProcess:
                 log.exception("engine process message %r could not be handled", kind)
         self.alive = False
         if not self._closed:
+            if self._process is not None:
+                self._process.join(1)
             code = self._process.exitcode if self._process is not None else None
-            log.error("the engine process died (exit code %s): no more audio for its calls", code)
-            with self._lock:
-                hooks = [r.on_reset for r in self._rows if r is not None and r.on_reset is not None]
-            for hook in hooks:  # their calls' state is gone with it
-                hook()
+            log.error("the engine process died (exit code %s): its calls are lost", code)
+            self.died = True
+            if self.on_death is not None:
+                self.on_death()
 
     def _dispatch(self, kind: str, body: list[Any]) -> None:
         if kind == "tick":

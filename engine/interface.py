@@ -77,7 +77,8 @@ class OracleUpdate:
 class EngineNotice:
     """Something the call's owner should know (an error of the back-end, an underrun burst)."""
 
-    kind: Literal["stt_error", "llm_error", "reset"]
+    # engine_lost: the engine died with this call's state (the call cannot go on; the process needs a restart)
+    kind: Literal["stt_error", "llm_error", "reset", "engine_lost"]
     detail: str
 
 
@@ -116,6 +117,11 @@ class Engine(Protocol):
 
     @property
     def ready(self) -> bool: ...
+
+    @property
+    def failed(self) -> bool:
+        """The engine died and cannot serve again in this process (liveness should fail)."""
+        ...
 
     async def open_call(self, call_id: str) -> CallSession:
         """Seat a call; raises EngineFull or EngineClosed."""

@@ -165,7 +165,7 @@ class LocalEngine:
                 max_queued_frames=config.max_queued_frames,
                 torch_threads=config.torch_threads,
             )
-            self.frame_loop = FrameLoopProcess(spec, on_tick=self._on_tick)
+            self.frame_loop = FrameLoopProcess(spec, on_tick=self._on_tick, on_death=self._on_engine_lost)
         else:
             if bundle is None:
                 raise ValueError("an in-process engine needs its loaded checkpoint")
@@ -260,6 +260,19 @@ class LocalEngine:
     def ready(self) -> bool:
         # An engine process that died takes its slots with it: not ready (readyz 503, no new calls).
         return self._ready and self.frame_loop.alive
+
+    @property
+    def failed(self) -> bool:
+        return self.frame_loop.died
+
+    def _on_engine_lost(self) -> None:  # the pipe's reader thread
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._tell_engine_lost)
+
+    def _tell_engine_lost(self) -> None:
+        for session in list(self._sessions.values()):
+            session._on_notice("engine_lost", "the engine process died; this call's model state is gone")
 
     async def open_call(self, call_id: str) -> LocalCallSession:
         if self._closing or not self._ready:

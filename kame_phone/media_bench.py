@@ -130,6 +130,10 @@ class LoopbackEngine:
     def ready(self) -> bool:
         return not self._stopped
 
+    @property
+    def failed(self) -> bool:
+        return False
+
     async def open_call(self, call_id: str) -> LoopbackSession:
         if self._stopped:
             raise EngineClosed("loopback engine stopped")

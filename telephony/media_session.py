@@ -342,6 +342,9 @@ class MediaStreamSession:
                 await self._on_oracle(out)
             elif isinstance(out, EngineNotice):  # a reset's stale audio is cleared by `restart_playout`
                 log.warning("engine notice %s: %s", out.kind, out.detail)
+                if out.kind == "engine_lost":  # nothing left to answer with: hang up (the receive loop ends it)
+                    self._end_reason = "engine_lost"
+                    await self.ws.close()
 
     async def _on_oracle(self, update: OracleUpdate) -> None:
         # A draft streams in as a growing text: the call record keeps one entry per candidate (its last

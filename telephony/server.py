@@ -213,6 +213,9 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 
 async def handle_healthz(request: web.Request) -> web.Response:
+    engine = _ctx(request).engine
+    if engine is not None and engine.failed:  # a dead engine process: only a restart brings it back
+        return web.json_response({"status": "engine failed"}, status=503)
     return web.json_response({"status": "alive"})
 
 

@@ -9,10 +9,11 @@ import signal
 import time
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 
 from engine.batch import SamplingConfig
-from engine.interface import FRAME_SAMPLES, EngineNotice
+from engine.interface import FRAME_SAMPLES
 from engine.service import EngineConfig, LocalEngine
 from telephony.call_store import MemoryCallStore
 from telephony.config import ServiceConfig
@@ -76,22 +77,44 @@ async def test_an_oracle_crosses_into_the_engine_process(tiny_checkpoint: Path) 
         await engine.stop()
 
 
-async def test_a_dead_engine_process_is_noticed(tiny_checkpoint: Path) -> None:
+async def test_a_dead_engine_process_ends_its_calls_and_fails_liveness(tiny_checkpoint: Path) -> None:
     engine = await _engine(tiny_checkpoint)
-    try:
-        call = await engine.open_call("CA-doomed")
-        assert engine.ready and engine.free_slots == 1
+    token = "k" * 32
+    store = MemoryCallStore()
+    handle = await ServiceHandle(
+        ServerContext(ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token), store, engine)
+    ).start()
+    t = np.arange(20 * 8000) / 8000  # a long call: the engine dies in the middle of it
+
+    async def kill_engine_soon() -> None:
+        await asyncio.sleep(2.0)
         engine.frame_loop._process.kill()  # type: ignore[union-attr]
-        notices = []
-        async with asyncio.timeout(10):
-            async for out in call.outputs():
-                if isinstance(out, EngineNotice):
-                    notices.append(out)
-                    break
-        assert notices[0].kind == "reset"
-        assert not engine.ready and engine.free_slots == 0  # readyz turns 503; no new calls are admitted
+
+    try:
+        killer = asyncio.create_task(kill_engine_soon())
+        report = await asyncio.wait_for(
+            simulate_call(
+                handle.http_url.replace("http://", "ws://") + MEDIA_PATH,
+                (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32),
+                auth_token=token, public_url=None, hold_after=0.5,
+            ),
+            15,
+        )
+        await killer
+        async with aiohttp.ClientSession() as http:
+            async with http.get(handle.http_url + "/healthz") as r:
+                health = r.status
+            async with http.get(handle.http_url + "/readyz") as r:
+                ready = r.status
     finally:
+        await handle.aclose()
         await engine.stop()
+    assert report.server_hung_up and report.call_seconds < 10  # the call ended with its engine
+    record = await store.get(report.call_sid)
+    assert record is not None
+    assert record.end_reason == "engine_lost"
+    assert engine.failed and not engine.ready
+    assert (health, ready) == (503, 503)  # the orchestrator restarts the process; no call is routed here
 
 
 async def test_a_stalled_engine_process_never_blocks_the_caller(tiny_checkpoint: Path) -> None:
