@@ -84,6 +84,7 @@ def _bench(args: argparse.Namespace) -> int:
             run_oracle_bench(
                 calls=args.calls, seconds=args.seconds, ttft_ms=args.llm_ttft_ms,
                 engine_process=args.engine_process, torch_threads=args.torch_threads,
+                ttft_jitter_ms=args.llm_ttft_jitter_ms,
             )
         )
         if args.json:
@@ -155,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--calls", type=int, default=200, help="media/oracle bench: concurrent calls")
     bench.add_argument("--seconds", type=float, default=20.0, help="media/oracle bench: how long")
     bench.add_argument("--llm-ttft-ms", type=float, default=300.0, help="oracle bench: the LLM's fixed TTFT")
+    bench.add_argument("--llm-ttft-jitter-ms", type=float, default=0.0,
+                       help="oracle bench: vary each TTFT uniformly by up to this much")
     bench.add_argument("--engine-process", action="store_true", help="oracle bench: the engine in its own process")
     bench.add_argument("--torch-threads", type=int, default=0, help="oracle bench: the model's intra-op threads")
     bench.add_argument("--json", default=None, help="also write the figures here")

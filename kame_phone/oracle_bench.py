@@ -18,6 +18,7 @@ import asyncio
 import json
 import multiprocessing
 import platform
+import random
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -76,16 +77,23 @@ class ScriptedCaller:
 
 
 class FixedLatencyLlm:
-    """A local OpenAI-compatible server: waits `ttft_s`, then streams ANSWER a word every `chunk_s`."""
+    """A local OpenAI-compatible server: waits `ttft_s` (± up to `jitter_s`, uniform), then streams ANSWER a
+    word every `chunk_s`.
 
-    def __init__(self, ttft_s: float, chunk_s: float = 0.02) -> None:
-        self.ttft_s, self.chunk_s = ttft_s, chunk_s
+    Why jitter: the scripted caller speaks in step with the engine's ticks, so with a fixed TTFT every
+    draft lands at nearly the same point of the 80 ms tick, and the wait for the next tick (up to one
+    frame, by construction) is then whatever that phase happens to be. Real TTFTs vary, which spreads
+    the wait over the whole frame."""
+
+    def __init__(self, ttft_s: float, chunk_s: float = 0.02, jitter_s: float = 0.0, seed: int = 0) -> None:
+        self.ttft_s, self.chunk_s, self.jitter_s = ttft_s, chunk_s, jitter_s
+        self._rng = random.Random(seed)
         self.requests = 0
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests += 1
-        await asyncio.sleep(self.ttft_s)
+        await asyncio.sleep(self.ttft_s + self._rng.uniform(-self.jitter_s, self.jitter_s))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         try:
             await resp.prepare(request)
@@ -127,11 +135,11 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q) * 1000) if values else float("nan")
 
 
-def _serve_llm(ttft_s: float, port_out: Connection, stop: Event, requests_out: Connection) -> None:
+def _serve_llm(ttft_s: float, jitter_s: float, port_out: Connection, stop: Event, requests_out: Connection) -> None:
     """The LLM server process: serve until `stop` is set, then report how many requests came."""
 
     async def main() -> None:
-        llm_server = FixedLatencyLlm(ttft_s)
+        llm_server = FixedLatencyLlm(ttft_s, jitter_s=jitter_s)
         app = web.Application()
         app.router.add_post("/v1/chat/completions", llm_server.handle)
         runner = web.AppRunner(app, shutdown_timeout=0.5)
@@ -153,19 +161,22 @@ async def run_oracle_bench(
     *,
     engine_process: bool = False,
     torch_threads: int = 0,
+    ttft_jitter_ms: float = 0.0,
 ) -> dict[str, Any]:
     mp = multiprocessing.get_context("spawn")
     port_in, port_out = mp.Pipe(duplex=False)
     requests_in, requests_out = mp.Pipe(duplex=False)
     stop = mp.Event()
-    server = mp.Process(target=_serve_llm, args=(ttft_ms / 1000, port_out, stop, requests_out), daemon=True)
+    server = mp.Process(
+        target=_serve_llm, args=(ttft_ms / 1000, ttft_jitter_ms / 1000, port_out, stop, requests_out), daemon=True
+    )
     server.start()
     try:
         engine = EngineConfig(
             device="cpu", max_calls=calls, sampling=SamplingConfig(), engine_process=engine_process,
             torch_threads=torch_threads,
         )
-        return await _run(engine, seconds, ttft_ms, log, port_in, stop, requests_in)
+        return await _run(engine, seconds, ttft_ms, ttft_jitter_ms, log, port_in, stop, requests_in)
     finally:
         stop.set()
         await asyncio.to_thread(server.join, 10)
@@ -173,7 +184,7 @@ async def run_oracle_bench(
             server.kill()
 
 
-async def _run(config, seconds, ttft_ms, log, port_in, stop, requests_in) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+async def _run(config, seconds, ttft_ms, ttft_jitter_ms, log, port_in, stop, requests_in) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     calls = config.max_calls
     if not await asyncio.to_thread(port_in.poll, 60):
         raise RuntimeError("the LLM server process did not start")
@@ -217,7 +228,8 @@ async def _run(config, seconds, ttft_ms, log, port_in, stop, requests_in) -> dic
         ttfts.append(arrived_at - triggered_at)
         added.append(fed_at - arrived_at)
     result = {
-        "calls": calls, "seconds": seconds, "llm_ttft_ms_configured": ttft_ms, "llm_requests": requests,
+        "calls": calls, "seconds": seconds, "llm_ttft_ms_configured": ttft_ms,
+        "llm_ttft_jitter_ms": ttft_jitter_ms, "llm_requests": requests,
         "candidates_fed": len(lags),
         "oracle_lag_p50_ms": _pct(lags, 50), "oracle_lag_p99_ms": _pct(lags, 99),
         "llm_ttft_p50_ms": _pct(ttfts, 50), "llm_ttft_p99_ms": _pct(ttfts, 99),
@@ -227,7 +239,8 @@ async def _run(config, seconds, ttft_ms, log, port_in, stop, requests_in) -> dic
         "engine": "tiny model on CPU" + (", in its own process" if config.engine_process else ", in-process"),
         "torch_threads": config.torch_threads,
     }
-    log(f"# oracle path: {calls} calls for {seconds:.0f} s, LLM TTFT {ttft_ms:.0f} ms, {result['engine']}")
+    log(f"# oracle path: {calls} calls for {seconds:.0f} s, LLM TTFT {ttft_ms:.0f} ± {ttft_jitter_ms:.0f} ms,"
+        f" {result['engine']}")
     log(f"candidates fed: {len(lags)} of {requests} requests")
     log(f"oracle lag p50/p99: {result['oracle_lag_p50_ms']:.0f}/{result['oracle_lag_p99_ms']:.0f} ms; "
         f"LLM TTFT p50/p99: {result['llm_ttft_p50_ms']:.0f}/{result['llm_ttft_p99_ms']:.0f} ms")
