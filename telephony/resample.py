@@ -63,6 +63,9 @@ class _StreamingFir:
         return ext, len(x)
 
 
+_UP_BLOCK = 32  # inputs per block of the upsampler's band-matrix product
+
+
 class Upsampler8to24(_StreamingFir):
     """8 kHz -> 24 kHz, exactly 3 output samples per input sample, state kept across calls."""
 
@@ -75,6 +78,13 @@ class Upsampler8to24(_StreamingFir):
         # y[3k + p] = sum_m h[3m + p] * x[k - m]; each phase's taps run oldest-first for correlate.
         phases = h.reshape(self._n_phase_taps, RATIO)[::-1]  # [M, 3]
         self._phases = [np.ascontiguousarray(phases[:, p]) for p in range(RATIO)]
+        # The same taps as a band matrix: a block of _UP_BLOCK inputs (plus the history before it) in,
+        # its 3 * _UP_BLOCK outputs out; column 3k + p holds phase p's taps under inputs k .. k + 48.
+        band = np.zeros((_UP_BLOCK + self._history, RATIO * _UP_BLOCK), dtype=np.float32)
+        for k in range(_UP_BLOCK):
+            band[k : k + self._n_phase_taps, RATIO * k : RATIO * k + RATIO] = phases
+        band.setflags(write=False)
+        self._band = band
         self.reset()
 
     def process(self, x: np.ndarray) -> np.ndarray:
@@ -82,6 +92,15 @@ class Upsampler8to24(_StreamingFir):
         ext, n = self._extend(x)
         if n == 0:  # correlate would swap its arguments when the input is shorter than the taps
             return np.zeros(0, dtype=np.float32)
+        if n % _UP_BLOCK == 0:
+            # Whole blocks (an engine frame is 640 inputs = 20 blocks): one band-matrix product, 3x faster
+            # than three correlates, and this runs for every call's every frame.
+            ext32 = ext.astype(np.float32)
+            step = ext32.strides[0]
+            windows = np.lib.stride_tricks.as_strided(
+                ext32, shape=(n // _UP_BLOCK, _UP_BLOCK + self._history), strides=(_UP_BLOCK * step, step)
+            )
+            return (np.ascontiguousarray(windows) @ self._band).reshape(-1)
         y = np.empty((n, RATIO), dtype=np.float32)
         for p, taps in enumerate(self._phases):
             y[:, p] = np.correlate(ext, taps, "valid")

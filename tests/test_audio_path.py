@@ -199,6 +199,14 @@ def test_upsampler_chunked_equals_one_shot(sizes: list[int]) -> None:
     np.testing.assert_allclose(pieces, whole, rtol=0, atol=1e-6)
 
 
+def test_upsampler_block_product_equals_the_per_phase_filter() -> None:
+    # Frames (multiples of 32 inputs) take the band-matrix path; 7-sample chunks the per-phase correlate.
+    x = np.random.default_rng(4).uniform(-1, 1, 640 * 5).astype(np.float32)
+    by_frame = chunked(Upsampler8to24().process, x, [640])
+    by_sevens = chunked(Upsampler8to24().process, x, [7])
+    np.testing.assert_allclose(by_frame, by_sevens, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "sizes",
     [pytest.param([1920], id="frames"), pytest.param([480], id="20ms"), pytest.param(ODD_CHUNKS, id="odd")],
