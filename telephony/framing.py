@@ -1,7 +1,9 @@
 """Between Twilio's 20 ms mu-law packets at 8 kHz and the engine's 80 ms float32 frames at 24 kHz.
 
-One `InboundFramer` and one `OutboundFramer` per call; each owns its direction's resampler state.
-Pure: no I/O, no tasks. The caller parses the Media Streams JSON and base64 and sends the bytes.
+One `InboundFramer` per call owns the inbound resampler state. Outbound, the server encodes a whole engine
+tick for every call at once (`bot_audio.py`, through a `DownsamplerBank`); `OutboundFramer` is the same
+path for one stream on its own. Pure: no I/O, no tasks. The caller parses the Media Streams JSON and
+base64 and sends the bytes.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy as np
 
 from engine.interface import FRAME_SAMPLES
 from telephony.mulaw import float_to_ulaw, ulaw_to_float
-from telephony.resample import RATIO, Downsampler24to8, Upsampler8to24
+from telephony.resample import RATIO, DownsamplerBank, Upsampler8to24
 
 PACKET_BYTES = 160  # 20 ms of 8 kHz mu-law: what Twilio sends, and what we send back
 FRAME_BYTES = FRAME_SAMPLES // RATIO  # 640: one engine frame on the line
@@ -70,16 +72,17 @@ class InboundFramer:
 
 @dataclass(eq=False)  # stateful; compare by identity
 class OutboundFramer:
-    """Turn the bot's 80 ms frames into mu-law for Twilio: FRAME_SAMPLES in, FRAME_BYTES out."""
+    """Turn one stream's 80 ms bot frames into mu-law for Twilio: FRAME_SAMPLES in, FRAME_BYTES out.
 
-    downsampler: Downsampler24to8 = field(default_factory=Downsampler24to8)
+    The same filter code as the server's batched fan-out: a `DownsamplerBank` holding just this stream."""
+
+    bank: DownsamplerBank = field(default_factory=DownsamplerBank)
 
     def encode(self, frame: np.ndarray) -> bytes:
         """One engine frame (float32, 24 kHz, exactly FRAME_SAMPLES) to FRAME_BYTES of mu-law."""
         if frame.shape != (FRAME_SAMPLES,):
             raise ValueError(f"expected a frame of shape ({FRAME_SAMPLES},), got {frame.shape}")
-        # FRAME_SAMPLES is a multiple of RATIO, so the decimation phase never drifts between frames.
-        return float_to_ulaw(self.downsampler.process(frame))
+        return float_to_ulaw(self.bank.process([self], frame[None])[0])
 
     def encode_packets(self, frame: np.ndarray) -> list[bytes]:
         """Like `encode`, cut into PACKET_BYTES pieces (4 per frame), for one media message each."""
@@ -88,4 +91,4 @@ class OutboundFramer:
 
     def reset(self) -> None:
         """Forget filter state, as at the start of a call."""
-        self.downsampler.reset()
+        self.bank.forget(self)
