@@ -575,57 +575,39 @@ async def test_stt_failure_is_counted_and_the_stt_restarted(executor) -> None:
     assert made[1].closed
 
 
-class StallingSTT:
-    """A recogniser that hangs in its first `feed` until released: the STT falls behind real time."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        self.heard: list[int] = []  # k of each frame(k) fed, in order
-        self.closed = False
-
-    def feed(self, pcm24k: np.ndarray) -> list[SttResult]:
-        self.entered.set()
-        assert self.release.wait(30), "never released"
-        self.heard += [round(float(pcm24k[i]) * 100) for i in range(0, len(pcm24k), FRAME_SAMPLES)]
-        return []
-
-    def flush(self) -> list[SttResult]:
-        return []
-
-    def reset(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True
-
-
-async def test_a_lagging_stt_drops_the_oldest_caller_frames_and_counts_them(executor) -> None:
-    stt = StallingSTT()
+async def test_a_lagging_stt_drops_the_oldest_caller_frames_and_counts_them() -> None:
+    """The real recogniser falls behind because every STT worker thread is busy: the call keeps only the
+    newest audio, counts what it dropped, and goes on once a worker is free."""
+    busy = threading.Event()
+    release = threading.Event()
+    one_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-stt-busy")
     rec = Recorder()
     backend = CallBackend(
         "lag",
-        stt_factory=lambda: stt,
+        stt_factory=make_stt("pocketsphinx"),
         llm=None,
-        executor=executor,
+        executor=one_worker,
         on_transcript=rec.on_transcript,
         on_oracle=rec.on_oracle,
         max_pending_audio_s=0.24,  # 3 frames of 80 ms
     )
-    await backend.start()
-    backend.feed_audio(frame(1))
-    await wait_until(stt.entered.is_set)  # the STT is stuck on frame 1
-    before = stt_dropped_frames()
-    for k in range(2, 12):  # 10 more frames while it is stuck: only the newest 3 can wait
-        backend.feed_audio(frame(k))
-    assert stt_dropped_frames() == before + 7
-    stt.release.set()
-    await wait_until(lambda: stt.heard == [1, 9, 10, 11])  # the newest audio survived
-    backend.feed_audio(frame(12))  # caught up: nothing more is dropped
-    await wait_until(lambda: stt.heard[-1] == 12)
-    assert stt_dropped_frames() == before + 7
-    await backend.aclose()
-    assert stt.closed
+    try:
+        one_worker.submit(lambda: (busy.set(), release.wait(30)))  # the only worker is taken
+        assert busy.wait(5)
+        await backend.start()
+        before = stt_dropped_frames()
+        for k in range(1, 11):  # 10 frames while no worker can take them: only the newest 3 can wait
+            backend.feed_audio(frame(k))
+        assert stt_dropped_frames() == before + 7
+        release.set()
+        await wait_until(lambda: not backend._audio)  # the STT drained what was kept
+        backend.feed_audio(frame(11))  # caught up: nothing more is dropped
+        await wait_until(lambda: not backend._audio)
+        assert stt_dropped_frames() == before + 7
+    finally:
+        release.set()
+        await backend.aclose()
+        one_worker.shutdown(wait=True)
 
 
 async def test_stt_only_without_llm_and_feeding_from_another_thread(executor) -> None:
