@@ -77,6 +77,16 @@ class LoopStats:
     underruns: int = 0  # all slots, since start
     overruns: int = 0
 
+    def record_tick(self, elapsed: float, late: bool) -> None:
+        """One tick's wall time, and whether it missed its 80 ms deadline, into the stats and metrics."""
+        self.ticks += 1
+        self.last_tick_s = elapsed
+        self.tick_s.append(elapsed)
+        metrics.ENGINE_TICK_SECONDS.observe(elapsed)
+        if late:
+            self.deadline_misses += 1
+            metrics.ENGINE_DEADLINE_MISSES.inc()
+
 
 class FrameLoop:
     def __init__(
@@ -310,10 +320,4 @@ class FrameLoop:
         self._ticker.stop()
 
     def _record_timing(self, elapsed: float, late: bool) -> None:
-        self.stats.ticks += 1
-        self.stats.last_tick_s = elapsed
-        self.stats.tick_s.append(elapsed)
-        metrics.ENGINE_TICK_SECONDS.observe(elapsed)
-        if late:
-            self.stats.deadline_misses += 1
-            metrics.ENGINE_DEADLINE_MISSES.inc()
+        self.stats.record_tick(elapsed, late)

@@ -235,14 +235,7 @@ class FrameLoopProcess:
             if self.on_tick is not None and delivered:
                 self.on_tick(delivered)
         elif kind == "timing":
-            elapsed, late = body
-            self.stats.ticks += 1
-            self.stats.last_tick_s = elapsed
-            self.stats.tick_s.append(elapsed)
-            metrics.ENGINE_TICK_SECONDS.observe(elapsed)
-            if late:
-                self.stats.deadline_misses += 1
-                metrics.ENGINE_DEADLINE_MISSES.inc()
+            self.stats.record_tick(*body)
         elif kind == "reset":
             (rows,) = body
             with self._lock:

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -77,6 +77,16 @@ class EngineConfig:
 _CLOSED = object()
 
 
+def _put_dropping_oldest(queue: asyncio.Queue[Any], item: object) -> bool:
+    """Queue `item`; if the queue is full, drop its oldest first (a stalled consumer loses old outputs,
+    never stalls the engine). True if something was dropped."""
+    dropped = queue.full()
+    if dropped:
+        queue.get_nowait()
+    queue.put_nowait(item)
+    return dropped
+
+
 class LocalCallSession:
     def __init__(self, engine: LocalEngine, call_id: str, row: int, queue_size: int) -> None:
         self.call_id = call_id
@@ -92,12 +102,10 @@ class LocalCallSession:
     def _put(self, item: object) -> None:
         if self._closed:
             return
-        if self._queue.full():
-            self._queue.get_nowait()  # a stalled consumer loses the oldest output, never the loop
+        if _put_dropping_oldest(self._queue, item):
             self._dropped += 1
             if self._dropped in (1, 100, 1000):
                 log.warning("call %s: output consumer is behind, %d outputs dropped", self.call_id, self._dropped)
-        self._queue.put_nowait(item)
 
     def _on_transcript(self, text: str, final: bool, at: float) -> None:
         self._engine.frame_loop.caller_turn(self.row, self.call_id, speaking=not final)
@@ -237,12 +245,10 @@ class LocalEngine:
         self._put_frames(frames)
 
     def _put_frames(self, item: BotFrames | None) -> None:
-        if self._frames.full():
-            self._frames.get_nowait()  # a stalled consumer loses the oldest tick, never the engine
+        if _put_dropping_oldest(self._frames, item):
             self._frames_dropped += 1
             if self._frames_dropped in (1, 100, 1000) or self._frames_dropped % 10_000 == 0:
                 log.warning("bot audio consumer is behind: %d ticks dropped", self._frames_dropped)
-        self._frames.put_nowait(item)
 
     async def bot_frames(self) -> AsyncIterator[BotFrames]:
         while (frames := await self._frames.get()) is not None:

@@ -15,7 +15,6 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-import numpy as np
 from threadpoolctl import threadpool_limits
 
 from engine.interface import BotFrames, Engine
@@ -23,17 +22,12 @@ from engine.interface import BotFrames, Engine
 from .framing import FRAME_BYTES
 from .mulaw import float_to_ulaw
 from .resample import DownsamplerBank
+from .turns import levels_dbfs
 
 if TYPE_CHECKING:
     from .media_session import MediaStreamSession
 
 log = logging.getLogger(__name__)
-
-
-def levels_dbfs(rows: np.ndarray) -> np.ndarray:
-    """Mean-square level of each row in dBFS: [N, n] -> [N] float64."""
-    mean_square = np.einsum("ij,ij->i", rows, rows, dtype=np.float64) / max(rows.shape[1], 1)
-    return 10.0 * np.log10(np.maximum(mean_square, 1e-18))
 
 
 class BotAudioFanout:

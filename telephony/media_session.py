@@ -316,7 +316,17 @@ class MediaStreamSession:
     def after_bot_audio(self, level_dbfs: float, produced_at: float, sent: float) -> None:
         """Account for a frame `send_bot_audio` sent (kept apart so a tick's sends go out back to back)."""
         metrics.MEDIA_OUTBOUND_SECONDS.observe(sent - produced_at)
-        self._after_send(level_dbfs, sent)
+        st = self.state
+        st.frames_sent += 1
+        if not st.first_audio_sent and st.started_at is not None:
+            st.first_audio_sent = True
+            first = sent - st.started_at
+            metrics.FIRST_AUDIO_SECONDS.observe(first)
+            self._store_soon(self.ctx.store.add_latency(st.call_sid, "first_audio", first))
+        reply = self.turns.bot_level(level_dbfs, sent)
+        if reply is not None:
+            metrics.TURN_LATENCY_SECONDS.observe(reply.latency_s)
+            self._store_soon(self.ctx.store.add_latency(st.call_sid, "turn", reply.latency_s))
 
     async def send_mark_if_due(self) -> None:
         """A mark every `mark_every_frames` frames, so Twilio's echoes tell what has actually played."""
@@ -361,19 +371,6 @@ class MediaStreamSession:
         _, text, started = self._oracle_draft
         self._oracle_draft = None
         await self.ctx.store.append_oracle(self.state.call_sid, text, at=time.time() - (time.monotonic() - started))
-
-    def _after_send(self, level_dbfs: float, sent: float) -> None:
-        st = self.state
-        st.frames_sent += 1
-        if not st.first_audio_sent and st.started_at is not None:
-            st.first_audio_sent = True
-            first = sent - st.started_at
-            metrics.FIRST_AUDIO_SECONDS.observe(first)
-            self._store_soon(self.ctx.store.add_latency(st.call_sid, "first_audio", first))
-        reply = self.turns.bot_level(level_dbfs, sent)
-        if reply is not None:
-            metrics.TURN_LATENCY_SECONDS.observe(reply.latency_s)
-            self._store_soon(self.ctx.store.add_latency(st.call_sid, "turn", reply.latency_s))
 
     def _flush_bot_turn(self) -> None:
         words = "".join(self.state.bot_words).replace("\u2581", " ").strip()

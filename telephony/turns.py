@@ -8,13 +8,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
+_FLOOR_MEAN_SQUARE = 1e-18  # -180 dBFS: digital silence
+
 
 def level_dbfs(pcm: np.ndarray) -> float:
     if not len(pcm):
         return -180.0
     v = np.asarray(pcm, dtype=np.float32)  # no copy for the engine's float32 frames
     mean_square = float(np.dot(v, v)) / len(v)  # one BLAS call: this runs for every caller frame
-    return 10.0 * np.log10(max(mean_square, 1e-18))
+    return 10.0 * np.log10(max(mean_square, _FLOOR_MEAN_SQUARE))
+
+
+def levels_dbfs(rows: np.ndarray) -> np.ndarray:
+    """`level_dbfs` of each row at once: [N, n] -> [N] float64 (a whole engine tick of bot audio)."""
+    mean_square = np.einsum("ij,ij->i", rows, rows, dtype=np.float64) / max(rows.shape[1], 1)
+    return 10.0 * np.log10(np.maximum(mean_square, _FLOOR_MEAN_SQUARE))
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,11 +61,8 @@ class TurnTracker:
             return TurnEnd(at=ended, overlap=overlap)
         return None
 
-    def bot_frame(self, pcm: np.ndarray, at: float) -> BotReply | None:
-        return self.bot_level(level_dbfs(pcm), at)
-
     def bot_level(self, level: float, at: float) -> BotReply | None:
-        """`bot_frame` for a frame whose level (dBFS) is already known (the fan-out measures a whole tick)."""
+        """A bot frame of this level (dBFS) was sent at `at` (the fan-out measures a whole tick's levels)."""
         if level <= self.threshold_dbfs:
             if self.bot_speaking_since is not None and at - self.last_bot_voice >= self.bot_hangover_s:
                 self.bot_speaking_since = None

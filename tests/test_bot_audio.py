@@ -29,6 +29,7 @@ from telephony.resample import Downsampler24to8, DownsamplerBank
 from telephony.server import MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
 from telephony.signatures import SIGNATURE_HEADER, websocket_signature_url
 from telephony.sim_caller import simulate_call
+from telephony.turns import level_dbfs, levels_dbfs
 from telephony.twilio_messages import MediaMessageTemplate, media_message
 from telephony.twiml import parse_connect_stream
 
@@ -221,3 +222,9 @@ async def test_a_peer_that_stops_reading_never_stalls_the_other_calls(caplog: py
     # Meanwhile the good call got all its audio, on time.
     assert report.outcome == "completed", report.errors
     assert report.bot_seconds_played > 7.5  # played in real time: nothing held back behind the deaf peer
+
+
+def test_a_ticks_levels_are_each_rows_level() -> None:
+    rows = np.stack([np.zeros(640, np.float32), np.full(640, 0.1, np.float32), np.full(640, -1.0, np.float32)])
+    np.testing.assert_allclose(levels_dbfs(rows), [level_dbfs(row) for row in rows], atol=1e-4)
+    assert levels_dbfs(rows)[0] == -180.0 and abs(levels_dbfs(rows)[1] + 20.0) < 1e-3
