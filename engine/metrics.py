@@ -49,3 +49,18 @@ STT_PARTIAL_SECONDS = Histogram(
     "From the end of a caller frame to the partial transcript that includes it.",
     buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
 )
+
+# The engine link (engine/remote.py): edges served over a socket by `kame-phone engine-serve`.
+ENGINE_LINK_EDGES = Gauge("kame_engine_link_edges", "Edge processes connected to this engine server.")
+ENGINE_LINK_ERRORS = Counter(
+    "kame_engine_link_errors_total",
+    "Engine link failures: bad_hello, bad_token, bad_message (a peer dropped), bad_audio (a frame dropped), "
+    "lost (the edge lost its engine).",
+    ["kind"],
+)
+ENGINE_LINK_DROPPED = Counter(
+    "kame_engine_link_dropped_total",
+    "Messages shed because the other side of the engine link was not reading: bot_frames (ticks, engine "
+    "side) or caller_audio (frames, edge side).",
+    ["what"],
+)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 from engine.backend import BackendConfig, BackendServices
 from engine.batch import SamplingConfig
+from engine.remote import Address, LinkError, LinkRefused, RemoteEngine
 from engine.service import EngineConfig, LocalEngine
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-process", action="store_true",
                    help="run the model and its 80 ms loop in a child process (own GIL and clock; crash-isolated)")
     g.add_argument("--torch-threads", type=int, default=0, help="the model's intra-op CPU threads (0: torch's default)")
+    g.add_argument("--engine", default=os.environ.get("KAME_ENGINE_ADDRESS"), metavar="ADDRESS",
+                   help="serve: use the engine of a `kame-phone engine-serve` at unix:/path or tcp://host:port "
+                        "(token in $KAME_ENGINE_TOKEN) instead of loading one; --max-calls is the seats to ask for")
     b = parser.add_argument_group("back-end")
     b.add_argument("--stt", choices=["pocketsphinx", "kyutai", "none"], default="pocketsphinx")
     b.add_argument("--llm", choices=["openai", "none"], default="openai",
@@ -64,3 +69,20 @@ async def load_engine(args: argparse.Namespace) -> LocalEngine:
     engine = await LocalEngine.load(engine_config_from_args(args), backend)
     await engine.start()
     return engine
+
+
+async def connect_engine(args: argparse.Namespace) -> RemoteEngine:
+    """`serve --engine`: this edge's seats on a running engine server, retried until it is up (it may still be
+    loading its model); a wrong token fails at once."""
+    address = Address.parse(args.engine)
+    token = os.environ.get("KAME_ENGINE_TOKEN") or None
+    delay = 0.5
+    while True:
+        try:
+            return await RemoteEngine.connect(address, token=token, seats=args.max_calls)
+        except LinkRefused:
+            raise
+        except (OSError, LinkError) as e:
+            log.warning("engine at %s not available yet (%s); retrying in %.1fs", address, e, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 10.0)

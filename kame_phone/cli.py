@@ -18,7 +18,7 @@ def _serve(args: argparse.Namespace) -> int:
     from telephony.config import ConfigError, ServiceConfig
     from telephony.server import run_service
 
-    from .app import load_engine
+    from .app import connect_engine, load_engine
 
     setup_logging(json_lines=args.log_json)
     try:
@@ -41,10 +41,17 @@ def _serve(args: argparse.Namespace) -> int:
             ttl_s=config.retention_s,
             store_transcripts=config.store_transcripts,
         )
-        await run_service(config, store, lambda: load_engine(args))
+        await run_service(config, store, lambda: connect_engine(args) if args.engine else load_engine(args))
 
     asyncio.run(main())
     return 0
+
+
+def _engine_serve(args: argparse.Namespace) -> int:
+    from .engine_serve import run_engine_server
+
+    setup_logging(json_lines=args.log_json)
+    return asyncio.run(run_engine_server(args))
 
 
 def _call(args: argparse.Namespace) -> int:
@@ -132,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="JSON log lines (also KAME_LOG_JSON=1)")
     add_engine_arguments(serve)
     serve.set_defaults(func=_serve)
+
+    engine_serve = sub.add_parser("engine-serve", help="run the engine alone, for `serve --engine` edges to share")
+    engine_serve.add_argument("--listen", required=True, metavar="ADDRESS",
+                              help="unix:/path/engine.sock or tcp://host:port (off loopback: needs $KAME_ENGINE_TOKEN)")
+    engine_serve.add_argument("--http-port", type=int, default=9091, help="/healthz, /readyz and /metrics")
+    engine_serve.add_argument("--http-host", default="127.0.0.1")
+    engine_serve.add_argument("--log-json", action="store_true", default=os.environ.get("KAME_LOG_JSON") == "1")
+    add_engine_arguments(engine_serve)
+    engine_serve.set_defaults(func=_engine_serve)
 
     call = sub.add_parser("call", help="dial the service like Twilio would, from a WAV file")
     add_call_arguments(call)

@@ -1,0 +1,605 @@
+"""The `Engine` boundary over a socket: one engine server, any number of phone edges.
+
+`EngineServer` wraps a loaded engine (`kame-phone engine-serve`) and listens on a Unix socket or TCP;
+`RemoteEngine` is the edge's `Engine` for it (`kame-phone serve --engine ADDRESS`). One edge process
+holds ~100 calls within its latency budget (docs/benchmarks.md), so a node that serves more runs several
+edge processes against one GPU engine, and the engine can sit on another node than its edges.
+
+Each edge asks for a number of seats in its hello and is granted at most what the engine has left; the
+seats are its `max_calls`, so cluster admission never books a seat another edge holds.
+
+Wire: every message is a 4-byte big-endian length, one kind byte, a body. Control bodies are JSON; audio
+is raw float32 (little-endian) so a frame crosses without re-encoding. Nothing is unpickled: a peer can
+send bad bytes, never code. Timestamps cross as ages (seconds before sending), as two nodes' monotonic
+clocks do not compare.
+
+  edge -> engine   H hello {token, seats, name}   O open {call_id}   C close {call_id}
+                   A audio: u16 id length, call id, 1920 float32
+  engine -> edge   W welcome {seats} | {error}    R open result {call_id, ok, error}
+                   E call event {call_id, type: transcript|oracle|notice|end, ...}
+                   F bot frames: u32 header length, header {call_ids, texts, voiced, indices, fresh, age}, pcm
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import metrics
+from .interface import (
+    FRAME_SAMPLES,
+    BotFrames,
+    CallerTranscript,
+    CallSession,
+    Engine,
+    EngineClosed,
+    EngineError,
+    EngineFull,
+    EngineNotice,
+    EngineOutput,
+    OracleUpdate,
+)
+
+log = logging.getLogger(__name__)
+
+_PREFIX = struct.Struct(">I")
+_U16 = struct.Struct(">H")
+MAX_MESSAGE_BYTES = 32 << 20  # a tick of 256 calls is 2 MB; anything far larger is a broken peer
+HELLO_TIMEOUT_S = 5.0
+_PCM = np.dtype("<f4")
+_FRAME_BYTES = FRAME_SAMPLES * _PCM.itemsize
+
+
+class LinkError(EngineError):
+    """The engine link refused us (for now: not ready, no seats left) or broke."""
+
+
+class LinkRefused(LinkError):
+    """The engine server will never take us as configured (a wrong token): retrying is pointless."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Messages
+
+
+def _message(kind: bytes, body: bytes) -> bytes:
+    return _PREFIX.pack(len(body) + 1) + kind + body
+
+
+def _json(kind: bytes, obj: dict[str, Any]) -> bytes:
+    return _message(kind, json.dumps(obj, separators=(",", ":")).encode())
+
+
+async def _read_message(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """(kind, body); raises IncompleteReadError at EOF and LinkError on a length no peer of ours sends."""
+    (n,) = _PREFIX.unpack(await reader.readexactly(_PREFIX.size))
+    if not 1 <= n <= MAX_MESSAGE_BYTES:
+        raise LinkError(f"message of {n} bytes")
+    data = await reader.readexactly(n)
+    return data[:1], data[1:]
+
+
+def audio_message(call_id: str, pcm: np.ndarray) -> bytes:
+    cid = call_id.encode()
+    return _message(b"A", _U16.pack(len(cid)) + cid + np.ascontiguousarray(pcm, dtype=_PCM).tobytes())
+
+
+def parse_audio(body: bytes) -> tuple[str, np.ndarray]:
+    (n,) = _U16.unpack_from(body)
+    call_id = body[2 : 2 + n].decode()
+    pcm = body[2 + n :]
+    if len(pcm) != _FRAME_BYTES:
+        raise ValueError(f"audio of {len(pcm)} bytes, want {_FRAME_BYTES}")
+    return call_id, np.frombuffer(pcm, dtype=_PCM).astype(np.float32)
+
+
+def event_message(call_id: str, output: EngineOutput | None, now: float) -> bytes:
+    """A call's event; None says its outputs ended (the engine closed or replaced the seat)."""
+    body: dict[str, Any] = {"call_id": call_id}
+    if output is None:
+        body["type"] = "end"
+    elif isinstance(output, CallerTranscript):
+        body.update(type="transcript", text=output.text, final=output.final, age=now - output.at)
+    elif isinstance(output, OracleUpdate):
+        body.update(type="oracle", text=output.text, candidate=output.candidate, age=now - output.at)
+    else:
+        body.update(type="notice", kind=output.kind, detail=output.detail)
+    return _json(b"E", body)
+
+
+def parse_event(body: bytes, now: float) -> tuple[str, EngineOutput | None]:
+    d = json.loads(body)
+    kind = d["type"]
+    if kind == "transcript":
+        return d["call_id"], CallerTranscript(str(d["text"]), bool(d["final"]), now - float(d["age"]))
+    if kind == "oracle":
+        return d["call_id"], OracleUpdate(str(d["text"]), now - float(d["age"]), int(d["candidate"]))
+    if kind == "notice":
+        return d["call_id"], EngineNotice(d["kind"], str(d["detail"]))
+    if kind == "end":
+        return d["call_id"], None
+    raise ValueError(f"unknown event type {kind!r}")
+
+
+def frames_message(frames: BotFrames, rows: list[int], now: float) -> bytes:
+    header = json.dumps(
+        {
+            "call_ids": [frames.call_ids[i] for i in rows],
+            "texts": [frames.texts[i] for i in rows],
+            "voiced": [frames.voiced[i] for i in rows],
+            "indices": [frames.indices[i] for i in rows],
+            "fresh": [frames.fresh[i] for i in rows],
+            "age": now - frames.produced_at,
+        },
+        separators=(",", ":"),
+    ).encode()
+    pcm = np.ascontiguousarray(frames.pcm[rows], dtype=_PCM).tobytes()
+    return _message(b"F", _PREFIX.pack(len(header)) + header + pcm)
+
+
+def parse_frames(body: bytes, now: float) -> BotFrames:
+    (n,) = _PREFIX.unpack_from(body)
+    h = json.loads(body[4 : 4 + n])
+    rows = len(h["call_ids"])
+    pcm = np.frombuffer(body, dtype=_PCM, offset=4 + n).reshape(rows, FRAME_SAMPLES)
+    return BotFrames(
+        call_ids=tuple(h["call_ids"]),
+        pcm=pcm,
+        texts=tuple(h["texts"]),
+        voiced=tuple(bool(v) for v in h["voiced"]),
+        indices=tuple(int(i) for i in h["indices"]),
+        fresh=tuple(bool(f) for f in h["fresh"]),
+        produced_at=now - float(h["age"]),
+    )
+
+
+@dataclass(frozen=True)
+class Address:
+    """`unix:/path/engine.sock`, `tcp://host:port` or `host:port`."""
+
+    unix_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Address:
+        if text.startswith("unix:"):
+            path = text[len("unix:") :]
+            if not path:
+                raise ValueError("unix: address without a path")
+            return cls(unix_path=path)
+        hostport = text.removeprefix("tcp://")
+        host, sep, port = hostport.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"engine address {text!r}: want unix:/path or tcp://host:port")
+        return cls(host=host.strip("[]") or "127.0.0.1", port=int(port))
+
+    @property
+    def local_only(self) -> bool:
+        """Only this machine can reach it (a Unix socket or a loopback port): a token is not required."""
+        return self.unix_path is not None or self.host in ("127.0.0.1", "::1", "localhost")
+
+    def __str__(self) -> str:
+        return f"unix:{self.unix_path}" if self.unix_path else f"tcp://{self.host}:{self.port}"
+
+
+def _backlogged(writer: asyncio.StreamWriter, limit: int) -> bool:
+    transport = writer.transport
+    return transport.is_closing() or transport.get_write_buffer_size() > limit
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Server: the engine's side
+
+
+@dataclass(eq=False)
+class _Edge:
+    name: str
+    writer: asyncio.StreamWriter
+    seats: int
+    calls: dict[str, CallSession] = field(default_factory=dict)
+    pumps: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    frames_dropped: int = 0
+
+
+class EngineServer:
+    """Serves one loaded `Engine` to edges over a socket. Consumes the engine's `bot_frames()`."""
+
+    def __init__(self, engine: Engine, *, token: str | None, backlog_bytes: int = 8 << 20) -> None:
+        self.engine = engine
+        self.token = token
+        self.backlog_bytes = backlog_bytes  # unsent bytes to one edge beyond which its ticks are dropped
+        self._edges: set[_Edge] = set()
+        self._owner: dict[str, _Edge] = {}  # call id -> the edge whose caller it is
+        self._server: asyncio.Server | None = None
+        self._fanout: asyncio.Task[None] | None = None
+
+    @property
+    def seats_granted(self) -> int:
+        return sum(edge.seats for edge in self._edges)
+
+    async def listen(self, address: Address) -> Address:
+        """Start serving; returns the bound address (the real port when `address.port` is 0)."""
+        if address.unix_path is not None:
+            self._server = await asyncio.start_unix_server(self._serve_edge, path=address.unix_path)
+            bound = address
+        else:
+            self._server = await asyncio.start_server(self._serve_edge, address.host, address.port)
+            bound = Address(host=address.host, port=self._server.sockets[0].getsockname()[1])
+        self._fanout = asyncio.create_task(self._fan_out_frames(), name="engine-link-frames")
+        log.info("engine link listening on %s (%d seats)", bound, self.engine.max_calls)
+        return bound
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for edge in list(self._edges):
+            edge.writer.close()
+        if self._fanout is not None:
+            self._fanout.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._fanout
+        for edge in list(self._edges):
+            await self._drop_edge(edge)
+
+    async def _serve_edge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername") or "unix socket"
+        edge: _Edge | None = None
+        try:
+            edge = await self._welcome(reader, writer, peer)
+            if edge is None:
+                return
+            while True:
+                kind, body = await _read_message(reader)
+                if kind == b"A":
+                    self._on_audio(edge, body)
+                elif kind == b"O":
+                    await self._on_open(edge, json.loads(body)["call_id"])
+                elif kind == b"C":
+                    await self._close_call(edge, json.loads(body)["call_id"])
+                else:
+                    raise LinkError(f"unknown message kind {kind!r}")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the edge went away
+        except (LinkError, ValueError, KeyError, TypeError) as e:  # a broken or hostile peer: drop it, not us
+            metrics.ENGINE_LINK_ERRORS.labels(kind="bad_message").inc()
+            log.warning("engine link from %s: %s; closing it", peer, e)
+        finally:
+            if edge is not None:
+                await self._drop_edge(edge)
+            writer.close()
+
+    async def _welcome(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: object) -> _Edge | None:
+        try:
+            kind, body = await asyncio.wait_for(_read_message(reader), HELLO_TIMEOUT_S)
+            hello = json.loads(body) if kind == b"H" else {}
+        except (asyncio.TimeoutError, LinkError, ValueError):
+            hello = {}
+        if not hello:
+            metrics.ENGINE_LINK_ERRORS.labels(kind="bad_hello").inc()
+            log.warning("engine link from %s: no hello; closing it", peer)
+            return None
+        if self.token is not None and not hmac.compare_digest(str(hello.get("token", "")), self.token):
+            metrics.ENGINE_LINK_ERRORS.labels(kind="bad_token").inc()
+            log.warning("engine link from %s: wrong token; refused", peer)
+            writer.write(_json(b"W", {"error": "wrong token", "permanent": True}))
+            return None
+        name = str(hello.get("name", "edge"))[:100]
+        free = self.engine.max_calls - self.seats_granted
+        seats = max(0, min(int(hello.get("seats", 0)), free))
+        if seats == 0 or not self.engine.ready:
+            reason = "the engine is not ready" if not self.engine.ready else f"no seats left ({free} free)"
+            log.warning("engine link from %s (%s): refused, %s", peer, name, reason)
+            writer.write(_json(b"W", {"error": reason}))
+            return None
+        edge = _Edge(name, writer, seats)
+        self._edges.add(edge)
+        metrics.ENGINE_LINK_EDGES.set(len(self._edges))
+        writer.write(_json(b"W", {"seats": seats}))
+        log.info("edge %s (%s) joined with %d seats (%d of %d granted)",
+                 name, peer, seats, self.seats_granted, self.engine.max_calls)  # fmt: skip
+        return edge
+
+    def _on_audio(self, edge: _Edge, body: bytes) -> None:
+        try:
+            call_id, pcm = parse_audio(body)
+        except (ValueError, struct.error) as e:  # one bad frame is dropped; the edge's other calls go on
+            metrics.ENGINE_LINK_ERRORS.labels(kind="bad_audio").inc()
+            log.warning("engine link from %s: bad audio message (%s); dropped", edge.name, e)
+            return
+        session = edge.calls.get(call_id)
+        if session is not None:  # audio racing a close is normal: dropped
+            session.push_audio(pcm)
+
+    async def _on_open(self, edge: _Edge, call_id: str) -> None:
+        error = None
+        if call_id not in edge.calls and len(edge.calls) >= edge.seats:
+            error = "full"
+        else:
+            old_owner = self._owner.get(call_id)
+            if old_owner is not None:  # the call's stream moved (to this edge or another): its old seat goes
+                await self._close_call(old_owner, call_id)
+            try:
+                session = await self.engine.open_call(call_id)
+            except EngineFull:
+                error = "full"
+            except EngineError as e:
+                error = f"closed: {e}"
+            else:
+                edge.calls[call_id] = session
+                self._owner[call_id] = edge
+                edge.pumps[call_id] = asyncio.create_task(self._pump(edge, call_id, session), name=f"link-{call_id}")
+        edge.writer.write(_json(b"R", {"call_id": call_id, "ok": error is None, "error": error}))
+
+    async def _pump(self, edge: _Edge, call_id: str, session: CallSession) -> None:
+        async for output in session.outputs():
+            if not edge.writer.transport.is_closing():
+                edge.writer.write(event_message(call_id, output, time.monotonic()))
+        if edge.calls.get(call_id) is session:  # the engine ended it (not the edge): tell the edge
+            del edge.calls[call_id]
+            if self._owner.get(call_id) is edge:
+                del self._owner[call_id]
+            edge.pumps.pop(call_id, None)
+            if not edge.writer.transport.is_closing():
+                edge.writer.write(event_message(call_id, None, time.monotonic()))
+
+    async def _close_call(self, edge: _Edge, call_id: str) -> None:
+        session = edge.calls.pop(call_id, None)
+        pump = edge.pumps.pop(call_id, None)
+        if self._owner.get(call_id) is edge:
+            del self._owner[call_id]
+        if session is not None:
+            await session.close()
+        if pump is not None:
+            pump.cancel()
+
+    async def _drop_edge(self, edge: _Edge) -> None:
+        if edge not in self._edges:
+            return
+        self._edges.discard(edge)
+        metrics.ENGINE_LINK_EDGES.set(len(self._edges))
+        for call_id in list(edge.calls):
+            await self._close_call(edge, call_id)
+        log.info("edge %s left; its seats are free", edge.name)
+
+    async def _fan_out_frames(self) -> None:
+        async for frames in self.engine.bot_frames():
+            rows: dict[_Edge, list[int]] = {}
+            for i, call_id in enumerate(frames.call_ids):
+                edge = self._owner.get(call_id)
+                if edge is not None:
+                    rows.setdefault(edge, []).append(i)
+            now = time.monotonic()
+            for edge, mine in rows.items():
+                if _backlogged(edge.writer, self.backlog_bytes):  # an edge that stopped reading loses ticks
+                    edge.frames_dropped += 1
+                    metrics.ENGINE_LINK_DROPPED.labels(what="bot_frames").inc()
+                    if edge.frames_dropped in (1, 100) or edge.frames_dropped % 1000 == 0:
+                        log.warning("edge %s is not reading: %d ticks dropped", edge.name, edge.frames_dropped)
+                    continue
+                edge.writer.write(frames_message(frames, mine, now))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Client: the edge's side
+
+
+class RemoteCallSession:
+    """A call seated on a remote engine (a `CallSession`)."""
+
+    def __init__(self, engine: RemoteEngine, call_id: str) -> None:
+        self.engine = engine
+        self.call_id = call_id
+        self._events: asyncio.Queue[EngineOutput | None] = asyncio.Queue()
+        self.closed = False
+
+    def push_audio(self, pcm: np.ndarray) -> None:
+        if not self.closed:
+            self.engine._send_audio(self.call_id, pcm)
+
+    async def outputs(self) -> AsyncIterator[EngineOutput]:
+        while (item := await self._events.get()) is not None:
+            yield item
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self._end()
+        self.engine._forget(self)
+
+    def _end(self) -> None:
+        self.closed = True
+        self._events.put_nowait(None)
+
+
+class RemoteEngine:
+    """The edge's `Engine` for an `EngineServer` at `address` (see the module docstring)."""
+
+    def __init__(
+        self, address: Address, *, token: str | None, seats: int, name: str | None = None,
+        backlog_bytes: int = 1 << 20, frames_queue_ticks: int = 8,
+    ) -> None:  # fmt: skip
+        self.address = address
+        self.token = token
+        self.requested_seats = seats
+        self.name = name or socket.gethostname()
+        self.backlog_bytes = backlog_bytes  # ~130 frames of caller audio unsent: the link is stuck, drop
+        self._seats = 0
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._calls: dict[str, RemoteCallSession] = {}
+        self._opening: dict[str, asyncio.Future[str | None]] = {}
+        self._frames: asyncio.Queue[BotFrames | None] = asyncio.Queue(maxsize=frames_queue_ticks)
+        self._receiver: asyncio.Task[None] | None = None
+        self._failed = False
+        self._stopping = False
+        self.audio_dropped = 0
+
+    @classmethod
+    async def connect(cls, address: Address, *, token: str | None, seats: int, **kwargs: Any) -> RemoteEngine:
+        engine = cls(address, token=token, seats=seats, **kwargs)
+        await engine.start()
+        return engine
+
+    async def start(self) -> None:
+        """Connect and be granted seats; raises LinkError (refused) or OSError (nobody listening)."""
+        a = self.address
+        if a.unix_path is not None:
+            reader, writer = await asyncio.open_unix_connection(a.unix_path)
+        else:
+            reader, writer = await asyncio.open_connection(a.host, a.port)
+        writer.write(_json(b"H", {"token": self.token or "", "seats": self.requested_seats, "name": self.name}))
+        try:
+            kind, body = await asyncio.wait_for(_read_message(reader), HELLO_TIMEOUT_S)
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+            writer.close()
+            raise LinkError(f"engine at {a} did not welcome us") from e
+        welcome = json.loads(body) if kind == b"W" else {"error": f"unexpected {kind!r}"}
+        if "error" in welcome:
+            writer.close()
+            error = LinkRefused if welcome.get("permanent") else LinkError
+            raise error(f"engine at {a} refused us: {welcome['error']}")
+        self._seats = int(welcome["seats"])
+        self._reader, self._writer = reader, writer
+        with contextlib.suppress(OSError):  # small messages (an 80 ms frame, an event) must not wait for Nagle
+            writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._receiver = asyncio.create_task(self._receive(), name="engine-link")
+        log.info("engine link to %s up: %d seats", a, self._seats)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for session in list(self._calls.values()):
+            await session.close()
+        if self._writer is not None:
+            self._writer.close()
+        if self._receiver is not None:
+            self._receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._receiver
+        self._put_frames(None)
+
+    @property
+    def max_calls(self) -> int:
+        return self._seats
+
+    @property
+    def free_slots(self) -> int:
+        return 0 if not self.ready else max(0, self._seats - len(self._calls) - len(self._opening))
+
+    @property
+    def ready(self) -> bool:
+        return self._writer is not None and not self._failed and not self._stopping
+
+    @property
+    def failed(self) -> bool:
+        return self._failed
+
+    async def open_call(self, call_id: str) -> RemoteCallSession:
+        if not self.ready or self._writer is None:
+            raise EngineClosed("the engine link is down")
+        old = self._calls.get(call_id)
+        if old is not None:  # the same call reconnecting: the server swaps the seat over
+            old._end()
+            del self._calls[call_id]
+        if call_id in self._opening:
+            raise EngineError(f"call {call_id} is already being seated")
+        waiter: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._opening[call_id] = waiter
+        try:
+            self._writer.write(_json(b"O", {"call_id": call_id}))
+            error = await waiter
+        finally:
+            self._opening.pop(call_id, None)
+        if error == "full":
+            raise EngineFull("every seat of this edge is taken")
+        if error is not None:
+            raise EngineClosed(error)
+        session = self._calls[call_id] = RemoteCallSession(self, call_id)
+        return session
+
+    async def bot_frames(self) -> AsyncIterator[BotFrames]:
+        while (frames := await self._frames.get()) is not None:
+            yield frames
+
+    def _send_audio(self, call_id: str, pcm: np.ndarray) -> None:
+        writer = self._writer
+        if writer is None or self._failed:
+            return
+        if _backlogged(writer, self.backlog_bytes):  # the engine is not reading: shed, never buffer without end
+            self.audio_dropped += 1
+            metrics.ENGINE_LINK_DROPPED.labels(what="caller_audio").inc()
+            return
+        writer.write(audio_message(call_id, pcm))
+
+    def _forget(self, session: RemoteCallSession) -> None:
+        if self._calls.get(session.call_id) is session:
+            del self._calls[session.call_id]
+            if self._writer is not None and not self._failed:
+                self._writer.write(_json(b"C", {"call_id": session.call_id}))
+
+    def _put_frames(self, item: BotFrames | None) -> None:
+        if self._frames.full():  # a consumer behind loses the oldest ticks, as with a local engine
+            self._frames.get_nowait()
+        self._frames.put_nowait(item)
+
+    async def _receive(self) -> None:
+        assert self._reader is not None
+        why = "closed by the engine"
+        try:
+            while True:
+                kind, body = await _read_message(self._reader)
+                now = time.monotonic()
+                if kind == b"F":
+                    self._put_frames(parse_frames(body, now))
+                elif kind == b"E":
+                    call_id, output = parse_event(body, now)
+                    session = self._calls.get(call_id)
+                    if session is None:
+                        continue
+                    if output is None:
+                        del self._calls[call_id]
+                        session._end()
+                    else:
+                        session._events.put_nowait(output)
+                elif kind == b"R":
+                    result = json.loads(body)
+                    waiter = self._opening.get(result["call_id"])
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(None if result["ok"] else str(result["error"]))
+                else:
+                    raise LinkError(f"unknown message kind {kind!r}")
+        except asyncio.CancelledError:
+            raise
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            why = f"connection lost ({type(e).__name__})"
+        except (LinkError, ValueError, KeyError, TypeError) as e:
+            why = f"bad message: {e}"
+        if not self._stopping:
+            self._lose_engine(why)
+
+    def _lose_engine(self, why: str) -> None:
+        """The link is gone and every seat with it: calls are told (`engine_lost`), health fails."""
+        self._failed = True
+        metrics.ENGINE_LINK_ERRORS.labels(kind="lost").inc()
+        log.error("engine link to %s lost: %s; %d calls end", self.address, why, len(self._calls))
+        for session in list(self._calls.values()):
+            session._events.put_nowait(EngineNotice("engine_lost", f"the engine link was lost: {why}"))
+            session._end()
+        self._calls.clear()
+        for waiter in self._opening.values():
+            if not waiter.done():
+                waiter.set_result("the engine link was lost")
+        if self._writer is not None:
+            self._writer.close()
+        self._put_frames(None)

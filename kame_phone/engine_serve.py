@@ -1,0 +1,102 @@
+"""`kame-phone engine-serve`: the engine alone (model, frame loop, STT + LLM back-end), serving edges.
+
+Edges (`kame-phone serve --engine ADDRESS`) connect over `engine/remote.py`'s link. A small HTTP side
+answers /healthz (503 once the engine has died: restart the pod), /readyz (200 once the model is loaded)
+and /metrics (the engine's own: ticks, oracle lag, LLM, STT, link).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from engine.remote import Address, EngineServer
+from telephony.server import freeze_startup_heap
+
+from .app import load_engine
+
+log = logging.getLogger(__name__)
+
+_ENGINE_WATCH_S = 1.0
+
+
+def _http_app(state: dict[str, object]) -> web.Application:
+    async def healthz(_: web.Request) -> web.Response:
+        engine = state.get("engine")
+        failed = engine is not None and engine.failed  # type: ignore[attr-defined]
+        return web.Response(status=503 if failed else 200, text="engine failed\n" if failed else "ok\n")
+
+    async def readyz(_: web.Request) -> web.Response:
+        engine = state.get("engine")
+        ready = engine is not None and engine.ready  # type: ignore[attr-defined]
+        return web.Response(status=200 if ready else 503, text="ready\n" if ready else "loading\n")
+
+    async def metrics(_: web.Request) -> web.Response:
+        body = await asyncio.to_thread(generate_latest, REGISTRY)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def run_engine_server(args: argparse.Namespace) -> int:
+    try:
+        address = Address.parse(args.listen)
+    except ValueError as e:
+        print(f"kame-phone engine-serve: {e}", file=sys.stderr)
+        return 2
+    token = os.environ.get("KAME_ENGINE_TOKEN") or None
+    if token is None and not address.local_only:
+        print("kame-phone engine-serve: listening beyond this machine needs KAME_ENGINE_TOKEN "
+              "(edges send the same value)", file=sys.stderr)  # fmt: skip
+        return 2
+    state: dict[str, object] = {}
+    runner = web.AppRunner(_http_app(state), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.http_host, args.http_port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine = server = None
+    code = 0
+    try:
+        loading = asyncio.create_task(load_engine(args))
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({loading, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():
+            loading.cancel()
+            return 0
+        engine = state["engine"] = loading.result()
+        server = EngineServer(engine, token=token)
+        bound = await server.listen(address)
+        freeze_startup_heap()
+        print(f"engine serving {engine.max_calls} seats on {bound}", flush=True)  # the line tests wait for
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), _ENGINE_WATCH_S)
+            if engine.failed:  # its calls are gone: exit so the orchestrator restarts us (edges see the link drop)
+                log.error("the engine died; exiting")
+                code = 1
+                break
+    finally:
+        if server is not None:
+            await server.aclose()
+        if engine is not None:
+            await engine.stop()
+        await runner.cleanup()
+        if address.unix_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(address.unix_path)
+    return code

@@ -1,0 +1,306 @@
+"""The engine behind a socket (`engine/remote.py`): edges take seats on one engine server, each call hears its
+own audio, a broken or hostile peer costs only itself, and an engine server that dies ends its calls."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import wave
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+
+from engine.interface import FRAME_SAMPLES, BotFrames, CallerTranscript, EngineFull, EngineNotice, OracleUpdate
+from engine.remote import (
+    Address,
+    EngineServer,
+    LinkError,
+    LinkRefused,
+    RemoteEngine,
+    audio_message,
+    event_message,
+    frames_message,
+    parse_audio,
+    parse_event,
+    parse_frames,
+)
+from kame_phone.media_bench import LoopbackEngine
+from telephony.call_store import MemoryCallStore
+from telephony.config import ServiceConfig
+from telephony.server import MEDIA_PATH, ServerContext, ServiceHandle
+from telephony.sim_caller import simulate_call
+
+from .phone_fixtures import metric
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "e" * 32
+
+
+def _body(message: bytes) -> bytes:
+    return message[5:]  # past the length and the kind byte
+
+
+def test_messages_cross_intact_and_times_cross_as_ages() -> None:
+    pcm = np.random.default_rng(1).standard_normal(FRAME_SAMPLES).astype(np.float32)
+    call_id, got = parse_audio(_body(audio_message("CA-ü", pcm)))
+    assert call_id == "CA-ü" and np.array_equal(got, pcm)
+    with pytest.raises(ValueError, match="audio of 8 bytes"):
+        parse_audio(_body(audio_message("CA1", np.zeros(2, np.float32))))
+
+    for output in (CallerTranscript("what time", True, 100.0), OracleUpdate("nine", 100.0, 7),
+                   EngineNotice("llm_error", "timeout"), None):  # fmt: skip
+        sent_at, received_at = 100.5, 2000.0  # two clocks: only the 0.5 s age crosses
+        call_id, back = parse_event(_body(event_message("CA1", output, sent_at)), received_at)
+        assert call_id == "CA1"
+        if isinstance(output, CallerTranscript | OracleUpdate):
+            assert back == type(output)(**{**_fields(output), "at": received_at - 0.5})
+        else:
+            assert back == output
+
+    frames = BotFrames(("a", "b", "c"), np.arange(3 * FRAME_SAMPLES, dtype=np.float32).reshape(3, -1),
+                       ("x", "", "z"), (True, False, True), (4, 5, 6), (False, True, False), 50.0)  # fmt: skip
+    back_frames = parse_frames(_body(frames_message(frames, [0, 2], 50.25)), 900.0)
+    assert back_frames.call_ids == ("a", "c") and back_frames.texts == ("x", "z")
+    assert back_frames.voiced == (True, True) and back_frames.indices == (4, 6) and back_frames.fresh == (False, False)
+    assert np.array_equal(back_frames.pcm, frames.pcm[[0, 2]])
+    assert back_frames.produced_at == pytest.approx(899.75)
+
+
+def _fields(output: CallerTranscript | OracleUpdate) -> dict[str, object]:
+    return {name: getattr(output, name) for name in output.__slots__}
+
+
+def test_addresses() -> None:
+    assert Address.parse("unix:/run/kame/engine.sock") == Address(unix_path="/run/kame/engine.sock")
+    assert Address.parse("tcp://10.0.0.5:7000") == Address(host="10.0.0.5", port=7000)
+    assert Address.parse("[::1]:7000") == Address(host="::1", port=7000)
+    assert Address.parse("unix:/x").local_only and Address.parse("127.0.0.1:1").local_only
+    assert not Address.parse("tcp://10.0.0.5:7000").local_only
+    for bad in ("unix:", "engine.local", "tcp://host:port"):
+        with pytest.raises(ValueError):
+            Address.parse(bad)
+
+
+def _tone(hz: float, seconds: float) -> np.ndarray:
+    t = np.arange(int(seconds * 8000)) / 8000
+    return (0.3 * np.sin(2 * np.pi * hz * t)).astype(np.float32)
+
+
+def _dominant_hz(path: Path) -> float:
+    with wave.open(str(path)) as w:
+        rate = w.getframerate()
+        audio = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float64)
+    audio = audio[rate // 2 :]
+    spectrum = np.abs(np.fft.rfft(audio * np.hanning(len(audio))))
+    return float(np.fft.rfftfreq(len(audio), 1 / rate)[int(np.argmax(spectrum))])
+
+
+async def _edge(engine: RemoteEngine) -> ServiceHandle:
+    config = ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=TOKEN)
+    return await ServiceHandle(ServerContext(config, MemoryCallStore(), engine)).start()
+
+
+async def test_two_edges_share_one_engine_and_each_call_hears_its_own_row(tmp_path: Path) -> None:
+    """An echoing engine behind the link, two edge services on it: three calls, three tones, none mixed up."""
+    engine = LoopbackEngine(max_calls=4)
+    server = EngineServer(engine, token=None)
+    address = await server.listen(Address(unix_path=str(tmp_path / "engine.sock")))
+    edges = [await RemoteEngine.connect(address, token=None, seats=2, name=f"edge-{k}") for k in range(2)]
+    handles = [await _edge(e) for e in edges]
+    assert [e.max_calls for e in edges] == [2, 2] and server.seats_granted == 4
+    plan = [(handles[0], 400.0), (handles[1], 1000.0), (handles[1], 2200.0)]  # edge 1 gets two calls
+    try:
+        reports = await asyncio.gather(
+            *(
+                simulate_call(
+                    h.http_url.replace("http://", "ws://") + MEDIA_PATH, _tone(hz, 3.0), auth_token=TOKEN,
+                    public_url=None, out_wav=tmp_path / f"{hz:.0f}.wav", hold_after=0.5,
+                )
+                for h, hz in plan
+            )
+        )  # fmt: skip
+    finally:
+        for h in handles:
+            await h.aclose()
+        for e in edges:
+            await e.stop()
+        await server.aclose()
+        await engine.stop()
+    for (_, hz), report in zip(plan, reports, strict=True):
+        assert report.outcome == "completed", report.errors
+        assert report.bot_seconds_received > 2.0
+        assert abs(_dominant_hz(tmp_path / f"{hz:.0f}.wav") - hz) < 20, hz
+
+
+async def test_seats_are_granted_once_and_refusals_say_why(tmp_path: Path) -> None:
+    engine = LoopbackEngine(max_calls=3)
+    server = EngineServer(engine, token=TOKEN)
+    address = await server.listen(Address(host="127.0.0.1", port=0))
+    bad_token = metric("kame_engine_link_errors_total", kind="bad_token")
+    try:
+        with pytest.raises(LinkRefused, match="wrong token"):
+            await RemoteEngine.connect(address, token="nope", seats=1)
+        assert metric("kame_engine_link_errors_total", kind="bad_token") == bad_token + 1
+        a = await RemoteEngine.connect(address, token=TOKEN, seats=2)
+        b = await RemoteEngine.connect(address, token=TOKEN, seats=5)  # asks for more than is left
+        assert (a.max_calls, b.max_calls) == (2, 1)
+        with pytest.raises(LinkError, match="no seats left"):
+            await RemoteEngine.connect(address, token=TOKEN, seats=1)
+        calls = [await a.open_call("CA1"), await a.open_call("CA2")]
+        assert a.free_slots == 0
+        with pytest.raises(EngineFull):
+            await a.open_call("CA3")  # this edge's seats are taken, though the engine has one left for b
+        await b.open_call("CA4")
+        await calls[0].close()
+        await asyncio.sleep(0.1)  # the close crosses the link
+        await a.open_call("CA3")
+        await b.stop()
+        await asyncio.sleep(0.1)
+        c = await RemoteEngine.connect(address, token=TOKEN, seats=1)  # b's seat came back when it left
+        assert c.max_calls == 1
+        await c.stop()
+        await a.stop()
+    finally:
+        await server.aclose()
+        await engine.stop()
+
+
+async def test_a_broken_peer_is_dropped_and_the_other_edge_keeps_its_calls(tmp_path: Path) -> None:
+    engine = LoopbackEngine(max_calls=2)
+    server = EngineServer(engine, token=None)
+    address = await server.listen(Address(unix_path=str(tmp_path / "engine.sock")))
+    good = await RemoteEngine.connect(address, token=None, seats=1)
+    bad_message = metric("kame_engine_link_errors_total", kind="bad_message")
+    bad_audio = metric("kame_engine_link_errors_total", kind="bad_audio")
+    try:
+        call = await good.open_call("CA-good")
+        ticks = aiter(good.bot_frames())
+        # A peer with seats that sends one malformed audio frame (dropped), then a length no peer sends.
+        reader, writer = await asyncio.open_unix_connection(address.unix_path)
+        hello = b'{"token":"","seats":1,"name":"junk"}'
+        writer.write(struct.pack(">I", len(hello) + 1) + b"H" + hello)
+        await reader.readexactly(5 + len(b'{"seats":1}'))  # welcome
+        writer.write(audio_message("CA-x", np.zeros(10, np.float32)))
+        writer.write(b"\xff\xff\xff\xffA")
+        await writer.drain()
+        assert await reader.read() == b""  # the server hung up on it
+        assert metric("kame_engine_link_errors_total", kind="bad_audio") == bad_audio + 1
+        assert metric("kame_engine_link_errors_total", kind="bad_message") == bad_message + 1
+        assert server.seats_granted == 1  # its seat is free again
+        for _ in range(3):
+            call.push_audio(np.full(FRAME_SAMPLES, 0.25, np.float32))
+        async with asyncio.timeout(5):
+            while True:  # the good edge's call still gets its audio back
+                tick = await anext(ticks)
+                if tick.call_ids == ("CA-good",) and tick.voiced[0] and np.allclose(tick.pcm[0], 0.25):
+                    break
+        assert good.ready and not good.failed
+    finally:
+        await good.stop()
+        await server.aclose()
+        await engine.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Real processes: `kame-phone engine-serve` with the tiny model, `kame-phone serve --engine` in front of it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAME_", "TWILIO_", "PUBLIC_URL", "REDIS_"))}
+    return env | extra
+
+
+def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "kame_phone.cli", *args], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+
+
+async def _status(http: aiohttp.ClientSession, url: str) -> int:
+    try:
+        async with http.get(url) as r:
+            return r.status
+    except aiohttp.ClientError:
+        return 0
+
+
+async def _until(check: Callable[[], Awaitable[bool]], what: str, within: float) -> None:
+    try:
+        async with asyncio.timeout(within):
+            while not await check():  # noqa: ASYNC110 - polling other processes: no event to wait on
+                await asyncio.sleep(0.1)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {within:.0f}s waiting for: {what}") from None
+
+
+async def test_engine_serve_and_an_edge_process_answer_a_call_and_the_edge_notices_a_dead_engine(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    sock, engine_http, edge_port = tmp_path / "engine.sock", _free_port(), _free_port()
+    model = ["--checkpoint", str(tiny_checkpoint), "--device", "cpu", "--stt", "none", "--llm", "none", "--greedy"]
+    engine_proc = _start(
+        ["engine-serve", "--listen", f"unix:{sock}", "--http-port", str(engine_http), "--max-calls", "2", *model],
+        _env(), tmp_path / "engine.log",
+    )
+    edge_proc = _start(  # it does not wait for the engine: it retries until the engine listens
+        ["serve", "--port", str(edge_port), "--engine", f"unix:{sock}", "--max-calls", "2"],
+        _env(TWILIO_AUTH_TOKEN=TOKEN, PUBLIC_URL=f"http://127.0.0.1:{edge_port}"), tmp_path / "edge.log",
+    )
+    edge = f"http://127.0.0.1:{edge_port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def both_ready() -> bool:
+                engine_ready = await _status(http, f"http://127.0.0.1:{engine_http}/readyz")
+                return (engine_ready, await _status(http, edge + "/readyz")) == (200, 200)
+
+            await _until(both_ready, "engine and edge ready", 90)
+            report = await simulate_call(edge.replace("http://", "ws://") + MEDIA_PATH, _tone(300, 2.0),
+                                         auth_token=TOKEN, public_url=None, hold_after=0.5)  # fmt: skip
+            assert report.outcome == "completed", report.errors
+            assert report.bot_seconds_received > 1.5
+            async with http.get(f"http://127.0.0.1:{engine_http}/metrics") as r:
+                text = await r.text()
+            assert "kame_engine_link_edges 1.0" in text
+            ticks = [line for line in text.splitlines() if line.startswith("kame_engine_tick_seconds_count")]
+            assert ticks and float(ticks[0].split()[-1]) > 20  # the engine's own metrics, on its own port
+
+            async def kill_engine_soon() -> None:
+                await asyncio.sleep(1.5)
+                engine_proc.send_signal(signal.SIGKILL)
+
+            killer = asyncio.create_task(kill_engine_soon())
+            started = time.monotonic()
+            report = await asyncio.wait_for(
+                simulate_call(edge.replace("http://", "ws://") + MEDIA_PATH, _tone(300, 20.0), auth_token=TOKEN,
+                              public_url=None, hold_after=0.5),
+                30,
+            )  # fmt: skip
+            await killer
+            assert report.server_hung_up and time.monotonic() - started < 10  # ended with its engine
+            assert await _status(http, edge + "/healthz") == 503  # the edge asks to be restarted
+            assert await _status(http, edge + "/readyz") == 503
+    finally:
+        for proc in (edge_proc, engine_proc):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in (edge_proc, engine_proc):
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    assert "engine link to unix:" in (tmp_path / "edge.log").read_text()  # it said which engine it lost
