@@ -99,7 +99,7 @@ def _bench(args: argparse.Namespace) -> int:
         return 0
     from .media_bench import run_media_bench
 
-    result = asyncio.run(run_media_bench(calls=args.calls, seconds=args.seconds))
+    result = asyncio.run(run_media_bench(calls=args.calls, seconds=args.seconds, engine_link=args.engine_link))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
@@ -175,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--llm-ttft-jitter-ms", type=float, default=0.0,
                        help="oracle bench: vary each TTFT uniformly by up to this much")
     bench.add_argument("--engine-process", action="store_true", help="oracle bench: the engine in its own process")
+    bench.add_argument("--engine-link", action="store_true",
+                       help="media bench: the loopback engine in its own process, reached over the engine link")
     bench.add_argument("--torch-threads", type=int, default=0, help="oracle bench: the model's intra-op threads")
     bench.add_argument("--json", default=None, help="also write the figures here")
     bench.set_defaults(func=_bench)

@@ -33,9 +33,10 @@ import multiprocessing
 import os
 import platform
 import secrets
+import tempfile
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -209,6 +210,53 @@ class LoopbackEngine:
                 deadline += skipped * FRAME_SECONDS
             self._emit()
             self.tick_busy_s.append(time.monotonic() - woke)
+
+
+@dataclass
+class EngineTimeline:
+    """One call's engine-side times (a `LoopbackSession`'s lists, or their copy from the engine process)."""
+
+    pushed_at: list[float]
+    produced_at: list[float]
+
+
+@dataclass
+class EngineSideReport:
+    """What the loopback engine measured, wherever it ran."""
+
+    timelines: dict[str, EngineTimeline]
+    tick_late_s: list[float]
+    missed_ticks: int
+    backlog_max: int
+    cpu_pct: float | None = None  # of one core; only when the engine ran in its own process
+
+    @classmethod
+    def of(cls, engine: LoopbackEngine, cpu_pct: float | None = None) -> EngineSideReport:
+        return cls(
+            {cid: EngineTimeline(s.pushed_at, s.produced_at) for cid, s in engine.timelines.items()},
+            engine.tick_late_s, engine.missed_ticks, engine.backlog_max, cpu_pct,
+        )  # fmt: skip
+
+
+def _engine_link_main(conn: Connection, socket_path: str, max_calls: int) -> None:
+    """The engine-link mode's engine process: the loopback engine behind an `EngineServer` on a Unix socket,
+    as `kame-phone engine-serve` serves the model. Reports its own times and CPU when told the run is over."""
+    from engine.remote import Address, EngineServer
+
+    async def main() -> None:
+        engine = LoopbackEngine(max_calls=max_calls)
+        server = EngineServer(engine, token=None)
+        await server.listen(Address(unix_path=socket_path))
+        freeze_startup_heap()
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        conn.send("listening")
+        await asyncio.to_thread(conn.recv)  # the run is over
+        cpu_pct = 100 * (time.process_time() - cpu0) / (time.monotonic() - wall0)
+        await server.aclose()
+        await engine.stop()
+        conn.send(EngineSideReport.of(engine, cpu_pct))
+
+    asyncio.run(main())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -513,7 +561,7 @@ def machine() -> dict[str, Any]:
 
 
 def wire_latencies(
-    results: list[CallResult], engine: LoopbackEngine, t0: float, t1: float
+    results: list[CallResult], timelines: Mapping[str, EngineTimeline], t0: float, t1: float
 ) -> tuple[np.ndarray, np.ndarray]:
     """Exact per-frame latencies across the two processes, for frames the engine saw within [t0, t1] (s):
 
@@ -525,7 +573,7 @@ def wire_latencies(
     inbound: list[float] = []
     outbound: list[float] = []
     for r in results:
-        seat = engine.timelines.get(r.call_sid)
+        seat = timelines.get(r.call_sid)
         if seat is None:
             continue
         for j, pushed in enumerate(seat.pushed_at[: len(r.sent_at) // per_frame]):
@@ -555,12 +603,16 @@ def _ms(x: float | None) -> float | None:
 
 
 async def run_media_bench(
-    calls: int = 200, seconds: float = 20.0, log: Callable[[str], object] = print, *, compress: int = 0
+    calls: int = 200, seconds: float = 20.0, log: Callable[[str], object] = print, *, compress: int = 0,
+    engine_link: bool = False,
 ) -> dict:
     """Run the benchmark; print a short table through `log` and return the figures.
 
     `compress` > 0 makes the callers offer permessage-deflate (aiohttp's client default; Twilio's
     Media Streams client is not known to), to see what it costs the server when it is accepted.
+    `engine_link` puts the loopback engine in a process of its own behind the engine link
+    (engine/remote.py), as `serve --engine` edges use a shared engine: the wire figures then include the
+    link's two hops.
     """
     assert calls >= 1 and seconds >= 4 * FRAME_SECONDS, (calls, seconds)
     stagger = min(2.0, seconds / 4)
@@ -572,27 +624,41 @@ async def run_media_bench(
         elif open_calls < calls and "start" in steady and "end" not in steady:
             steady["end"] = _Snapshot.take()
 
-    engine = LoopbackEngine(max_calls=calls, on_count=watch)
-    token = secrets.token_hex(16)
-    ctx = ServerContext(ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token), MemoryCallStore(), engine)
-    handle = await ServiceHandle(ctx).start()
-    freeze_startup_heap()  # as `kame-phone serve` does once it is up
-    log(f"media bench: {calls} calls x {seconds:g}s, starts staggered over {stagger:g}s, on {handle.http_url}")
-    probe = _LoopLag()
-    lag_task = asyncio.create_task(probe.run())
-    run_start = _Snapshot.take()
-    try:
-        plan = CallerPlan(handle.http_url, token, calls, seconds, stagger, compress)
-        caller = await _in_caller_process(plan, timeout_s=seconds + stagger + 60)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(ctx.no_streams.wait(), 10.0)
-        run_end = _Snapshot.take()
-    finally:
-        lag_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await lag_task
-        await engine.stop()
-        await handle.aclose()
+    async with contextlib.AsyncExitStack() as stack:
+        if engine_link:
+            engine, finish_engine = await _linked_engine(stack, calls)
+        else:
+            engine = LoopbackEngine(max_calls=calls, on_count=watch)
+            stack.push_async_callback(engine.stop)
+
+            async def finish_engine() -> EngineSideReport:
+                return EngineSideReport.of(engine)
+
+        token = secrets.token_hex(16)
+        ctx = ServerContext(ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token), MemoryCallStore(), engine)
+        handle = await ServiceHandle(ctx).start()
+        stack.push_async_callback(handle.aclose)
+        freeze_startup_heap()  # as `kame-phone serve` does once it is up
+        mode = ", engine behind the link" if engine_link else ""
+        log(f"media bench: {calls} calls x {seconds:g}s, starts staggered over {stagger:g}s{mode}, "
+            f"on {handle.http_url}")  # fmt: skip
+        probe = _LoopLag()
+        lag_task = asyncio.create_task(probe.run())
+        watcher = asyncio.create_task(_watch_streams(ctx, watch)) if engine_link else None
+        run_start = _Snapshot.take()
+        try:
+            plan = CallerPlan(handle.http_url, token, calls, seconds, stagger, compress)
+            caller = await _in_caller_process(plan, timeout_s=seconds + stagger + 60)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ctx.no_streams.wait(), 10.0)
+            run_end = _Snapshot.take()
+        finally:
+            for task in (lag_task, watcher):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+        engine_side = await finish_engine()
 
     steady_state = "start" in steady and "end" in steady
     a, b = (steady["start"], steady["end"]) if steady_state else (run_start, run_end)
@@ -602,9 +668,9 @@ async def run_media_bench(
     results = [CallResult(**r) for r in caller["results"]]
     expected = int(seconds / FRAME_SECONDS)
     kept_up = [r for r in results if r.completed and r.bot_frames >= KEPT_UP_SHARE * expected]
-    tick_late = np.asarray(engine.tick_late_s or [0.0]) * 1000
+    tick_late = np.asarray(engine_side.tick_late_s or [0.0]) * 1000
     errors = sorted({r.error for r in results if r.error})
-    wire_in, wire_out = wire_latencies(results, engine, a.wall, b.wall)
+    wire_in, wire_out = wire_latencies(results, engine_side.timelines, a.wall, b.wall)
     report: dict[str, Any] = {
         "calls": calls,
         "seconds": seconds,
@@ -633,8 +699,10 @@ async def run_media_bench(
         "inbound_p99_within_5ms": _met(share_within(a.inbound, b.inbound, TARGET_MS / 1000)),
         "outbound_p99_within_5ms": _met(share_within(a.outbound, b.outbound, TARGET_MS / 1000)),
         "engine_tick_late_p99_ms": round(float(np.percentile(tick_late, 99)), 3),
-        "engine_missed_ticks": engine.missed_ticks,
-        "engine_backlog_max": engine.backlog_max,
+        "engine_missed_ticks": engine_side.missed_ticks,
+        "engine_backlog_max": engine_side.backlog_max,
+        "engine_link": engine_link,
+        "engine_process_cpu_pct": None if engine_side.cpu_pct is None else round(engine_side.cpu_pct, 1),
         "realtime_ok_fraction": len(kept_up) / calls,
         "realtime_smooth_fraction": sum(r.late_gaps == 0 for r in kept_up) / calls,  # ... and never a late frame
         "calls_completed": sum(r.completed for r in results),
@@ -648,7 +716,10 @@ async def run_media_bench(
         "caller_cpu_pct": round(caller["cpu_pct"], 1),
         # everything else on the machine over the window (other processes), in % of one core: the figures
         # are only clean when this is near zero
-        "other_cpu_pct": _round(100 * (b.host_busy - a.host_busy) / window - 100 * cpu / window - caller["cpu_pct"]),
+        "other_cpu_pct": _round(
+            100 * (b.host_busy - a.host_busy) / window - 100 * cpu / window - caller["cpu_pct"]
+            - (engine_side.cpu_pct or 0.0)
+        ),
         "steal_pct": _round(100 * (b.host_steal - a.host_steal) / window),
         "caller_send_lag_p99_ms": round(caller["send_lag_p99_ms"], 3),
         "errors": errors[:5],
@@ -657,6 +728,50 @@ async def run_media_bench(
     log(format_table(report))
     return report
 
+
+
+async def _watch_streams(ctx: ServerContext, watch: Callable[[int], None]) -> None:
+    """The engine-link mode's steady-state watcher: the engine is in another process, so count streams here."""
+    while True:
+        watch(len(ctx.streams))
+        await asyncio.sleep(0.02)
+
+
+async def _linked_engine(
+    stack: contextlib.AsyncExitStack, calls: int
+) -> tuple[Any, Callable[[], Awaitable[EngineSideReport]]]:
+    """Start the loopback engine's process and connect to it as an edge; (the edge's engine, a coroutine
+    function that ends the engine process and returns what it measured)."""
+    from engine.remote import Address, RemoteEngine
+
+    workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kame-bench-"))
+    path = os.path.join(workdir, "engine.sock")
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_engine_link_main, args=(theirs, path, calls), name="media-bench-engine", daemon=True)
+    proc.start()
+    theirs.close()
+
+    def end_process() -> None:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+    stack.callback(end_process)
+    if not await asyncio.to_thread(ours.poll, 60) or await asyncio.to_thread(ours.recv) != "listening":
+        raise RuntimeError("the engine process did not come up")
+    engine = await RemoteEngine.connect(Address(unix_path=path), token=None, seats=calls, name="media-bench")
+    stack.push_async_callback(engine.stop)
+
+    async def finish() -> EngineSideReport:
+        await engine.stop()  # the edge leaves first, so the engine's going away is not a lost link
+        ours.send("done")
+        if not await asyncio.to_thread(ours.poll, 30):
+            raise RuntimeError("the engine process gave no report")
+        return await asyncio.to_thread(ours.recv)
+
+    return engine, finish
 
 def format_table(r: dict[str, Any]) -> str:
     def ms(x: float | None) -> str:  # past the last bucket only a lower bound is known
@@ -690,6 +805,8 @@ def format_table(r: dict[str, Any]) -> str:
         f" (max gap {r['max_gap_ms']:.0f} ms)",
         f"caller process     {r['caller_cpu_pct']:.1f}% of a core; send lag p99 {r['caller_send_lag_p99_ms']:.2f} ms",
     ]
+    if r.get("engine_process_cpu_pct") is not None:
+        rows.append(f"engine process     {r['engine_process_cpu_pct']:.1f}% of a core (loopback engine, link)")
     if r["other_cpu_pct"] is not None:
         rows.append(f"rest of machine    {r['other_cpu_pct']:.1f}% of a core busy, {r['steal_pct']:.1f}% stolen")
     if (r["other_cpu_pct"] or 0) > 20:

@@ -41,6 +41,18 @@ async def test_four_calls_keep_up() -> None:
     assert "real time" in "\n".join(lines)
 
 
+@pytest.mark.slow
+async def test_the_engine_link_mode_measures_both_hops_and_the_engine_process() -> None:
+    lines: list[str] = []
+    report = await run_media_bench(calls=3, seconds=2, log=lines.append, engine_link=True)
+    assert report["engine_link"] is True and report["errors"] == []
+    assert report["calls_completed"] == 3 and report["realtime_ok_fraction"] == 1.0
+    # the wire figures come from the engine process's own timeline, matched with the callers'
+    assert report["inbound_wire_p50_ms"] > 0 and report["outbound_wire_p50_ms"] > 0
+    assert report["engine_process_cpu_pct"] > 0
+    assert "engine process" in "\n".join(lines)
+
+
 def test_bucket_quantile_interpolates_inside_buckets() -> None:
     before = [(0.001, 0.0), (0.002, 0.0), (0.005, 0.0), (math.inf, 0.0)]
     after = [(0.001, 50.0), (0.002, 90.0), (0.005, 99.0), (math.inf, 100.0)]
