@@ -210,6 +210,9 @@ class _Edge:
     seats: int
     calls: dict[str, CallSession] = field(default_factory=dict)
     pumps: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    # Seating a call can take a while (its back-end starts: an STT decoder, an LLM client), so it runs beside
+    # the edge's message loop, never in it: the edge's other calls keep streaming audio meanwhile.
+    opening: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     frames_dropped: int = 0
 
 
@@ -265,9 +268,12 @@ class EngineServer:
                 if kind == b"A":
                     self._on_audio(edge, body)
                 elif kind == b"O":
-                    await self._on_open(edge, json.loads(body)["call_id"])
+                    call_id = str(json.loads(body)["call_id"])
+                    if call_id not in edge.opening:
+                        edge.opening[call_id] = asyncio.create_task(self._on_open(edge, call_id))
                 elif kind == b"C":
-                    await self._close_call(edge, json.loads(body)["call_id"])
+                    call_id = str(json.loads(body)["call_id"])
+                    asyncio.create_task(self._close_when_seated(edge, call_id))  # noqa: RUF006 - short, self-ending
                 else:
                     raise LinkError(f"unknown message kind {kind!r}")
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -322,9 +328,23 @@ class EngineServer:
         if session is not None:  # audio racing a close is normal: dropped
             session.push_audio(pcm)
 
+    async def _close_when_seated(self, edge: _Edge, call_id: str) -> None:
+        """A close that overtakes its open waits for it, so the seat it was opening is freed, not leaked."""
+        opening = edge.opening.get(call_id)
+        if opening is not None:
+            await asyncio.wait({opening})
+        await self._close_call(edge, call_id)
+
     async def _on_open(self, edge: _Edge, call_id: str) -> None:
+        try:
+            await self._seat(edge, call_id)
+        finally:
+            edge.opening.pop(call_id, None)
+
+    async def _seat(self, edge: _Edge, call_id: str) -> None:
         error = None
-        if call_id not in edge.calls and len(edge.calls) >= edge.seats:
+        others = (set(edge.calls) | set(edge.opening)) - {call_id}  # seated, or being seated beside this one
+        if call_id not in edge.calls and len(others) >= edge.seats:
             error = "full"
         else:
             old_owner = self._owner.get(call_id)
@@ -340,7 +360,8 @@ class EngineServer:
                 edge.calls[call_id] = session
                 self._owner[call_id] = edge
                 edge.pumps[call_id] = asyncio.create_task(self._pump(edge, call_id, session), name=f"link-{call_id}")
-        edge.writer.write(_json(b"R", {"call_id": call_id, "ok": error is None, "error": error}))
+        if not edge.writer.transport.is_closing():
+            edge.writer.write(_json(b"R", {"call_id": call_id, "ok": error is None, "error": error}))
 
     async def _pump(self, edge: _Edge, call_id: str, session: CallSession) -> None:
         async for output in session.outputs():
@@ -369,6 +390,8 @@ class EngineServer:
             return
         self._edges.discard(edge)
         metrics.ENGINE_LINK_EDGES.set(len(self._edges))
+        if edge.opening:  # let seatings under way finish, then free those seats with the rest
+            await asyncio.wait(set(edge.opening.values()))
         for call_id in list(edge.calls):
             await self._close_call(edge, call_id)
         log.info("edge %s left; its seats are free", edge.name)
