@@ -292,11 +292,12 @@ class EngineServer:
             hello = json.loads(body) if kind == b"H" else {}
         except (asyncio.TimeoutError, LinkError, ValueError):
             hello = {}
-        if not hello:
+        if not hello or not isinstance(hello, dict):
             metrics.ENGINE_LINK_ERRORS.labels(kind="bad_hello").inc()
             log.warning("engine link from %s: no hello; closing it", peer)
             return None
-        if self.token is not None and not hmac.compare_digest(str(hello.get("token", "")), self.token):
+        given = str(hello.get("token", "")).encode()  # bytes: compare_digest refuses non-ASCII str
+        if self.token is not None and not hmac.compare_digest(given, self.token.encode()):
             metrics.ENGINE_LINK_ERRORS.labels(kind="bad_token").inc()
             log.warning("engine link from %s: wrong token; refused", peer)
             writer.write(_json(b"W", {"error": "wrong token", "permanent": True}))

@@ -149,7 +149,15 @@ async def test_seats_are_granted_once_and_refusals_say_why(tmp_path: Path) -> No
     try:
         with pytest.raises(LinkRefused, match="wrong token"):
             await RemoteEngine.connect(address, token="nope", seats=1)
-        assert metric("kame_engine_link_errors_total", kind="bad_token") == bad_token + 1
+        with pytest.raises(LinkRefused, match="wrong token"):
+            await RemoteEngine.connect(address, token="jeton-été", seats=1)
+        assert metric("kame_engine_link_errors_total", kind="bad_token") == bad_token + 2
+        bad_hello = metric("kame_engine_link_errors_total", kind="bad_hello")
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        writer.write(struct.pack(">I", 3) + b"H[]")  # JSON, but not a hello
+        assert await reader.read() == b""
+        writer.close()
+        assert metric("kame_engine_link_errors_total", kind="bad_hello") == bad_hello + 1
         a = await RemoteEngine.connect(address, token=TOKEN, seats=2)
         b = await RemoteEngine.connect(address, token=TOKEN, seats=5)  # asks for more than is left
         assert (a.max_calls, b.max_calls) == (2, 1)
