@@ -7,11 +7,13 @@ import contextlib
 import secrets
 import shutil
 import subprocess
+import wave
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 from prometheus_client import REGISTRY
 from twilio.request_validator import RequestValidator
 
@@ -25,6 +27,16 @@ from telephony.twiml import parse_connect_stream
 
 def metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels or None) or 0.0
+
+
+def dominant_hz(path: Path) -> float:
+    """The strongest frequency of a recorded reply, past its first half second."""
+    with wave.open(str(path)) as w:
+        rate = w.getframerate()
+        audio = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float64)
+    audio = audio[rate // 2 :]  # past the first frames
+    spectrum = np.abs(np.fft.rfft(audio * np.hanning(len(audio))))
+    return float(np.fft.rfftfreq(len(audio), 1 / rate)[int(np.argmax(spectrum))])
 
 
 def new_call_sid() -> str:

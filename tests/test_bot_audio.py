@@ -9,7 +9,6 @@ import json
 import os
 import secrets
 import socket
-import wave
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ from telephony.turns import level_dbfs, levels_dbfs
 from telephony.twilio_messages import MediaMessageTemplate, media_message
 from telephony.twiml import parse_connect_stream
 
-from .phone_fixtures import metric
+from .phone_fixtures import dominant_hz, metric
 
 
 def test_bank_equals_one_downsampler_per_stream_as_calls_come_and_go() -> None:
@@ -86,15 +85,6 @@ def test_bot_frames_rows_must_agree() -> None:
         BotFrames(("a",), pcm, ("",), (True,), (0,), (False,), 0.0)
 
 
-def _dominant_hz(path: Path) -> float:
-    with wave.open(str(path)) as w:
-        rate = w.getframerate()
-        audio = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float64)
-    audio = audio[rate // 2 :]  # past the first frames
-    spectrum = np.abs(np.fft.rfft(audio * np.hanning(len(audio))))
-    return float(np.fft.rfftfreq(len(audio), 1 / rate)[int(np.argmax(spectrum))])
-
-
 async def test_every_call_hears_its_own_row_of_the_tick(tmp_path: Path) -> None:
     """Three calls share each tick of an echoing engine: each must get back its own tone, not a neighbour's."""
     engine = LoopbackEngine(max_calls=4)
@@ -124,7 +114,7 @@ async def test_every_call_hears_its_own_row_of_the_tick(tmp_path: Path) -> None:
     for hz, report in zip(tones, reports, strict=True):
         assert report.outcome == "completed", report.errors
         assert report.bot_seconds_received > 2.0
-        assert abs(_dominant_hz(tmp_path / f"{hz:.0f}.wav") - hz) < 20, hz
+        assert abs(dominant_hz(tmp_path / f"{hz:.0f}.wav") - hz) < 20, hz
 
 
 @dataclass

@@ -6,12 +6,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
 import time
-import wave
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -39,7 +37,8 @@ from telephony.config import ServiceConfig
 from telephony.server import MEDIA_PATH, ServerContext, ServiceHandle
 from telephony.sim_caller import simulate_call
 
-from .phone_fixtures import metric
+from .phone_fixtures import dominant_hz, metric
+from .redis_support import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "e" * 32
@@ -95,15 +94,6 @@ def _tone(hz: float, seconds: float) -> np.ndarray:
     return (0.3 * np.sin(2 * np.pi * hz * t)).astype(np.float32)
 
 
-def _dominant_hz(path: Path) -> float:
-    with wave.open(str(path)) as w:
-        rate = w.getframerate()
-        audio = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float64)
-    audio = audio[rate // 2 :]
-    spectrum = np.abs(np.fft.rfft(audio * np.hanning(len(audio))))
-    return float(np.fft.rfftfreq(len(audio), 1 / rate)[int(np.argmax(spectrum))])
-
-
 async def _edge(engine: RemoteEngine) -> ServiceHandle:
     config = ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=TOKEN)
     return await ServiceHandle(ServerContext(config, MemoryCallStore(), engine)).start()
@@ -138,7 +128,7 @@ async def test_two_edges_share_one_engine_and_each_call_hears_its_own_row(tmp_pa
     for (_, hz), report in zip(plan, reports, strict=True):
         assert report.outcome == "completed", report.errors
         assert report.bot_seconds_received > 2.0
-        assert abs(_dominant_hz(tmp_path / f"{hz:.0f}.wav") - hz) < 20, hz
+        assert abs(dominant_hz(tmp_path / f"{hz:.0f}.wav") - hz) < 20, hz
 
 
 async def test_seats_are_granted_once_and_refusals_say_why(tmp_path: Path) -> None:
@@ -222,12 +212,6 @@ async def test_a_broken_peer_is_dropped_and_the_other_edge_keeps_its_calls(tmp_p
 # Real processes: `kame-phone engine-serve` with the tiny model, `kame-phone serve --engine` in front of it
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KAME_", "TWILIO_", "PUBLIC_URL", "REDIS_"))}
     return env | extra
@@ -259,7 +243,7 @@ async def _until(check: Callable[[], Awaitable[bool]], what: str, within: float)
 async def test_engine_serve_and_an_edge_process_answer_a_call_and_the_edge_notices_a_dead_engine(
     tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
-    sock, engine_http, edge_port = tmp_path / "engine.sock", _free_port(), _free_port()
+    sock, engine_http, edge_port = tmp_path / "engine.sock", free_port(), free_port()
     model = ["--checkpoint", str(tiny_checkpoint), "--device", "cpu", "--stt", "none", "--llm", "none", "--greedy"]
     engine_proc = _start(
         ["engine-serve", "--listen", f"unix:{sock}", "--http-port", str(engine_http), "--max-calls", "2", *model],
