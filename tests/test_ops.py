@@ -5,7 +5,8 @@ really exports (engine/metrics.py, telephony/metrics.py), so a renamed metric br
 silent panel or an alert that can never fire.
 
 promtool checks run when `promtool` is on PATH (Debian: `apt-get install prometheus`) and are skipped
-otherwise; YAML checks need PyYAML and are skipped without it.
+otherwise; YAML checks need PyYAML and are skipped without it; rendering the Kubernetes overlay needs
+`kubectl` (its built-in kustomize) and is skipped without it (the files are checked anyway).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ ALERTS = OPS / "prometheus" / "alerts.yml"
 DASHBOARD = OPS / "grafana" / "dashboards" / "kame-phone.json"
 GRAFANA_PROVISIONING = OPS / "grafana" / "provisioning"
 COMPOSE = OPS / "docker-compose.yml"
+COMPOSE_SPLIT = OPS / "docker-compose.split.yml"
 ENV_EXAMPLE = OPS / ".env.example"
 K8S = OPS / "k8s"
+K8S_SPLIT = OPS / "k8s-split"
 
 # The environment the service reads (engine + telephony); deployments must provide all of them.
 SERVICE_ENV = {
@@ -56,6 +59,11 @@ needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool not on PATH (Debian/Ubuntu: apt-get install prometheus)"
 )
 needs_yaml = pytest.mark.skipif(yaml is None, reason="PyYAML is not installed in this environment")
+KUBECTL = shutil.which("kubectl")
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl (for `kubectl kustomize`) not on PATH")
+
+# The engine link's metrics (engine/metrics.py, exported by `kame-phone engine-serve` and the edges).
+LINK_METRICS = ("kame_engine_link_edges", "kame_engine_link_errors_total", "kame_engine_link_dropped_total")
 
 
 # --- helpers ----------------------------------------------------------------------------------------------
@@ -175,6 +183,8 @@ def test_exported_metrics_cover_the_known_families() -> None:
         "kame_call_store_pending_ops",
         "kame_call_duration_seconds_bucket",
     } <= names
+    # The engine link (split layout): labelled counters with no child until the first event.
+    assert set(LINK_METRICS) <= names
 
 
 @pytest.mark.parametrize(
@@ -253,6 +263,7 @@ def test_dashboard_covers_the_core_signals() -> None:
         "kame_call_store_dropped_ops_total",
         "kame_stt_dropped_frames_total",
         "kame_media_outbound_dropped_frames_total",
+        *LINK_METRICS,
     ):
         assert name in used, f"the dashboard shows nothing from {name}"
 
@@ -318,6 +329,22 @@ def test_prometheus_scrapes_kame_and_loads_the_rules() -> None:
 
 
 @needs_yaml
+def test_prometheus_scrapes_the_engine_server_by_dns() -> None:
+    """The split layout's engine server has a job of its own ("kame-engine", which the engine alerts
+    select) at the compose service's name and engine-serve's --http-port. DNS discovery, so the
+    all-in-one stack, where the name does not resolve, has no target (and no down alert) in it."""
+    (config,) = load_yaml_docs(PROM_CONFIG)
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "kame-engine"]
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    assert parse_duration_s(job["scrape_interval"]) == 5
+    assert "static_configs" not in job, "a static target would be down (KameEngineDown) without the split"
+    (sd,) = job["dns_sd_configs"]
+    engine = load_compose(COMPOSE, COMPOSE_SPLIT)["services"]["engine"]  # the compose service named "engine"
+    assert sd["names"] == ["engine"]
+    assert sd["type"] == "A" and sd["port"] == int(_flag(engine["command"], "--http-port"))
+
+
+@needs_yaml
 def test_alert_rules_are_well_formed() -> None:
     (doc,) = load_yaml_docs(ALERTS)
     rules = [r for g in doc["groups"] for r in g["rules"]]
@@ -341,9 +368,11 @@ def test_alert_rules_are_well_formed() -> None:
         "kame_engine_slots_busy",
         "kame_engine_slots_total",
         "kame_media_outbound_dropped_frames_total",
+        *LINK_METRICS,
     ):
         assert name in exprs, f"no alert uses {name}"
     assert re.search(r"\bup\{[^}]*job=\"kame\"", exprs), "no instance-down alert on the kame job"
+    assert re.search(r"\bup\{[^}]*job=\"kame-engine\"", exprs), "no instance-down alert on the kame-engine job"
 
 
 def _series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
@@ -486,6 +515,84 @@ ALERT_SCENARIOS = [
         ],
         id="instance-down",
     ),
+    pytest.param(
+        [
+            # e: the engine server is gone. a: an edge (job kame) answering.
+            _series("up", {"job": "kame-engine", "instance": "e"}, "0x30"),
+            _series("up", {"instance": "a"}, "1x30"),
+        ],
+        [
+            _alerts("KameEngineDown", {"instance": "e", "job": "kame-engine", "severity": "critical"}),
+            _alerts("KameInstanceDown"),
+        ],
+        id="engine-down",
+    ),
+    pytest.param(
+        [
+            # a: lost its engine at 12 m and was not restarted yet (the series appears already at 1:
+            # increase() would see nothing). b: lost it at 1 m, restarted at 3 m. c: never.
+            _series("kame_engine_link_errors_total", {"instance": "a", "kind": "lost"}, "_x12 1x18"),
+            _series("kame_engine_link_errors_total", {"instance": "b", "kind": "lost"}, "_ 1 1 _x27"),
+            _series("kame_engine_link_edges", {"instance": "c"}, "0x30"),
+            # Engine-side kinds are another alert's.
+            _series("kame_engine_link_errors_total", {"instance": "e", "kind": "bad_token"}, "1x30"),
+        ],
+        [_alerts("KameEngineLinkLost", {"instance": "a", "severity": "warning"})],
+        id="engine-link-lost",
+    ),
+    pytest.param(
+        [
+            # e: loaded, no edge for 15 m. f: loaded with 2 edges. g: still loading (slots 0). h: its edge
+            # connected at 5 m. n: an all-in-one node (job kame) exports the same names at 0: not an engine.
+            *[
+                _series(name, {"job": "kame-engine", "instance": i}, values)
+                for i, edges, slots in [("e", "0x30", "8x30"), ("f", "2x30", "8x30"), ("g", "0x30", "0x30"),
+                                        ("h", "0x5 1x25", "8x30")]
+                for name, values in [("kame_engine_link_edges", edges), ("kame_engine_slots_total", slots)]
+            ],
+            _series("kame_engine_link_edges", {"instance": "n"}, "0x30"),
+            _series("kame_engine_slots_total", {"instance": "n"}, "8x30"),
+        ],
+        [
+            _alerts(
+                "KameEngineWithoutEdges", {"instance": "e", "job": "kame-engine", "severity": "warning"}
+            )
+        ],
+        id="engine-without-edges",
+    ),
+    pytest.param(
+        [
+            # e: one wrong token at 13 m (a new series: only the `unless ... offset` half sees it), a steady
+            # stream of bad messages, and one old bad hello (nothing new for 10 m: no alert).
+            *[
+                _series("kame_engine_link_errors_total", {"job": "kame-engine", "instance": "e", "kind": k}, v)
+                for k, v in [("bad_token", "_x13 1x17"), ("bad_message", "0+1x30"), ("bad_hello", "1x30")]
+            ],
+            # An edge's lost link is KameEngineLinkLost's.
+            _series("kame_engine_link_errors_total", {"instance": "a", "kind": "lost"}, "0+1x30"),
+        ],
+        [
+            _alerts(
+                "KameEngineLinkErrors",
+                {"instance": "e", "kind": "bad_token", "severity": "warning"},
+                {"instance": "e", "kind": "bad_message", "severity": "warning"},
+            )
+        ],
+        id="engine-link-errors",
+    ),
+    pytest.param(
+        [
+            # e: an edge keeps falling behind (10 ticks dropped a minute). a: one stall at 2 m, then none.
+            # b: the first drops appear as a new series and stop there. c: one stall at 11 m, still in the
+            # 5 m rate at 15 m but for under 5 m: pending, not firing.
+            _series("kame_engine_link_dropped_total", {"instance": "e", "what": "bot_frames"}, "0+10x30"),
+            _series("kame_engine_link_dropped_total", {"instance": "a", "what": "caller_audio"}, "0 0 500x28"),
+            _series("kame_engine_link_dropped_total", {"instance": "b", "what": "caller_audio"}, "_x3 40x27"),
+            _series("kame_engine_link_dropped_total", {"instance": "c", "what": "caller_audio"}, "0x10 300x19"),
+        ],
+        [_alerts("KameEngineLinkShedding", {"instance": "e", "what": "bot_frames", "severity": "warning"})],
+        id="engine-link-shedding",
+    ),
 ]
 
 
@@ -519,6 +626,50 @@ def test_alerts_fire_as_intended(
 
 # --- docker compose ---------------------------------------------------------------------------------------
 
+_RESET = object()  # docker compose's `!reset` tag: drop the attribute the earlier files set
+
+
+def load_compose(*paths: Path) -> dict[str, Any]:
+    """The model `docker compose -f A -f B ...` builds, as far as these files need: mappings merge,
+    `command`/`entrypoint`/`healthcheck.test` are replaced, other sequences append (without repeats),
+    and `!reset` removes an attribute."""
+    assert yaml is not None
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("!reset", lambda loader, node: _RESET)
+    merged: dict[str, Any] = {}
+    for path in paths:
+        merged = _compose_merge(merged, yaml.load(path.read_text(), Loader))  # noqa: S506 (a SafeLoader)
+    return merged
+
+
+def _compose_merge(base: Any, override: Any, key: str = "") -> Any:
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for k, v in override.items():
+            if v is _RESET:
+                out.pop(k, None)
+            else:
+                out[k] = _compose_merge(out[k], v, k) if k in out else v
+        return out
+    if isinstance(base, list) and isinstance(override, list) and key not in {"command", "entrypoint", "test"}:
+        return base + [v for v in override if v not in base]
+    return override
+
+
+def _flag(args: list[str], name: str) -> str:
+    """The value of `--name=value` in a command line (the form the ops files use)."""
+    values = [a.split("=", 1)[1] for a in args if a.startswith(name + "=")]
+    assert len(values) == 1, f"{name}=... given {len(values)} times in {args}"
+    return values[0]
+
+
+def _volume_mounts(service: dict[str, Any]) -> dict[str, str]:
+    """Container path -> volume name or host path, from short-form `volumes:` entries."""
+    return {v.split(":")[1]: v.split(":")[0] for v in service.get("volumes", [])}
+
 
 @needs_yaml
 def test_compose_file() -> None:
@@ -539,6 +690,100 @@ def test_compose_file() -> None:
     assert "./prometheus:" in mounts
     mounts = " ".join(services["grafana"]["volumes"])
     assert "./grafana/provisioning:" in mounts and "./grafana/dashboards:" in mounts
+
+
+@needs_yaml
+def test_compose_default_is_the_all_in_one_service() -> None:
+    """`docker compose -f ops/docker-compose.yml up` must stay what it was: the split is only in the
+    override file, not in profiles or services of this one."""
+    (compose,) = load_yaml_docs(COMPOSE)
+    assert set(compose["services"]) == {"kame", "redis", "prometheus", "grafana"}
+    assert not any("profiles" in svc for svc in compose["services"].values())
+    command = compose["services"]["kame"]["command"]
+    assert command[0] == "serve" and not any(a.startswith("--engine") for a in command)
+    assert any(a.startswith("--checkpoint=") for a in command)
+    assert "${KAME_HOST_PORT:-8080}:8080" in compose["services"]["kame"]["ports"]
+
+
+@needs_yaml
+def test_compose_split_engine_and_edge() -> None:
+    base = load_compose(COMPOSE)
+    split = load_compose(COMPOSE, COMPOSE_SPLIT)
+    services = split["services"]
+    assert set(services) == set(base["services"]) | {"engine"}, "the split adds the engine and nothing else"
+    for name in ("redis", "prometheus", "grafana"):
+        assert services[name] == base["services"][name], f"the split must not touch {name}"
+    engine, edge = services["engine"], services["kame"]
+
+    # The engine: the same image, the GPU, engine-serve with its HTTP side reachable for Prometheus.
+    assert engine["build"] == base["services"]["kame"]["build"] and engine["image"] == edge["image"]
+    assert any("gpu" in d["capabilities"] for d in engine["deploy"]["resources"]["reservations"]["devices"])
+    command = engine["command"]
+    assert command[0] == "engine-serve"
+    assert _flag(command, "--http-host") == "0.0.0.0"
+    port = _flag(command, "--http-port")
+    assert f"127.0.0.1:{port}/healthz" in " ".join(engine["healthcheck"]["test"])
+    assert _flag(command, "--checkpoint") == "${KAME_CHECKPOINT:-SakanaAI/kame}"
+    assert engine["restart"] == "unless-stopped", "a dead engine exits 1 and must come back"
+    assert engine["env_file"] in (".env", [".env"]) and engine.get("init") is True
+    assert "ports" not in engine, "the engine's link and metrics stay on the compose network"
+
+    # The edge: the kame service (same port, same Prometheus target) without the GPU, on the engine.
+    assert "deploy" not in edge, "the edge must not reserve the GPU"
+    assert edge["command"][0] == "serve" and not any(a.startswith("--checkpoint") for a in edge["command"])
+    assert edge["ports"] == base["services"]["kame"]["ports"]
+    assert edge["depends_on"]["engine"]["condition"] == "service_started"
+    assert edge["depends_on"]["redis"] == base["services"]["kame"]["depends_on"]["redis"]
+    assert parse_duration_s(edge["stop_grace_period"]) >= 300, "edges still drain their calls"
+    assert "/healthz" in " ".join(edge["healthcheck"]["test"])
+    # The seats the edge asks for are the engine's: the only edge takes them all.
+    assert _flag(edge["command"], "--max-calls") == _flag(command, "--max-calls")
+
+    # One link address, a Unix socket in a volume both containers mount (no token needed there).
+    listen = _flag(command, "--listen")
+    assert _flag(edge["command"], "--engine") == listen and listen.startswith("unix:/")
+    socket_dir = str(Path(listen.removeprefix("unix:")).parent)
+    assert _volume_mounts(engine).get(socket_dir) == _volume_mounts(edge).get(socket_dir) == "kame-data"
+    assert "kame-data" in split["volumes"]
+
+
+@needs_yaml
+def test_compose_split_edge_healthcheck_restarts_only_on_503() -> None:
+    """Docker does not restart an unhealthy container; the edge's check stops it (SIGTERM to PID 1) on
+    /healthz 503 (the engine link is gone for good) and on nothing else."""
+    import http.server
+    import os
+    import sys
+    import threading
+
+    script = load_compose(COMPOSE, COMPOSE_SPLIT)["services"]["kame"]["healthcheck"]["test"]
+    assert script[:3] == ["CMD", "python", "-c"]
+    for status, killed in ((200, False), (500, False), (503, True)):
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            answer = status
+
+            def do_GET(self) -> None:
+                self.send_response(self.answer)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            code = script[3].replace("127.0.0.1:8080", f"127.0.0.1:{server.server_address[1]}")
+            stub = "import os\nos.kill = lambda pid, sig: print('kill', pid, int(sig))\n"
+            result = subprocess.run(
+                [sys.executable, "-c", stub + code], capture_output=True, text=True, timeout=30,
+                env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, check=False,
+            )  # fmt: skip
+        finally:
+            server.shutdown()
+            server.server_close()
+        assert (result.returncode == 0) == (status == 200), (status, result.stderr)
+        assert (result.stdout.strip() == "kill 1 15") == killed, (status, result.stdout)
 
 
 def test_env_example_lists_the_service_env_with_placeholders() -> None:
@@ -603,6 +848,216 @@ def test_k8s_deployment() -> None:
     for arg in container["args"]:
         for var in re.findall(r"\$\((\w+)\)", arg):
             assert var in defined, f"args use $({var}), which no env source defines"
+
+
+# --- Kubernetes: the split overlay (ops/k8s-split) ----------------------------------------------------------
+
+
+def split_kustomization() -> dict[str, Any]:
+    (kustomization,) = load_yaml_docs(K8S_SPLIT / "kustomization.yaml")
+    return kustomization
+
+
+def split_docs() -> dict[tuple[str, str], dict[str, Any]]:
+    """The overlay's own resources and patches, by (kind, name)."""
+    kustomization = split_kustomization()
+    paths = [r for r in kustomization["resources"] if (K8S_SPLIT / r).is_file()]
+    paths += [p["path"] for p in kustomization.get("patches", [])]
+    docs = {}
+    for path in paths:
+        for d in load_yaml_docs(K8S_SPLIT / path):
+            docs[(d["kind"], d["metadata"]["name"])] = d
+    return docs
+
+
+def _container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+    (container,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    return container
+
+
+def _port_number(container: dict[str, Any], port: int | str) -> int:
+    if isinstance(port, int):
+        return port
+    (number,) = [p["containerPort"] for p in container["ports"] if p["name"] == port]
+    return number
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+@needs_yaml
+def test_k8s_split_kustomization_reuses_the_base() -> None:
+    kustomization = split_kustomization()
+    (base_kustomization,) = load_yaml_docs(K8S / "kustomization.yaml")
+    dirs = [r for r in kustomization["resources"] if (K8S_SPLIT / r).is_dir()]
+    assert [(K8S_SPLIT / d).resolve() for d in dirs] == [K8S.resolve()], "the overlay builds on ops/k8s"
+    for resource in kustomization["resources"]:
+        assert (K8S_SPLIT / resource).is_file() or (K8S_SPLIT / resource / "kustomization.yaml").is_file(), resource
+    for patch in kustomization["patches"]:
+        assert (K8S_SPLIT / patch["path"]).is_file(), patch
+    # kustomize refuses an overlay inside its base ("cycle detected").
+    assert not K8S_SPLIT.resolve().is_relative_to(K8S.resolve())
+    assert kustomization["namespace"] == base_kustomization["namespace"]
+    # The base's images: do not reach the overlay's own resources: the same entry must be here.
+    assert kustomization["images"] == base_kustomization["images"]
+    # Every patch targets something the base defines (a patch without a target fails the build).
+    base = k8s_docs()
+    for patch in kustomization["patches"]:
+        for d in load_yaml_docs(K8S_SPLIT / patch["path"]):
+            assert (d["kind"], d["metadata"]["name"]) in base, f"{patch['path']} patches nothing in ops/k8s"
+
+
+@needs_yaml
+def test_k8s_split_engine_deployment() -> None:
+    docs = split_docs()
+    base = k8s_docs()
+    deployment = docs[("Deployment", "kame-engine")]
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1
+    # It holds the only GPU: no surge pod that would wait for a second one.
+    strategy = spec["strategy"]
+    assert strategy["type"] == "Recreate" or strategy["rollingUpdate"]["maxSurge"] == 0
+    pod = spec["template"]
+    container = _container(deployment, "kame-engine")
+    args = container["args"]
+    assert args[0] == "engine-serve"
+    assert _flag(args, "--listen") == "tcp://0.0.0.0:7070"
+    assert _flag(args, "--http-host") == "0.0.0.0"
+    http_port = int(_flag(args, "--http-port"))
+    assert http_port == 9091
+    base_args = _container(base[("Deployment", "kame-phone")], "kame-phone")["args"]
+    for flag in ("--checkpoint", "--max-calls"):
+        assert _flag(args, flag) == _flag(base_args, flag), f"{flag} as the base passes it"
+    assert {p["containerPort"] for p in container["ports"]} == {7070, http_port}
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert _port_number(container, container[probe]["httpGet"]["port"]) == http_port, probe
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model load takes minutes"
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(http_port)
+    assert annotations["prometheus.io/path"] == "/metrics"
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    assert "cpu" not in container["resources"]["limits"], "CFS throttling stalls the frame loop"
+
+    # The link token (required off loopback) comes from the Secret, which documents it.
+    env = {e["name"]: e for e in container["env"]}
+    ref = env["KAME_ENGINE_TOKEN"]["valueFrom"]["secretKeyRef"]
+    secret = base[("Secret", "kame-phone-secrets")]
+    assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["stringData"]
+    assert not ref.get("optional")
+    assert secret["stringData"]["KAME_ENGINE_TOKEN"].startswith("replace-")
+    # The LLM back-end runs here: its settings and key reach the pod.
+    config = base[("ConfigMap", "kame-phone-config")]["data"]
+    refs = {e["configMapRef"]["name"] for e in container["envFrom"] if "configMapRef" in e}
+    assert refs == {"kame-phone-config"} and "OPENAI_BASE_URL" in config
+    assert "OPENAI_API_KEY" in env
+    defined = set(config) | set(env)
+    for arg in args:
+        for var in re.findall(r"\$\((\w+)\)", arg):
+            assert var in defined, f"args use $({var}), which no env source defines"
+
+    # Its own Service, and never behind the Twilio-facing one.
+    labels = pod["metadata"]["labels"]
+    service = docs[("Service", "kame-engine")]["spec"]
+    assert service["type"] == "ClusterIP" and _selects(service["selector"], labels)
+    assert _selects(spec["selector"]["matchLabels"], labels)
+    assert not _selects(base[("Service", "kame-phone")]["spec"]["selector"], labels), (
+        "the kame-phone Service (Twilio's) would send webhooks to the engine"
+    )
+    ports = {p["port"]: _port_number(container, p["targetPort"]) for p in service["ports"]}
+    assert ports[7070] == 7070 and ports.get(http_port) == http_port
+
+
+@needs_yaml
+def test_k8s_split_edge_patch() -> None:
+    docs = split_docs()
+    base = k8s_docs()
+    patch = docs[("Deployment", "kame-phone")]
+    container = _container(patch, "kame-phone")
+    base_container = _container(base[("Deployment", "kame-phone")], "kame-phone")
+    args = container["args"]
+    assert args[0] == "serve"
+    engine_service = docs[("Service", "kame-engine")]
+    link_port = next(p["port"] for p in engine_service["spec"]["ports"] if p["name"] == "link")
+    assert _flag(args, "--engine") == f"tcp://{engine_service['metadata']['name']}:{link_port}"
+    assert not any(a.startswith("--checkpoint") for a in args), "the edge loads no model"
+    for flag in ("--host", "--port"):  # the base's probes and Service keep pointing at it
+        assert _flag(args, flag) == _flag(base_container["args"], flag)
+    # No GPU: the strategic-merge patch deletes the base's requests and limits (null) and the toleration.
+    resources = container["resources"]
+    for section in ("requests", "limits"):
+        assert "nvidia.com/gpu" in resources[section] and resources[section]["nvidia.com/gpu"] is None, section
+    assert resources["requests"]["cpu"] and resources["requests"]["memory"] and resources["limits"]["memory"]
+    pod = patch["spec"]["template"]["spec"]
+    assert "tolerations" in pod and pod["tolerations"] is None, "the GPU toleration must be deleted (null)"
+    # A surge edge would find no seats left until the old one exits: never ready, a stalled rollout.
+    assert patch["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+    env = {e["name"]: e for e in container["env"]}
+    assert env["KAME_ENGINE_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "KAME_ENGINE_TOKEN"
+
+    # Seats: $(KAME_EDGE_SEATS) is defined, and the edges together ask no more than the engine has.
+    config = {**base[("ConfigMap", "kame-phone-config")]["data"], **docs[("ConfigMap", "kame-phone-config")]["data"]}
+    (seats_var,) = re.findall(r"\$\((\w+)\)", _flag(args, "--max-calls"))
+    replicas = patch["spec"].get("replicas", base[("Deployment", "kame-phone")]["spec"]["replicas"])
+    assert replicas * int(config[seats_var]) <= int(config["KAME_MAX_CALLS"])
+
+
+def kustomize_build(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    assert KUBECTL is not None
+    result = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert yaml is not None
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(result.stdout) if d}
+
+
+@needs_kubectl
+@needs_yaml
+def test_k8s_split_renders_with_kustomize() -> None:
+    base = kustomize_build(K8S)
+    split = kustomize_build(K8S_SPLIT)
+    assert set(split) == set(base) | {("Deployment", "kame-engine"), ("Service", "kame-engine")}
+    for (kind, name), doc in split.items():
+        if kind != "Namespace":
+            assert doc["metadata"]["namespace"] == "kame-phone", f"{kind}/{name}"
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kame-phone", f"{kind}/{name}"
+
+    engine = _container(split[("Deployment", "kame-engine")], "kame-engine")
+    edge = _container(split[("Deployment", "kame-phone")], "kame-phone")
+    all_in_one = _container(base[("Deployment", "kame-phone")], "kame-phone")
+    assert engine["image"] == edge["image"] == all_in_one["image"], "one image, one tag for all three"
+    assert int(engine["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    for section in ("requests", "limits"):
+        assert "nvidia.com/gpu" not in edge["resources"][section], section
+    assert "tolerations" not in split[("Deployment", "kame-phone")]["spec"]["template"]["spec"]
+    assert _flag(edge["args"], "--engine") == "tcp://kame-engine:7070"
+    # What the patch does not touch stays the base's: drain time, probes, env sources.
+    edge_pod = split[("Deployment", "kame-phone")]["spec"]["template"]["spec"]
+    base_pod = base[("Deployment", "kame-phone")]["spec"]["template"]["spec"]
+    assert edge_pod["terminationGracePeriodSeconds"] == base_pod["terminationGracePeriodSeconds"]
+    for key in ("startupProbe", "readinessProbe", "livenessProbe", "envFrom", "securityContext"):
+        assert edge[key] == all_in_one[key], key
+    assert {"HF_HOME", "KAME_NODE_ID", "KAME_ENGINE_TOKEN"} <= {e["name"] for e in edge["env"]}
+    assert split[("ConfigMap", "kame-phone-config")]["data"]["KAME_EDGE_SEATS"]
+    # The Twilio-facing Service selects the edges only.
+    selector = split[("Service", "kame-phone")]["spec"]["selector"]
+    assert _selects(selector, split[("Deployment", "kame-phone")]["spec"]["template"]["metadata"]["labels"])
+    assert not _selects(selector, split[("Deployment", "kame-engine")]["spec"]["template"]["metadata"]["labels"])
+
+
+@needs_kubectl
+@needs_yaml
+def test_k8s_base_renders_unchanged_by_the_overlay() -> None:
+    """The all-in-one layout keeps its GPU pod and no engine resources."""
+    base = kustomize_build(K8S)
+    assert ("Deployment", "kame-engine") not in base
+    container = _container(base[("Deployment", "kame-phone")], "kame-phone")
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    assert not any(a.startswith("--engine") for a in container["args"])
+    assert "KAME_EDGE_SEATS" not in base[("ConfigMap", "kame-phone-config")]["data"]
 
 
 # --- Dockerfile ---------------------------------------------------------------------------------------------
