@@ -64,3 +64,10 @@ ENGINE_LINK_DROPPED = Counter(
     "side) or caller_audio (frames, edge side).",
     ["what"],
 )
+
+# Every label value exists from the start, at 0, so the first event of a kind is an increase that rate()
+# and increase() can see (a series born at 1 looks like no change).
+for _kind in ("bad_hello", "bad_token", "bad_message", "bad_audio", "lost"):
+    ENGINE_LINK_ERRORS.labels(kind=_kind)
+for _what in ("bot_frames", "caller_audio"):
+    ENGINE_LINK_DROPPED.labels(what=_what)

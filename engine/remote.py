@@ -18,6 +18,7 @@ clocks do not compare.
   engine -> edge   W welcome {seats} | {error}    R open result {call_id, ok, error}
                    E call event {call_id, type: transcript|oracle|notice|end, ...}
                    F bot frames: u32 header length, header {call_ids, texts, voiced, indices, fresh, age}, pcm
+                   S status {draining}: the engine is going away; seated calls go on, no new ones
 """
 
 from __future__ import annotations
@@ -227,6 +228,14 @@ class EngineServer:
         self._owner: dict[str, _Edge] = {}  # call id -> the edge whose caller it is
         self._server: asyncio.Server | None = None
         self._fanout: asyncio.Task[None] | None = None
+        self.draining = False
+        self._no_calls = asyncio.Event()  # set while no call is seated: what a drain waits for
+        self._no_calls.set()
+
+    def _disown(self, call_id: str) -> None:
+        del self._owner[call_id]
+        if not self._owner:
+            self._no_calls.set()
 
     @property
     def seats_granted(self) -> int:
@@ -243,6 +252,22 @@ class EngineServer:
         self._fanout = asyncio.create_task(self._fan_out_frames(), name="engine-link-frames")
         log.info("engine link listening on %s (%d seats)", bound, self.engine.max_calls)
         return bound
+
+    @property
+    def calls(self) -> int:
+        return len(self._owner)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop seating calls (edges are told, and turn not-ready) and wait for the seated ones to end, up to
+        `timeout_s`; returns how many are still up. A restart then cuts no call that could finish."""
+        self.draining = True
+        for edge in self._edges:
+            if not edge.writer.transport.is_closing():
+                edge.writer.write(_json(b"S", {"draining": True}))
+        log.info("draining: %d calls on %d edges", self.calls, len(self._edges))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._no_calls.wait(), timeout_s)
+        return self.calls
 
     async def aclose(self) -> None:
         if self._server is not None:
@@ -305,8 +330,12 @@ class EngineServer:
         name = str(hello.get("name", "edge"))[:100]
         free = self.engine.max_calls - self.seats_granted
         seats = max(0, min(int(hello.get("seats", 0)), free))
-        if seats == 0 or not self.engine.ready:
-            reason = "the engine is not ready" if not self.engine.ready else f"no seats left ({free} free)"
+        if seats == 0 or not self.engine.ready or self.draining:
+            reason = (
+                "the engine is draining" if self.draining
+                else "the engine is not ready" if not self.engine.ready
+                else f"no seats left ({free} free)"
+            )  # fmt: skip
             log.warning("engine link from %s (%s): refused, %s", peer, name, reason)
             writer.write(_json(b"W", {"error": reason}))
             return None
@@ -345,7 +374,9 @@ class EngineServer:
     async def _seat(self, edge: _Edge, call_id: str) -> None:
         error = None
         others = (set(edge.calls) | set(edge.opening)) - {call_id}  # seated, or being seated beside this one
-        if call_id not in edge.calls and len(others) >= edge.seats:
+        if self.draining:
+            error = "closed: the engine is draining"
+        elif call_id not in edge.calls and len(others) >= edge.seats:
             error = "full"
         else:
             old_owner = self._owner.get(call_id)
@@ -360,6 +391,7 @@ class EngineServer:
             else:
                 edge.calls[call_id] = session
                 self._owner[call_id] = edge
+                self._no_calls.clear()
                 edge.pumps[call_id] = asyncio.create_task(self._pump(edge, call_id, session), name=f"link-{call_id}")
         if not edge.writer.transport.is_closing():
             edge.writer.write(_json(b"R", {"call_id": call_id, "ok": error is None, "error": error}))
@@ -371,7 +403,7 @@ class EngineServer:
         if edge.calls.get(call_id) is session:  # the engine ended it (not the edge): tell the edge
             del edge.calls[call_id]
             if self._owner.get(call_id) is edge:
-                del self._owner[call_id]
+                self._disown(call_id)
             edge.pumps.pop(call_id, None)
             if not edge.writer.transport.is_closing():
                 edge.writer.write(event_message(call_id, None, time.monotonic()))
@@ -380,7 +412,7 @@ class EngineServer:
         session = edge.calls.pop(call_id, None)
         pump = edge.pumps.pop(call_id, None)
         if self._owner.get(call_id) is edge:
-            del self._owner[call_id]
+            self._disown(call_id)
         if session is not None:
             await session.close()
         if pump is not None:
@@ -468,6 +500,7 @@ class RemoteEngine:
         self._receiver: asyncio.Task[None] | None = None
         self._failed = False
         self._stopping = False
+        self.draining = False  # the engine said it is going away: its calls go on, no new ones
         self.audio_dropped = 0
 
     @classmethod
@@ -523,13 +556,15 @@ class RemoteEngine:
 
     @property
     def ready(self) -> bool:
-        return self._writer is not None and not self._failed and not self._stopping
+        return self._writer is not None and not self._failed and not self._stopping and not self.draining
 
     @property
     def failed(self) -> bool:
         return self._failed
 
     async def open_call(self, call_id: str) -> RemoteCallSession:
+        if self.draining:
+            raise EngineClosed("the engine is draining")
         if not self.ready or self._writer is None:
             raise EngineClosed("the engine link is down")
         old = self._calls.get(call_id)
@@ -596,6 +631,10 @@ class RemoteEngine:
                         session._end()
                     else:
                         session._events.put_nowait(output)
+                elif kind == b"S":
+                    self.draining = bool(json.loads(body).get("draining"))
+                    if self.draining:
+                        log.warning("the engine at %s is draining: no new calls here until it is back", self.address)
                 elif kind == b"R":
                     result = json.loads(body)
                     waiter = self._opening.get(result["call_id"])

@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                               help="unix:/path/engine.sock or tcp://host:port (off loopback: needs $KAME_ENGINE_TOKEN)")
     engine_serve.add_argument("--http-port", type=int, default=9091, help="/healthz, /readyz and /metrics")
     engine_serve.add_argument("--http-host", default="127.0.0.1")
+    engine_serve.add_argument("--drain-timeout", type=float, default=600.0,
+                              help="on SIGTERM, wait this long (s) for seated calls to end")
     engine_serve.add_argument("--log-json", action="store_true", default=os.environ.get("KAME_LOG_JSON") == "1")
     add_engine_arguments(engine_serve)
     engine_serve.set_defaults(func=_engine_serve)

@@ -1,5 +1,8 @@
 """`kame-phone engine-serve`: the engine alone (model, frame loop, STT + LLM back-end), serving edges.
 
+SIGTERM drains: edges are told (they turn not-ready, so no new calls are routed to them), seated calls go
+on until they end or `--drain-timeout` passes, then the process exits.
+
 Edges (`kame-phone serve --engine ADDRESS`) connect over `engine/remote.py`'s link. A small HTTP side
 answers /healthz (503 once the engine has died: restart the pod), /readyz (200 once the model is loaded)
 and /metrics (the engine's own: ticks, oracle lag, LLM, STT, link).
@@ -90,6 +93,9 @@ async def run_engine_server(args: argparse.Namespace) -> int:
                 log.error("the engine died; exiting")
                 code = 1
                 break
+        if server is not None and not engine.failed:
+            remaining = await server.drain(args.drain_timeout)
+            log.info("drained: %d calls still up are cut", remaining) if remaining else log.info("drained")
     finally:
         if server is not None:
             await server.aclose()

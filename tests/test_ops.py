@@ -727,6 +727,7 @@ def test_compose_split_engine_and_edge() -> None:
     assert engine["restart"] == "unless-stopped", "a dead engine exits 1 and must come back"
     assert engine["env_file"] in (".env", [".env"]) and engine.get("init") is True
     assert "ports" not in engine, "the engine's link and metrics stay on the compose network"
+    assert parse_duration_s(engine["stop_grace_period"]) > 600, "SIGTERM drains the engine's calls (600 s)"
 
     # The edge: the kame service (same port, same Prometheus target) without the GPU, on the engine.
     assert "deploy" not in edge, "the edge must not reserve the GPU"
@@ -919,6 +920,7 @@ def test_k8s_split_engine_deployment() -> None:
     strategy = spec["strategy"]
     assert strategy["type"] == "Recreate" or strategy["rollingUpdate"]["maxSurge"] == 0
     pod = spec["template"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] > 600, "SIGTERM drains the engine's calls (600 s)"
     container = _container(deployment, "kame-engine")
     args = container["args"]
     assert args[0] == "engine-serve"

@@ -17,7 +17,15 @@ import aiohttp
 import numpy as np
 import pytest
 
-from engine.interface import FRAME_SAMPLES, BotFrames, CallerTranscript, EngineFull, EngineNotice, OracleUpdate
+from engine.interface import (
+    FRAME_SAMPLES,
+    BotFrames,
+    CallerTranscript,
+    EngineClosed,
+    EngineFull,
+    EngineNotice,
+    OracleUpdate,
+)
 from engine.remote import (
     Address,
     EngineServer,
@@ -208,6 +216,37 @@ async def test_a_broken_peer_is_dropped_and_the_other_edge_keeps_its_calls(tmp_p
         await engine.stop()
 
 
+async def test_a_draining_engine_keeps_its_calls_and_takes_no_new_ones(tmp_path: Path) -> None:
+    engine = LoopbackEngine(max_calls=4)
+    server = EngineServer(engine, token=None)
+    address = await server.listen(Address(unix_path=str(tmp_path / "engine.sock")))
+    edge = await RemoteEngine.connect(address, token=None, seats=2)
+    try:
+        call = await edge.open_call("CA-up")
+        ticks = aiter(edge.bot_frames())
+        draining = asyncio.create_task(server.drain(timeout_s=30))
+        async with asyncio.timeout(5):
+            while not edge.draining:  # noqa: ASYNC110 - set by the link's receiver
+                await asyncio.sleep(0.01)
+        assert not edge.ready and edge.free_slots == 0  # readyz 503 and no admissions on this edge
+        with pytest.raises(EngineClosed, match="draining"):
+            await edge.open_call("CA-new")
+        with pytest.raises(LinkError, match="draining"):
+            await RemoteEngine.connect(address, token=None, seats=1)
+        call.push_audio(np.full(FRAME_SAMPLES, 0.5, np.float32))
+        async with asyncio.timeout(5):
+            while "CA-up" not in (await anext(ticks)).call_ids:  # the seated call still streams
+                pass
+        assert not draining.done()
+        await call.close()
+        assert await asyncio.wait_for(draining, 5) == 0  # the drain ends with the last call
+        assert not edge.failed  # draining is not a lost link
+    finally:
+        await edge.stop()
+        await server.aclose()
+        await engine.stop()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Real processes: `kame-phone engine-serve` with the tiny model, `kame-phone serve --engine` in front of it
 
@@ -240,7 +279,7 @@ async def _until(check: Callable[[], Awaitable[bool]], what: str, within: float)
         raise AssertionError(f"timed out after {within:.0f}s waiting for: {what}") from None
 
 
-async def test_engine_serve_and_an_edge_process_answer_a_call_and_the_edge_notices_a_dead_engine(
+async def test_engine_serve_and_an_edge_process_answer_calls_drain_and_notice_a_dead_engine(
     tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
     sock, engine_http, edge_port = tmp_path / "engine.sock", free_port(), free_port()
@@ -271,19 +310,29 @@ async def test_engine_serve_and_an_edge_process_answer_a_call_and_the_edge_notic
             ticks = [line for line in text.splitlines() if line.startswith("kame_engine_tick_seconds_count")]
             assert ticks and float(ticks[0].split()[-1]) > 20  # the engine's own metrics, on its own port
 
-            async def kill_engine_soon() -> None:
-                await asyncio.sleep(1.5)
-                engine_proc.send_signal(signal.SIGKILL)
+            during_drain: dict[str, object] = {}
 
-            killer = asyncio.create_task(kill_engine_soon())
+            async def drain_then_kill_engine() -> None:
+                await asyncio.sleep(1.5)
+                engine_proc.send_signal(signal.SIGTERM)  # a drain: the call goes on, the edge stops admitting
+                await asyncio.sleep(1.5)
+                during_drain["engine_alive"] = engine_proc.poll() is None
+                during_drain["edge_ready"] = await _status(http, edge + "/readyz")
+                during_drain["edge_health"] = await _status(http, edge + "/healthz")
+                engine_proc.send_signal(signal.SIGKILL)  # then it dies under the call
+
+            killer = asyncio.create_task(drain_then_kill_engine())
             started = time.monotonic()
             report = await asyncio.wait_for(
                 simulate_call(edge.replace("http://", "ws://") + MEDIA_PATH, _tone(300, 20.0), auth_token=TOKEN,
                               public_url=None, hold_after=0.5),
                 30,
             )  # fmt: skip
+            ended_after = time.monotonic() - started
             await killer
-            assert report.server_hung_up and time.monotonic() - started < 10  # ended with its engine
+            assert during_drain == {"engine_alive": True, "edge_ready": 503, "edge_health": 200}
+            assert report.server_hung_up and 3.0 < ended_after < 10  # up through the drain, ended with the engine
+            assert report.bot_seconds_received > 2.0
             assert await _status(http, edge + "/healthz") == 503  # the edge asks to be restarted
             assert await _status(http, edge + "/readyz") == 503
     finally:
