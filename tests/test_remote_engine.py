@@ -58,9 +58,14 @@ def _body(message: bytes) -> bytes:
 
 def test_messages_cross_intact_and_times_cross_as_ages() -> None:
     pcm = np.random.default_rng(1).standard_normal(FRAME_SAMPLES).astype(np.float32)
+    pcm = np.clip(pcm, -1, 1) * 0.5
     call_id, got = parse_audio(_body(audio_message("CA-ü", pcm)))
-    assert call_id == "CA-ü" and np.array_equal(got, pcm)
-    with pytest.raises(ValueError, match="audio of 8 bytes"):
+    assert call_id == "CA-ü" and got.dtype == np.float32
+    np.testing.assert_allclose(got, pcm, rtol=0, atol=1 / 32767)  # 16-bit PCM on the wire
+    loud = np.array([np.nan, np.inf, -np.inf, 3.0, -3.0] + [0.0] * (FRAME_SAMPLES - 5), np.float32)
+    _, got = parse_audio(_body(audio_message("CA1", loud)))
+    assert got[:5].tolist() == [0.0, 1.0, -1.0, 1.0, -1.0]  # NaN is silence, the rest clips: never a wrap
+    with pytest.raises(ValueError, match="audio of 4 bytes"):
         parse_audio(_body(audio_message("CA1", np.zeros(2, np.float32))))
 
     for output in (CallerTranscript("what time", True, 100.0), OracleUpdate("nine", 100.0, 7),
@@ -73,12 +78,13 @@ def test_messages_cross_intact_and_times_cross_as_ages() -> None:
         else:
             assert back == output
 
-    frames = BotFrames(("a", "b", "c"), np.arange(3 * FRAME_SAMPLES, dtype=np.float32).reshape(3, -1),
+    ramp = np.linspace(-1, 1, 3 * FRAME_SAMPLES, dtype=np.float32).reshape(3, -1)
+    frames = BotFrames(("a", "b", "c"), ramp,
                        ("x", "", "z"), (True, False, True), (4, 5, 6), (False, True, False), 50.0)  # fmt: skip
     back_frames = parse_frames(_body(frames_message(frames, [0, 2], 50.25)), 900.0)
     assert back_frames.call_ids == ("a", "c") and back_frames.texts == ("x", "z")
     assert back_frames.voiced == (True, True) and back_frames.indices == (4, 6) and back_frames.fresh == (False, False)
-    assert np.array_equal(back_frames.pcm, frames.pcm[[0, 2]])
+    np.testing.assert_allclose(back_frames.pcm, frames.pcm[[0, 2]], rtol=0, atol=1 / 32767)
     assert back_frames.produced_at == pytest.approx(899.75)
 
 
@@ -207,7 +213,7 @@ async def test_a_broken_peer_is_dropped_and_the_other_edge_keeps_its_calls(tmp_p
         async with asyncio.timeout(5):
             while True:  # the good edge's call still gets its audio back
                 tick = await anext(ticks)
-                if tick.call_ids == ("CA-good",) and tick.voiced[0] and np.allclose(tick.pcm[0], 0.25):
+                if tick.call_ids == ("CA-good",) and tick.voiced[0] and np.allclose(tick.pcm[0], 0.25, atol=1e-4):
                     break
         assert good.ready and not good.failed
     finally:
