@@ -99,7 +99,9 @@ def _bench(args: argparse.Namespace) -> int:
         return 0
     from .media_bench import run_media_bench
 
-    result = asyncio.run(run_media_bench(calls=args.calls, seconds=args.seconds, engine_link=args.engine_link))
+    result = asyncio.run(
+        run_media_bench(calls=args.calls, seconds=args.seconds, engine_link=args.engine_link, edges=args.edges)
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
@@ -179,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engine-process", action="store_true", help="oracle bench: the engine in its own process")
     bench.add_argument("--engine-link", action="store_true",
                        help="media bench: the loopback engine in its own process, reached over the engine link")
+    bench.add_argument("--edges", type=int, default=1,
+                       help="media bench: this many edge processes on one engine process (implies --engine-link)")
     bench.add_argument("--torch-threads", type=int, default=0, help="oracle bench: the model's intra-op threads")
     bench.add_argument("--json", default=None, help="also write the figures here")
     bench.set_defaults(func=_bench)

@@ -272,6 +272,7 @@ class CallerPlan:
     stagger_s: float  # calls start spread over this long, in a random order
     seed: int = 0
     compress: int = 0  # offer permessage-deflate with this window (0: don't, as Twilio)
+    more_urls: tuple[str, ...] = ()  # further edges: call k dials edge k mod (1 + len(more_urls))
 
 
 @dataclass
@@ -330,23 +331,26 @@ class _Callers:
             # the same instant and the other half 10 ms later: bursts of 100 messages no real trunk sends.
             rng = np.random.default_rng(self.plan.seed)
             starts = np.sort(rng.uniform(0.0, self.plan.stagger_s, self.plan.calls))
-            return await asyncio.gather(*(self._call(session, t0 + float(at)) for at in starts))
+            urls = (self.plan.base_url, *self.plan.more_urls)
+            return await asyncio.gather(
+                *(self._call(session, t0 + float(at), urls[k % len(urls)]) for k, at in enumerate(starts))
+            )
 
-    async def _call(self, session: aiohttp.ClientSession, start_at: float) -> CallResult:
+    async def _call(self, session: aiohttp.ClientSession, start_at: float, base_url: str) -> CallResult:
         result = CallResult()
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         try:
-            await self._dial(session, result)
+            await self._dial(session, result, base_url)
         except (aiohttp.ClientError, OSError, ValueError, ET.ParseError, asyncio.TimeoutError) as e:
             result.error = f"{type(e).__name__}: {e}"[:200]
         return result
 
-    async def _dial(self, session: aiohttp.ClientSession, result: CallResult) -> None:
+    async def _dial(self, session: aiohttp.ClientSession, result: CallResult, base_url: str) -> None:
         plan = self.plan
         call_sid, account_sid, stream_sid = (prefix + secrets.token_hex(16) for prefix in ("CA", "AC", "MZ"))
         result.call_sid = call_sid
         form = {"CallSid": call_sid, "AccountSid": account_sid, "From": "+15005550006", "To": "+15005550001"}
-        voice_url = plan.base_url + VOICE_PATH
+        voice_url = base_url + VOICE_PATH
         headers = {SIGNATURE_HEADER: self.validator.compute_signature(voice_url, form)}
         async with session.post(voice_url, data=form, headers=headers) as resp:
             body = await resp.text()
@@ -354,7 +358,7 @@ class _Callers:
                 result.error = f"voice webhook answered HTTP {resp.status}"
                 return
         stream = parse_connect_stream(body)
-        signed = websocket_signature_url(plan.base_url, urlsplit(stream.url).path)
+        signed = websocket_signature_url(base_url, urlsplit(stream.url).path)
         headers = {SIGNATURE_HEADER: self.validator.compute_signature(signed, {})}
         async with session.ws_connect(stream.url, headers=headers, compress=plan.compress) as ws:
             result.compressed = bool(ws.compress)
@@ -604,7 +608,7 @@ def _ms(x: float | None) -> float | None:
 
 async def run_media_bench(
     calls: int = 200, seconds: float = 20.0, log: Callable[[str], object] = print, *, compress: int = 0,
-    engine_link: bool = False,
+    engine_link: bool = False, edges: int = 1,
 ) -> dict:
     """Run the benchmark; print a short table through `log` and return the figures.
 
@@ -612,59 +616,20 @@ async def run_media_bench(
     Media Streams client is not known to), to see what it costs the server when it is accepted.
     `engine_link` puts the loopback engine in a process of its own behind the engine link
     (engine/remote.py), as `serve --engine` edges use a shared engine: the wire figures then include the
-    link's two hops.
+    link's two hops. `edges` > 1 (implies the link) runs that many edge processes on the one engine, the
+    calls dealt round-robin, as a node carrying more calls than one edge process would run them.
     """
-    assert calls >= 1 and seconds >= 4 * FRAME_SECONDS, (calls, seconds)
+    assert calls >= 1 and seconds >= 4 * FRAME_SECONDS and 1 <= edges <= calls, (calls, seconds, edges)
     stagger = min(2.0, seconds / 4)
-    steady: dict[str, _Snapshot] = {}
-
-    def watch(open_calls: int) -> None:  # the steady state: from the moment every call streams to the first hang-up
-        if open_calls == calls and "start" not in steady:
-            steady["start"] = _Snapshot.take()
-        elif open_calls < calls and "start" in steady and "end" not in steady:
-            steady["end"] = _Snapshot.take()
-
-    async with contextlib.AsyncExitStack() as stack:
-        if engine_link:
-            engine, finish_engine = await _linked_engine(stack, calls)
-        else:
-            engine = LoopbackEngine(max_calls=calls, on_count=watch)
-            stack.push_async_callback(engine.stop)
-
-            async def finish_engine() -> EngineSideReport:
-                return EngineSideReport.of(engine)
-
-        token = secrets.token_hex(16)
-        ctx = ServerContext(ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token), MemoryCallStore(), engine)
-        handle = await ServiceHandle(ctx).start()
-        stack.push_async_callback(handle.aclose)
-        freeze_startup_heap()  # as `kame-phone serve` does once it is up
-        mode = ", engine behind the link" if engine_link else ""
-        log(f"media bench: {calls} calls x {seconds:g}s, starts staggered over {stagger:g}s{mode}, "
-            f"on {handle.http_url}")  # fmt: skip
-        probe = _LoopLag()
-        lag_task = asyncio.create_task(probe.run())
-        watcher = asyncio.create_task(_watch_streams(ctx, watch)) if engine_link else None
-        run_start = _Snapshot.take()
-        try:
-            plan = CallerPlan(handle.http_url, token, calls, seconds, stagger, compress)
-            caller = await _in_caller_process(plan, timeout_s=seconds + stagger + 60)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(ctx.no_streams.wait(), 10.0)
-            run_end = _Snapshot.take()
-        finally:
-            for task in (lag_task, watcher):
-                if task is not None:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-        engine_side = await finish_engine()
-
-    steady_state = "start" in steady and "end" in steady
-    a, b = (steady["start"], steady["end"]) if steady_state else (run_start, run_end)
+    if edges > 1:
+        measured, caller, engine_side = await _run_edge_processes(calls, seconds, stagger, compress, edges, log)
+    else:
+        measured, caller, engine_side = await _run_in_process(calls, seconds, stagger, compress, engine_link, log)
+    steady_state, a, b = measured.steady_state, measured.a, measured.b
+    run_start, run_end = measured.run_start, measured.run_end
     window = b.wall - a.wall
     cpu = b.cpu - a.cpu
-    lag = probe.between(a.wall, b.wall) * 1000
+    lag = measured.lag_ms
     results = [CallResult(**r) for r in caller["results"]]
     expected = int(seconds / FRAME_SECONDS)
     kept_up = [r for r in results if r.completed and r.bot_frames >= KEPT_UP_SHARE * expected]
@@ -701,7 +666,8 @@ async def run_media_bench(
         "engine_tick_late_p99_ms": round(float(np.percentile(tick_late, 99)), 3),
         "engine_missed_ticks": engine_side.missed_ticks,
         "engine_backlog_max": engine_side.backlog_max,
-        "engine_link": engine_link,
+        "engine_link": engine_link or edges > 1,
+        "edges": edges,
         "engine_process_cpu_pct": None if engine_side.cpu_pct is None else round(engine_side.cpu_pct, 1),
         "realtime_ok_fraction": len(kept_up) / calls,
         "realtime_smooth_fraction": sum(r.late_gaps == 0 for r in kept_up) / calls,  # ... and never a late frame
@@ -730,6 +696,195 @@ async def run_media_bench(
 
 
 
+
+@dataclass
+class _Measured:
+    """The edge side's figures: the window they cover (`a`..`b`, the steady state when there was one) and
+    the whole run, and the event loop's lag (ms) over the window."""
+
+    steady_state: bool
+    a: _Snapshot
+    b: _Snapshot
+    run_start: _Snapshot
+    run_end: _Snapshot
+    lag_ms: np.ndarray
+
+
+def _steady_watch(calls: int, steady: dict[str, _Snapshot]) -> Callable[[int], None]:
+    def watch(open_calls: int) -> None:  # the steady state: from the moment every call streams to the first hang-up
+        if open_calls == calls and "start" not in steady:
+            steady["start"] = _Snapshot.take()
+        elif open_calls < calls and "start" in steady and "end" not in steady:
+            steady["end"] = _Snapshot.take()
+
+    return watch
+
+
+def _measured(steady: dict[str, _Snapshot], run_start: _Snapshot, run_end: _Snapshot, probe: _LoopLag) -> _Measured:
+    steady_state = "start" in steady and "end" in steady
+    a, b = (steady["start"], steady["end"]) if steady_state else (run_start, run_end)
+    return _Measured(steady_state, a, b, run_start, run_end, probe.between(a.wall, b.wall) * 1000)
+
+
+async def _run_in_process(
+    calls: int, seconds: float, stagger: float, compress: int, engine_link: bool, log: Callable[[str], object]
+) -> tuple[_Measured, dict[str, Any], EngineSideReport]:
+    """One edge: the service in this process, the loopback engine here too or behind the link."""
+    steady: dict[str, _Snapshot] = {}
+    watch = _steady_watch(calls, steady)
+    async with contextlib.AsyncExitStack() as stack:
+        if engine_link:
+            engine, finish_engine = await _linked_engine(stack, calls)
+        else:
+            engine = LoopbackEngine(max_calls=calls, on_count=watch)
+            stack.push_async_callback(engine.stop)
+
+            async def finish_engine() -> EngineSideReport:
+                return EngineSideReport.of(engine)
+
+        token = secrets.token_hex(16)
+        ctx = ServerContext(ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token), MemoryCallStore(), engine)
+        handle = await ServiceHandle(ctx).start()
+        stack.push_async_callback(handle.aclose)
+        freeze_startup_heap()  # as `kame-phone serve` does once it is up
+        mode = ", engine behind the link" if engine_link else ""
+        log(f"media bench: {calls} calls x {seconds:g}s, starts staggered over {stagger:g}s{mode}, "
+            f"on {handle.http_url}")  # fmt: skip
+        probe = _LoopLag()
+        lag_task = asyncio.create_task(probe.run())
+        watcher = asyncio.create_task(_watch_streams(ctx, watch)) if engine_link else None
+        run_start = _Snapshot.take()
+        try:
+            plan = CallerPlan(handle.http_url, token, calls, seconds, stagger, compress)
+            caller = await _in_caller_process(plan, timeout_s=seconds + stagger + 60)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ctx.no_streams.wait(), 10.0)
+            run_end = _Snapshot.take()
+        finally:
+            for task in (lag_task, watcher):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+        engine_side = await finish_engine()
+    return _measured(steady, run_start, run_end, probe), caller, engine_side
+
+
+@dataclass
+class _EdgeReport:
+    steady_start: _Snapshot | None
+    steady_end: _Snapshot | None
+    run_start: _Snapshot
+    run_end: _Snapshot
+    lag: list[tuple[float, float]]
+
+
+def _edge_main(conn: Connection, socket_path: str, seats: int, token: str, name: str) -> None:
+    """One edge process of the multi-edge mode: the service on the engine link, measuring itself."""
+    from engine.remote import Address, RemoteEngine
+
+    async def main() -> None:
+        engine = await RemoteEngine.connect(Address(unix_path=socket_path), token=None, seats=seats, name=name)
+        config = ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token)
+        ctx = ServerContext(config, MemoryCallStore(), engine)
+        handle = await ServiceHandle(ctx).start()
+        freeze_startup_heap()
+        steady: dict[str, _Snapshot] = {}
+        probe = _LoopLag()
+        watch = _steady_watch(seats, steady)
+        tasks = [asyncio.create_task(probe.run()), asyncio.create_task(_watch_streams(ctx, watch))]
+        run_start = _Snapshot.take()
+        conn.send(handle.http_url)
+        await asyncio.to_thread(conn.recv)  # the callers are done
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(ctx.no_streams.wait(), 10.0)
+        run_end = _Snapshot.take()
+        for task in tasks:
+            task.cancel()
+        await engine.stop()
+        await handle.aclose()
+        conn.send(_EdgeReport(steady.get("start"), steady.get("end"), run_start, run_end, probe.samples))
+
+    asyncio.run(main())
+
+
+def _merge_windows(pairs: list[tuple[_Snapshot, _Snapshot]]) -> tuple[_Snapshot, _Snapshot]:
+    """Several edges' (start, end) snapshots as one pair: the histograms summed (each over its own window),
+    CPU summed as rates over the common window (the latest start to the earliest end), the host's from
+    the first edge, scaled the same way."""
+    start, end = max(a.wall for a, _ in pairs), min(b.wall for _, b in pairs)
+    if end <= start:  # no common window: use the widest
+        start, end = min(a.wall for a, _ in pairs), max(b.wall for _, b in pairs)
+    window = end - start
+
+    def rate(a: _Snapshot, b: _Snapshot, x: Callable[[_Snapshot], float]) -> float:
+        return (x(b) - x(a)) / (b.wall - a.wall) * window
+
+    def summed(side: int, name: str) -> list[tuple[float, float]]:
+        rows = [getattr(pair[side], name) for pair in pairs]
+        return [(le, sum(row[i][1] for row in rows)) for i, (le, _) in enumerate(rows[0])]
+
+    a0, b0 = pairs[0]
+    first = _Snapshot(start, 0.0, 0.0, 0.0, summed(0, "inbound"), summed(0, "outbound"))
+    last = _Snapshot(
+        end,
+        sum(rate(a, b, lambda s: s.cpu) for a, b in pairs),
+        rate(a0, b0, lambda s: s.host_busy),
+        rate(a0, b0, lambda s: s.host_steal),
+        summed(1, "inbound"),
+        summed(1, "outbound"),
+    )
+    return first, last
+
+
+async def _run_edge_processes(
+    calls: int, seconds: float, stagger: float, compress: int, edges: int, log: Callable[[str], object]
+) -> tuple[_Measured, dict[str, Any], EngineSideReport]:
+    """Several edge processes on one engine process (the link), the callers dealt round-robin."""
+    token = secrets.token_hex(16)
+    spawn = multiprocessing.get_context("spawn")
+    async with contextlib.AsyncExitStack() as stack:
+        path, finish_engine = await _engine_process(stack, calls)
+        pipes, procs, urls = [], [], []
+        for k in range(edges):
+            ours, theirs = spawn.Pipe()
+            seats = len(range(k, calls, edges))  # the calls the callers will deal this edge
+            proc = spawn.Process(target=_edge_main, args=(theirs, path, seats, token, f"edge-{k}"), daemon=True)
+            proc.start()
+            theirs.close()
+            stack.callback(_join_or_kill, proc)
+            if not await asyncio.to_thread(ours.poll, 60):
+                raise RuntimeError(f"edge process {k} did not come up")
+            urls.append(await asyncio.to_thread(ours.recv))
+            pipes.append(ours)
+            procs.append(proc)
+        log(f"media bench: {calls} calls x {seconds:g}s over {edges} edge processes on one engine process, "
+            f"starts staggered over {stagger:g}s")  # fmt: skip
+        plan = CallerPlan(urls[0], token, calls, seconds, stagger, compress, more_urls=tuple(urls[1:]))
+        caller = await _in_caller_process(plan, timeout_s=seconds + stagger + 60)
+        reports: list[_EdgeReport] = []
+        for k, conn in enumerate(pipes):
+            conn.send("done")
+            if not await asyncio.to_thread(conn.poll, 30):
+                raise RuntimeError(f"edge process {k} gave no report")
+            reports.append(await asyncio.to_thread(conn.recv))
+        engine_side = await finish_engine()
+    steady_state = all(r.steady_start is not None and r.steady_end is not None for r in reports)
+    if steady_state:
+        a, b = _merge_windows([(r.steady_start, r.steady_end) for r in reports])  # type: ignore[misc]
+    else:
+        a, b = _merge_windows([(r.run_start, r.run_end) for r in reports])
+    run_start, run_end = _merge_windows([(r.run_start, r.run_end) for r in reports])
+    lag = np.array([x for r in reports for t, x in r.lag if a.wall <= t <= b.wall] or [0.0]) * 1000
+    return _Measured(steady_state, a, b, run_start, run_end, lag), caller, engine_side
+
+
+def _join_or_kill(proc: multiprocessing.process.BaseProcess) -> None:
+    proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+
 async def _watch_streams(ctx: ServerContext, watch: Callable[[int], None]) -> None:
     """The engine-link mode's steady-state watcher: the engine is in another process, so count streams here."""
     while True:
@@ -737,13 +892,11 @@ async def _watch_streams(ctx: ServerContext, watch: Callable[[int], None]) -> No
         await asyncio.sleep(0.02)
 
 
-async def _linked_engine(
+async def _engine_process(
     stack: contextlib.AsyncExitStack, calls: int
-) -> tuple[Any, Callable[[], Awaitable[EngineSideReport]]]:
-    """Start the loopback engine's process and connect to it as an edge; (the edge's engine, a coroutine
-    function that ends the engine process and returns what it measured)."""
-    from engine.remote import Address, RemoteEngine
-
+) -> tuple[str, Callable[[], Awaitable[EngineSideReport]]]:
+    """Start the loopback engine's process on a Unix socket; (its path, a coroutine function that ends the
+    process and returns what the engine measured; call it once the edges have left)."""
     workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kame-bench-"))
     path = os.path.join(workdir, "engine.sock")
     ctx = multiprocessing.get_context("spawn")
@@ -751,27 +904,36 @@ async def _linked_engine(
     proc = ctx.Process(target=_engine_link_main, args=(theirs, path, calls), name="media-bench-engine", daemon=True)
     proc.start()
     theirs.close()
-
-    def end_process() -> None:
-        proc.join(5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-
-    stack.callback(end_process)
+    stack.callback(_join_or_kill, proc)
     if not await asyncio.to_thread(ours.poll, 60) or await asyncio.to_thread(ours.recv) != "listening":
         raise RuntimeError("the engine process did not come up")
-    engine = await RemoteEngine.connect(Address(unix_path=path), token=None, seats=calls, name="media-bench")
-    stack.push_async_callback(engine.stop)
 
     async def finish() -> EngineSideReport:
-        await engine.stop()  # the edge leaves first, so the engine's going away is not a lost link
         ours.send("done")
         if not await asyncio.to_thread(ours.poll, 30):
             raise RuntimeError("the engine process gave no report")
         return await asyncio.to_thread(ours.recv)
 
+    return path, finish
+
+
+async def _linked_engine(
+    stack: contextlib.AsyncExitStack, calls: int
+) -> tuple[Any, Callable[[], Awaitable[EngineSideReport]]]:
+    """The loopback engine's process, and this process connected to it as an edge; (the edge's engine, a
+    coroutine function that ends the engine process and returns what it measured)."""
+    from engine.remote import Address, RemoteEngine
+
+    path, finish_engine = await _engine_process(stack, calls)
+    engine = await RemoteEngine.connect(Address(unix_path=path), token=None, seats=calls, name="media-bench")
+    stack.push_async_callback(engine.stop)
+
+    async def finish() -> EngineSideReport:
+        await engine.stop()  # the edge leaves first, so the engine's going away is not a lost link
+        return await finish_engine()
+
     return engine, finish
+
 
 def format_table(r: dict[str, Any]) -> str:
     def ms(x: float | None) -> str:  # past the last bucket only a lower bound is known
@@ -784,10 +946,11 @@ def format_table(r: dict[str, Any]) -> str:
         return "-" if x is None else f"{100 * x:.2f}%"
 
     m = r["machine"]
+    server = "server CPU" if r.get("edges", 1) == 1 else f"{r['edges']} edges CPU"
     rows = [
         f"machine            {m['cores']} cores, {m['cpu_model']}; Python {m['python']}, aiohttp {m['aiohttp']}",
         f"window             {r['window_s']:.1f}s {'steady state' if r['steady_state'] else '(whole run)'}",
-        f"server CPU         {r['server_cpu_pct']:.1f}% of a core; per call {r['cpu_per_call_ms_per_s']:.2f} ms/s"
+        f"{server:19s}{r['server_cpu_pct']:.1f}% of a core; per call {r['cpu_per_call_ms_per_s']:.2f} ms/s"
         f" ({r['cpu_pct_per_call']:.3f}% of a core)",
         f"inbound  p50/p99   {ms(r['inbound_p50_ms'])} / {ms(r['inbound_p99_ms'])} ms"
         f"  (<= 5 ms: {pct(r['inbound_within_5ms'])})",

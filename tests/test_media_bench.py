@@ -53,6 +53,16 @@ async def test_the_engine_link_mode_measures_both_hops_and_the_engine_process() 
     assert "engine process" in "\n".join(lines)
 
 
+@pytest.mark.slow
+async def test_several_edge_processes_share_the_calls_and_one_engine() -> None:
+    report = await run_media_bench(calls=4, seconds=2, log=lambda _: None, edges=2)
+    assert report["edges"] == 2 and report["engine_link"] is True and report["errors"] == []
+    assert report["calls_completed"] == 4 and report["realtime_ok_fraction"] == 1.0
+    # the figures come from both edge processes (histograms summed, CPU added) and the engine process
+    assert report["outbound_p50_ms"] is not None and report["server_cpu_pct"] > 0
+    assert report["outbound_wire_p50_ms"] > 0 and report["engine_process_cpu_pct"] > 0
+
+
 def test_bucket_quantile_interpolates_inside_buckets() -> None:
     before = [(0.001, 0.0), (0.002, 0.0), (0.005, 0.0), (math.inf, 0.0)]
     after = [(0.001, 50.0), (0.002, 90.0), (0.005, 99.0), (math.inf, 100.0)]
