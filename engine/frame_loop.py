@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import sentencepiece
@@ -29,6 +30,20 @@ from .ticker import FrameTicker
 log = logging.getLogger(__name__)
 
 _SILENCE = np.zeros(FRAME_SAMPLES, dtype=np.float32)
+
+
+class OracleFed(NamedTuple):
+    """A candidate's boundary token went into its call's row (a NamedTuple: it crosses the engine-process pipe)."""
+
+    call_id: str
+    candidate: int
+    fed_at: float  # monotonic
+    lag: float  # from the transcript update that triggered its request (kame_oracle_lag_seconds)
+    slot_wait: float  # from reaching the slot to being fed: the frame loop's share of the lag
+
+    def observe(self) -> None:
+        metrics.ORACLE_LAG_SECONDS.observe(self.lag)
+        metrics.ORACLE_SLOT_WAIT_SECONDS.observe(self.slot_wait)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +129,7 @@ class FrameLoop:
         self._tick_no = 0
         # (call id, candidate id, fed at, lag) for the last candidates whose boundary token was fed: the
         # raw samples behind kame_oracle_lag_seconds, for benchmarks and debugging.
-        self.oracle_fed: deque[tuple[str, int, float, float]] = deque(maxlen=10_000)
+        self.oracle_fed: deque[OracleFed] = deque(maxlen=10_000)
         self._vocab = tokenizer.vocab_size()
         self._silent_pieces = {batch.lm.text_padding_token_id, batch.lm.end_of_text_padding_id}
         metrics.ENGINE_SLOTS_TOTAL.set(self.max_calls)
@@ -184,7 +199,7 @@ class FrameLoop:
         with self._lock:
             slot = self._slots[row]
             if slot is not None and slot.call_id == call_id:
-                slot.oracle.set_candidate(candidate_id, tokens, triggered_at)
+                slot.oracle.set_candidate(candidate_id, tokens, triggered_at, now=self.clock())
         return tokens
 
     def caller_turn(self, row: int, call_id: str, speaking: bool) -> None:
@@ -234,9 +249,11 @@ class FrameLoop:
                     oracle[row] = slot.oracle.next_token()
                     if slot.oracle.lag_from is not None and oracle[row] == slot.oracle.start_token:
                         now = self.clock()
-                        lag = max(0.0, now - slot.oracle.lag_from)
-                        metrics.ORACLE_LAG_SECONDS.observe(lag)
-                        self.oracle_fed.append((slot.call_id, slot.oracle.candidate_id, now, lag))
+                        queued = slot.oracle.queued_at if slot.oracle.queued_at is not None else now
+                        lag, wait = max(0.0, now - slot.oracle.lag_from), max(0.0, now - queued)
+                        fed = OracleFed(slot.call_id, slot.oracle.candidate_id, now, lag, wait)
+                        fed.observe()
+                        self.oracle_fed.append(fed)
                         slot.oracle.lag_from = None
             self._tick_no += 1
         self.batch.reset_rows(reset)

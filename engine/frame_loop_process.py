@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from . import metrics
-from .frame_loop import FrameLoop, LoopStats, ResetHook, Slot, SlotOutput, SlotSink, TickSink
+from .frame_loop import FrameLoop, LoopStats, OracleFed, ResetHook, Slot, SlotOutput, SlotSink, TickSink
 from .interface import FRAME_SAMPLES, EngineClosed, EngineError, EngineFull
 from .oracle_buffer import OracleBuffer
 
@@ -68,7 +68,7 @@ class FrameLoopProcess:
         self.died = False
         self.max_calls = spec.max_calls
         self.stats = LoopStats()
-        self.oracle_fed: deque[tuple[str, int, float, float]] = deque(maxlen=10_000)
+        self.oracle_fed: deque[OracleFed] = deque(maxlen=10_000)
         self._rows: list[_Row | None] = [None] * spec.max_calls
         self._lock = threading.Lock()  # the slot table and the pipe's sending end
         self._conn: Connection | None = None
@@ -229,8 +229,8 @@ class FrameLoopProcess:
         if kind == "tick":
             delivered, fed, counters = body
             self.oracle_fed.extend(fed)
-            for _call, _cid, _at, lag in fed:
-                metrics.ORACLE_LAG_SECONDS.observe(lag)
+            for item in fed:
+                item.observe()  # in this process's metrics: the child's registry is nobody's to scrape
             self._count(counters)
             if self.on_tick is not None and delivered:
                 self.on_tick(delivered)

@@ -32,6 +32,12 @@ ORACLE_LAG_SECONDS = Histogram(
     "From the transcript update that triggered an LLM request to its first oracle token in the slot.",
     buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
 )
+ORACLE_SLOT_WAIT_SECONDS = Histogram(
+    "kame_oracle_slot_wait_seconds",
+    "The frame loop's share of the oracle lag: from a new candidate reaching its call's slot to the tick that "
+    "feeds its boundary token (0-80 ms when ticks keep time; more means late ticks).",
+    buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
+)
 LLM_TTFT_SECONDS = Histogram(
     "kame_llm_ttft_seconds",
     "LLM time to first streamed token.",

@@ -20,14 +20,18 @@ class OracleBuffer:
     fed: int = 0  # how many entries of `seq` were fed already
     candidate_id: int = -1  # the back-end's id for the current candidate
     lag_from: float | None = None  # when the request behind this candidate was triggered (monotonic)
+    queued_at: float | None = None  # when this candidate reached the slot (monotonic)
 
-    def set_candidate(self, candidate_id: int, tokens: list[int], triggered_at: float | None = None) -> None:
+    def set_candidate(
+        self, candidate_id: int, tokens: list[int], triggered_at: float | None = None, now: float | None = None
+    ) -> None:
         """Install (or extend) a candidate. A new id restarts at the boundary; the same id continues."""
         new_seq = [self.start_token, *tokens]
         if candidate_id != self.candidate_id:
             self.candidate_id = candidate_id
             self.fed = 0
             self.lag_from = triggered_at
+            self.queued_at = now
         # The same candidate re-tokenized as a whole: what was fed stays fed, the rest follows on.
         self.seq = new_seq
 
@@ -36,6 +40,7 @@ class OracleBuffer:
         self.fed = 0
         self.candidate_id = -1
         self.lag_from = None
+        self.queued_at = None
 
     def next_token(self) -> int:
         """Token for the next executed step of this slot; advances the cursor."""

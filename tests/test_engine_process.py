@@ -67,10 +67,11 @@ async def test_an_oracle_crosses_into_the_engine_process(tiny_checkpoint: Path) 
         async with asyncio.timeout(5):
             while not engine.frame_loop.oracle_fed:  # noqa: ASYNC110 - filled by the pipe's reader thread
                 await asyncio.sleep(0.02)
-        ((call_id, candidate, fed_at, lag),) = list(engine.frame_loop.oracle_fed)
+        ((call_id, candidate, fed_at, lag, wait),) = list(engine.frame_loop.oracle_fed)
         assert (call_id, candidate) == ("CA-oracle", 5)
-        assert fed_at >= triggered and 0 <= lag < 1.0  # one clock on both sides of the pipe
+        assert fed_at >= triggered and 0 <= wait <= lag < 1.0  # one clock on both sides of the pipe
         assert metric("kame_oracle_lag_seconds_count") == lags_before + 1
+        assert metric("kame_oracle_slot_wait_seconds_count") >= 1  # observed here, from the child's sample
         await call.close()
         assert engine.free_slots == 2
     finally:

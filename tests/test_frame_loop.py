@@ -250,12 +250,17 @@ def test_oracle_lag_is_measured_when_the_boundary_token_is_fed(tiny_bundle) -> N
     loop = _loop(tiny_bundle)
     row = loop.join("A", Recorder())
     before = metric("kame_oracle_lag_seconds_count")
-    loop.set_oracle(row, "A", 7, "Hello", triggered_at=loop.clock() - 0.5)
+    waits_before = metric("kame_oracle_slot_wait_seconds_count")
+    queued = loop.clock()
+    loop.set_oracle(row, "A", 7, "Hello", triggered_at=queued - 0.5)
+    time.sleep(0.05)  # the candidate waits in its slot for the next tick
     loop.tick()
     loop.tick()  # the second token of the same candidate is not a new lag sample
     assert metric("kame_oracle_lag_seconds_count") == before + 1
-    ((call, cid, _fed_at, lag),) = list(loop.oracle_fed)
+    assert metric("kame_oracle_slot_wait_seconds_count") == waits_before + 1
+    ((call, cid, fed_at, lag, wait),) = list(loop.oracle_fed)
     assert (call, cid) == ("A", 7) and 0.5 <= lag < 5.0
+    assert 0.05 <= wait <= fed_at - queued and wait < lag  # the slot's share: from arrival to the feeding tick
 
 
 def test_a_failing_tick_resets_every_slot_and_the_loop_goes_on(tiny_bundle) -> None:
