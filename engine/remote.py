@@ -208,14 +208,14 @@ class Address:
         return f"unix:{self.unix_path}" if self.unix_path else f"tcp://{self.host}:{self.port}"
 
 
-def _tune_socket(writer: asyncio.StreamWriter) -> None:
+def _tune_socket(writer: asyncio.StreamWriter, buffer_bytes: int = _SOCKET_BUFFER_BYTES) -> None:
     """Socket buffers big enough for a tick in one send (fewer wake-ups on both sides); TCP is no-delay."""
     sock = writer.get_extra_info("socket")
     if sock is None:
         return
     with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER_BYTES)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
         if sock.family in (socket.AF_INET, socket.AF_INET6):  # small messages must not wait for Nagle
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -245,10 +245,14 @@ class _Edge:
 class EngineServer:
     """Serves one loaded `Engine` to edges over a socket. Consumes the engine's `bot_frames()`."""
 
-    def __init__(self, engine: Engine, *, token: str | None, backlog_bytes: int = 8 << 20) -> None:
+    def __init__(
+        self, engine: Engine, *, token: str | None, backlog_bytes: int = 8 << 20,
+        socket_buffer_bytes: int = _SOCKET_BUFFER_BYTES,
+    ) -> None:  # fmt: skip
         self.engine = engine
         self.token = token
         self.backlog_bytes = backlog_bytes  # unsent bytes to one edge beyond which its ticks are dropped
+        self.socket_buffer_bytes = socket_buffer_bytes
         self._edges: set[_Edge] = set()
         self._owner: dict[str, _Edge] = {}  # call id -> the edge whose caller it is
         self._server: asyncio.Server | None = None
@@ -308,7 +312,7 @@ class EngineServer:
 
     async def _serve_edge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername") or "unix socket"
-        _tune_socket(writer)
+        _tune_socket(writer, self.socket_buffer_bytes)
         edge: _Edge | None = None
         try:
             edge = await self._welcome(reader, writer, peer)
@@ -457,20 +461,27 @@ class EngineServer:
 
     async def _fan_out_frames(self) -> None:
         async for frames in self.engine.bot_frames():
-            rows: dict[_Edge, list[int]] = {}
-            for i, call_id in enumerate(frames.call_ids):
-                edge = self._owner.get(call_id)
-                if edge is not None:
-                    rows.setdefault(edge, []).append(i)
-            now = time.monotonic()
-            for edge, mine in rows.items():
-                if _backlogged(edge.writer, self.backlog_bytes):  # an edge that stopped reading loses ticks
-                    edge.frames_dropped += 1
-                    metrics.ENGINE_LINK_DROPPED.labels(what="bot_frames").inc()
-                    if edge.frames_dropped in (1, 100) or edge.frames_dropped % 1000 == 0:
-                        log.warning("edge %s is not reading: %d ticks dropped", edge.name, edge.frames_dropped)
-                    continue
-                edge.writer.write(frames_message(frames, mine, now))
+            try:
+                self._send_tick(frames)
+            except Exception:  # one bad tick must not silence every edge from then on
+                log.exception("engine link: a tick could not be sent")
+
+    def _send_tick(self, frames: BotFrames) -> None:
+        """Each edge gets its own calls' rows of the tick, in one message."""
+        rows: dict[_Edge, list[int]] = {}
+        for i, call_id in enumerate(frames.call_ids):
+            edge = self._owner.get(call_id)
+            if edge is not None:
+                rows.setdefault(edge, []).append(i)
+        now = time.monotonic()
+        for edge, mine in rows.items():
+            if _backlogged(edge.writer, self.backlog_bytes):  # an edge that stopped reading loses ticks
+                edge.frames_dropped += 1
+                metrics.ENGINE_LINK_DROPPED.labels(what="bot_frames").inc()
+                if edge.frames_dropped in (1, 100) or edge.frames_dropped % 1000 == 0:
+                    log.warning("edge %s is not reading: %d ticks dropped", edge.name, edge.frames_dropped)
+                continue
+            edge.writer.write(frames_message(frames, mine, now))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -217,6 +218,49 @@ async def test_a_broken_peer_is_dropped_and_the_other_edge_keeps_its_calls(tmp_p
                     break
         assert good.ready and not good.failed
     finally:
+        await good.stop()
+        await server.aclose()
+        await engine.stop()
+
+
+async def test_an_edge_that_stops_reading_loses_its_ticks_not_the_others(tmp_path: Path) -> None:
+    engine = LoopbackEngine(max_calls=2)
+    # Small socket buffers and backlog, so a peer that never reads is found out within a few ticks.
+    server = EngineServer(engine, token=None, backlog_bytes=8_000, socket_buffer_bytes=4_096)
+    address = await server.listen(Address(unix_path=str(tmp_path / "engine.sock")))
+    good = await RemoteEngine.connect(address, token=None, seats=1)
+    dropped = metric("kame_engine_link_dropped_total", what="bot_frames")
+    # A raw socket that reads its welcome and nothing after (an asyncio reader would buffer 128 KB first).
+    deaf = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    deaf.setblocking(False)
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.sock_connect(deaf, address.unix_path)
+        async def recv_message() -> bytes:
+            data = b""
+            while len(data) < 4 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:
+                data += await loop.sock_recv(deaf, 1)
+            return data[4:]
+
+        hello, opened = b'{"token":"","seats":1,"name":"deaf"}', b'{"call_id":"CA-deaf"}'
+        await loop.sock_sendall(deaf, struct.pack(">I", len(hello) + 1) + b"H" + hello)
+        assert (await recv_message()).startswith(b"W")
+        await loop.sock_sendall(deaf, struct.pack(">I", len(opened) + 1) + b"O" + opened)
+        assert b'"ok":true' in await recv_message()  # seated: its audio is taken from now on
+        # one frame of caller audio: from now on the deaf edge's call has a row in every tick
+        await loop.sock_sendall(deaf, audio_message("CA-deaf", np.full(FRAME_SAMPLES, 0.1, np.float32)))
+        call = await good.open_call("CA-good")
+        ticks = aiter(good.bot_frames())
+        got = 0
+        async with asyncio.timeout(10):
+            while got < 40:  # 3.2 s of ticks: the deaf edge's backlog passes the limit well before
+                call.push_audio(np.full(FRAME_SAMPLES, 0.25, np.float32))
+                tick = await anext(ticks)
+                got += tick.call_ids == ("CA-good",)
+        assert metric("kame_engine_link_dropped_total", what="bot_frames") > dropped
+        assert good.ready and not good.failed
+    finally:
+        deaf.close()
         await good.stop()
         await server.aclose()
         await engine.stop()
