@@ -192,6 +192,11 @@ class CallBackend:
         """Queue one frame of caller audio (float32 mono 24 kHz). Never blocks."""
         if self._closed:
             return
+        try:  # flat float32 here, so the pump's concatenate can never fail on a frame's shape or type
+            frame = np.ravel(np.asarray(frame, dtype=np.float32))
+        except (TypeError, ValueError):
+            log.warning("call %s: a caller frame that is not audio was dropped", self.call_id)
+            return
         self._audio.append((frame, self._clock()))
         if len(self._audio) > self._max_pending_frames:
             self._audio.popleft()  # the STT fell behind real time: keep the newest audio
