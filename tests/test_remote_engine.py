@@ -11,8 +11,9 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -114,11 +115,28 @@ async def _edge(engine: RemoteEngine) -> ServiceHandle:
     return await ServiceHandle(ServerContext(config, MemoryCallStore(), engine)).start()
 
 
-async def test_two_edges_share_one_engine_and_each_call_hears_its_own_row(tmp_path: Path) -> None:
+@pytest.fixture
+async def engine_server(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[tuple[EngineServer, Address]]]]:
+    """Starts a loopback engine behind an `EngineServer` (a Unix socket, or loopback TCP); both stop after
+    the test."""
+    started: list[tuple[LoopbackEngine, EngineServer]] = []
+
+    async def start(max_calls: int, *, tcp: bool = False, **kwargs: Any) -> tuple[EngineServer, Address]:
+        engine = LoopbackEngine(max_calls=max_calls)
+        server = EngineServer(engine, **{"token": None, **kwargs})
+        started.append((engine, server))
+        where = Address(host="127.0.0.1", port=0) if tcp else Address(unix_path=str(tmp_path / "engine.sock"))
+        return server, await server.listen(where)
+
+    yield start
+    for engine, server in started:
+        await server.aclose()
+        await engine.stop()
+
+
+async def test_two_edges_share_one_engine_and_each_call_hears_its_own_row(tmp_path: Path, engine_server) -> None:
     """An echoing engine behind the link, two edge services on it: three calls, three tones, none mixed up."""
-    engine = LoopbackEngine(max_calls=4)
-    server = EngineServer(engine, token=None)
-    address = await server.listen(Address(unix_path=str(tmp_path / "engine.sock")))
+    server, address = await engine_server(4)
     edges = [await RemoteEngine.connect(address, token=None, seats=2, name=f"edge-{k}") for k in range(2)]
     handles = [await _edge(e) for e in edges]
     assert [e.max_calls for e in edges] == [2, 2] and server.seats_granted == 4
@@ -138,59 +156,49 @@ async def test_two_edges_share_one_engine_and_each_call_hears_its_own_row(tmp_pa
             await h.aclose()
         for e in edges:
             await e.stop()
-        await server.aclose()
-        await engine.stop()
     for (_, hz), report in zip(plan, reports, strict=True):
         assert report.outcome == "completed", report.errors
         assert report.bot_seconds_received > 2.0
         assert abs(dominant_hz(tmp_path / f"{hz:.0f}.wav") - hz) < 20, hz
 
 
-async def test_seats_are_granted_once_and_refusals_say_why(tmp_path: Path) -> None:
-    engine = LoopbackEngine(max_calls=3)
-    server = EngineServer(engine, token=TOKEN)
-    address = await server.listen(Address(host="127.0.0.1", port=0))
+async def test_seats_are_granted_once_and_refusals_say_why(tmp_path: Path, engine_server) -> None:
+    _, address = await engine_server(3, tcp=True, token=TOKEN)
     bad_token = metric("kame_engine_link_errors_total", kind="bad_token")
-    try:
-        with pytest.raises(LinkRefused, match="wrong token"):
-            await RemoteEngine.connect(address, token="nope", seats=1)
-        with pytest.raises(LinkRefused, match="wrong token"):
-            await RemoteEngine.connect(address, token="jeton-été", seats=1)
-        assert metric("kame_engine_link_errors_total", kind="bad_token") == bad_token + 2
-        bad_hello = metric("kame_engine_link_errors_total", kind="bad_hello")
-        reader, writer = await asyncio.open_connection(address.host, address.port)
-        writer.write(struct.pack(">I", 3) + b"H[]")  # JSON, but not a hello
-        assert await reader.read() == b""
-        writer.close()
-        assert metric("kame_engine_link_errors_total", kind="bad_hello") == bad_hello + 1
-        a = await RemoteEngine.connect(address, token=TOKEN, seats=2)
-        b = await RemoteEngine.connect(address, token=TOKEN, seats=5)  # asks for more than is left
-        assert (a.max_calls, b.max_calls) == (2, 1)
-        with pytest.raises(LinkError, match="no seats left"):
-            await RemoteEngine.connect(address, token=TOKEN, seats=1)
-        calls = [await a.open_call("CA1"), await a.open_call("CA2")]
-        assert a.free_slots == 0
-        with pytest.raises(EngineFull):
-            await a.open_call("CA3")  # this edge's seats are taken, though the engine has one left for b
-        await b.open_call("CA4")
-        await calls[0].close()
-        await asyncio.sleep(0.1)  # the close crosses the link
-        await a.open_call("CA3")
-        await b.stop()
-        await asyncio.sleep(0.1)
-        c = await RemoteEngine.connect(address, token=TOKEN, seats=1)  # b's seat came back when it left
-        assert c.max_calls == 1
-        await c.stop()
-        await a.stop()
-    finally:
-        await server.aclose()
-        await engine.stop()
+    with pytest.raises(LinkRefused, match="wrong token"):
+        await RemoteEngine.connect(address, token="nope", seats=1)
+    with pytest.raises(LinkRefused, match="wrong token"):
+        await RemoteEngine.connect(address, token="jeton-été", seats=1)
+    assert metric("kame_engine_link_errors_total", kind="bad_token") == bad_token + 2
+    bad_hello = metric("kame_engine_link_errors_total", kind="bad_hello")
+    reader, writer = await asyncio.open_connection(address.host, address.port)
+    writer.write(struct.pack(">I", 3) + b"H[]")  # JSON, but not a hello
+    assert await reader.read() == b""
+    writer.close()
+    assert metric("kame_engine_link_errors_total", kind="bad_hello") == bad_hello + 1
+    a = await RemoteEngine.connect(address, token=TOKEN, seats=2)
+    b = await RemoteEngine.connect(address, token=TOKEN, seats=5)  # asks for more than is left
+    assert (a.max_calls, b.max_calls) == (2, 1)
+    with pytest.raises(LinkError, match="no seats left"):
+        await RemoteEngine.connect(address, token=TOKEN, seats=1)
+    calls = [await a.open_call("CA1"), await a.open_call("CA2")]
+    assert a.free_slots == 0
+    with pytest.raises(EngineFull):
+        await a.open_call("CA3")  # this edge's seats are taken, though the engine has one left for b
+    await b.open_call("CA4")
+    await calls[0].close()
+    await asyncio.sleep(0.1)  # the close crosses the link
+    await a.open_call("CA3")
+    await b.stop()
+    await asyncio.sleep(0.1)
+    c = await RemoteEngine.connect(address, token=TOKEN, seats=1)  # b's seat came back when it left
+    assert c.max_calls == 1
+    await c.stop()
+    await a.stop()
 
 
-async def test_a_broken_peer_is_dropped_and_the_other_edge_keeps_its_calls(tmp_path: Path) -> None:
-    engine = LoopbackEngine(max_calls=2)
-    server = EngineServer(engine, token=None)
-    address = await server.listen(Address(unix_path=str(tmp_path / "engine.sock")))
+async def test_a_broken_peer_is_dropped_and_the_other_edge_keeps_its_calls(tmp_path: Path, engine_server) -> None:
+    server, address = await engine_server(2)
     good = await RemoteEngine.connect(address, token=None, seats=1)
     bad_message = metric("kame_engine_link_errors_total", kind="bad_message")
     bad_audio = metric("kame_engine_link_errors_total", kind="bad_audio")
@@ -219,15 +227,11 @@ async def test_a_broken_peer_is_dropped_and_the_other_edge_keeps_its_calls(tmp_p
         assert good.ready and not good.failed
     finally:
         await good.stop()
-        await server.aclose()
-        await engine.stop()
 
 
-async def test_an_edge_that_stops_reading_loses_its_ticks_not_the_others(tmp_path: Path) -> None:
-    engine = LoopbackEngine(max_calls=2)
+async def test_an_edge_that_stops_reading_loses_its_ticks_not_the_others(tmp_path: Path, engine_server) -> None:
     # Small socket buffers and backlog, so a peer that never reads is found out within a few ticks.
-    server = EngineServer(engine, token=None, backlog_bytes=8_000, socket_buffer_bytes=4_096)
-    address = await server.listen(Address(unix_path=str(tmp_path / "engine.sock")))
+    _, address = await engine_server(2, backlog_bytes=8_000, socket_buffer_bytes=4_096)
     good = await RemoteEngine.connect(address, token=None, seats=1)
     dropped = metric("kame_engine_link_dropped_total", what="bot_frames")
     # A raw socket that reads its welcome and nothing after (an asyncio reader would buffer 128 KB first).
@@ -262,14 +266,10 @@ async def test_an_edge_that_stops_reading_loses_its_ticks_not_the_others(tmp_pat
     finally:
         deaf.close()
         await good.stop()
-        await server.aclose()
-        await engine.stop()
 
 
-async def test_a_draining_engine_keeps_its_calls_and_takes_no_new_ones(tmp_path: Path) -> None:
-    engine = LoopbackEngine(max_calls=4)
-    server = EngineServer(engine, token=None)
-    address = await server.listen(Address(unix_path=str(tmp_path / "engine.sock")))
+async def test_a_draining_engine_keeps_its_calls_and_takes_no_new_ones(tmp_path: Path, engine_server) -> None:
+    server, address = await engine_server(4)
     edge = await RemoteEngine.connect(address, token=None, seats=2)
     try:
         call = await edge.open_call("CA-up")
@@ -293,8 +293,6 @@ async def test_a_draining_engine_keeps_its_calls_and_takes_no_new_ones(tmp_path:
         assert not edge.failed  # draining is not a lost link
     finally:
         await edge.stop()
-        await server.aclose()
-        await engine.stop()
 
 
 # ---------------------------------------------------------------------------------------------------------
