@@ -33,6 +33,14 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"kame-phone serve: {e}", file=sys.stderr)
         return 2
+    if args.engine:
+        from engine.remote import Address
+
+        try:
+            Address.parse(args.engine)
+        except ValueError as e:
+            print(f"kame-phone serve: --engine: {e}", file=sys.stderr)
+            return 2
 
     async def main() -> None:
         store = open_call_store(

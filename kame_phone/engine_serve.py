@@ -38,9 +38,11 @@ def _http_app(state: dict[str, object]) -> web.Application:
         return web.Response(status=503 if failed else 200, text="engine failed\n" if failed else "ok\n")
 
     async def readyz(_: web.Request) -> web.Response:
-        engine = state.get("engine")
+        engine, server = state.get("engine"), state.get("server")
+        if server is not None and server.draining:  # type: ignore[attr-defined]
+            return web.Response(status=503, text="draining\n")  # no new edges: they would be refused
         ready = engine is not None and engine.ready  # type: ignore[attr-defined]
-        return web.Response(status=200 if ready else 503, text="ready\n" if ready else "loading\n")
+        return web.Response(status=200 if ready else 503, text="ready\n" if ready else "not ready\n")
 
     async def metrics(_: web.Request) -> web.Response:
         body = await asyncio.to_thread(generate_latest, REGISTRY)
@@ -82,7 +84,7 @@ async def run_engine_server(args: argparse.Namespace) -> int:
             loading.cancel()
             return 0
         engine = state["engine"] = loading.result()
-        server = EngineServer(engine, token=token)
+        server = state["server"] = EngineServer(engine, token=token)
         bound = await server.listen(address)
         freeze_startup_heap()
         print(f"engine serving {engine.max_calls} seats on {bound}", flush=True)  # the line tests wait for

@@ -367,6 +367,7 @@ async def test_engine_serve_and_an_edge_process_answer_calls_drain_and_notice_a_
                 during_drain["engine_alive"] = engine_proc.poll() is None
                 during_drain["edge_ready"] = await _status(http, edge + "/readyz")
                 during_drain["edge_health"] = await _status(http, edge + "/healthz")
+                during_drain["engine_ready"] = await _status(http, f"http://127.0.0.1:{engine_http}/readyz")
                 engine_proc.send_signal(signal.SIGKILL)  # then it dies under the call
 
             killer = asyncio.create_task(drain_then_kill_engine())
@@ -378,7 +379,7 @@ async def test_engine_serve_and_an_edge_process_answer_calls_drain_and_notice_a_
             )  # fmt: skip
             ended_after = time.monotonic() - started
             await killer
-            assert during_drain == {"engine_alive": True, "edge_ready": 503, "edge_health": 200}
+            assert during_drain == {"engine_alive": True, "edge_ready": 503, "edge_health": 200, "engine_ready": 503}
             assert report.server_hung_up and 3.0 < ended_after < 10  # up through the drain, ended with the engine
             assert report.bot_seconds_received > 2.0
             assert await _status(http, edge + "/healthz") == 503  # the edge asks to be restarted
