@@ -101,8 +101,9 @@ STOPSIGNAL SIGTERM
 # Liveness only (/healthz). Readiness (/readyz: model loaded, Redis reachable, not draining) is for load
 # balancers. The long start period covers a first start that downloads the weights. No curl in the
 # image: Python does the request. Assumes the default port 8080.
+# KAME_HEALTH_PORT: 8080 for `serve`; set it to engine-serve's --http-port (9091) for an engine container.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30m --retries=4 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=4)"]
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('KAME_HEALTH_PORT', '8080'), timeout=4)"]
 
 ENTRYPOINT ["kame-phone"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8080"]
