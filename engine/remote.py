@@ -66,8 +66,10 @@ _SOCKET_BUFFER_BYTES = 1 << 20  # a whole tick in one send where the kernel allo
 
 def pcm_to_wire(pcm: np.ndarray) -> bytes:
     """float audio in [-1, 1] -> int16 LE bytes (clipped; NaN as silence, so a bad frame is never a click)."""
-    x = np.nan_to_num(np.asarray(pcm, dtype=np.float32), nan=0.0, posinf=1.0, neginf=-1.0)
-    return np.rint(np.clip(x, -1.0, 1.0) * 32767.0).astype(_PCM).tobytes()
+    x = np.clip(np.asarray(pcm, dtype=np.float32), -1.0, 1.0)  # the one copy: ±inf clip to ±1, NaN stays
+    np.nan_to_num(x, copy=False, nan=0.0)
+    x *= np.float32(32767.0)
+    return np.rint(x, out=x).astype(_PCM).tobytes()
 
 
 def pcm_from_wire(data: bytes | memoryview, rows: int | None = None, offset: int = 0) -> np.ndarray:
@@ -88,8 +90,9 @@ class LinkRefused(LinkError):
 # Messages
 
 
-def _message(kind: bytes, body: bytes) -> bytes:
-    return _PREFIX.pack(len(body) + 1) + kind + body
+def _message(kind: bytes, *parts: bytes) -> bytes:
+    """One message from its body's parts, joined once (a tick's audio is not copied per part)."""
+    return b"".join((_PREFIX.pack(1 + sum(map(len, parts))), kind, *parts))
 
 
 def _json(kind: bytes, obj: dict[str, Any]) -> bytes:
@@ -107,7 +110,7 @@ async def _read_message(reader: asyncio.StreamReader) -> tuple[bytes, memoryview
 
 def audio_message(call_id: str, pcm: np.ndarray) -> bytes:
     cid = call_id.encode()
-    return _message(b"A", _U16.pack(len(cid)) + cid + pcm_to_wire(pcm))
+    return _message(b"A", _U16.pack(len(cid)), cid, pcm_to_wire(pcm))
 
 
 def parse_audio(body: bytes | memoryview) -> tuple[str, np.ndarray]:
@@ -159,7 +162,7 @@ def frames_message(frames: BotFrames, rows: list[int], now: float) -> bytes:
         },
         separators=(",", ":"),
     ).encode()
-    return _message(b"F", _PREFIX.pack(len(header)) + header + pcm_to_wire(frames.pcm[rows]))
+    return _message(b"F", _PREFIX.pack(len(header)), header, pcm_to_wire(frames.pcm[rows]))
 
 
 def parse_frames(body: bytes | memoryview, now: float) -> BotFrames:

@@ -26,9 +26,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-process", action="store_true",
                    help="run the model and its 80 ms loop in a child process (own GIL and clock; crash-isolated)")
     g.add_argument("--torch-threads", type=int, default=0, help="the model's intra-op CPU threads (0: torch's default)")
-    g.add_argument("--engine", default=os.environ.get("KAME_ENGINE_ADDRESS"), metavar="ADDRESS",
-                   help="serve: use the engine of a `kame-phone engine-serve` at unix:/path or tcp://host:port "
-                        "(token in $KAME_ENGINE_TOKEN) instead of loading one; --max-calls is the seats to ask for")
     b = parser.add_argument_group("back-end")
     b.add_argument("--stt", choices=["pocketsphinx", "kyutai", "none"], default="pocketsphinx")
     b.add_argument("--llm", choices=["openai", "none"], default="openai",

@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--retention-hours", type=float, default=24.0, help="how long call records live")
     serve.add_argument("--log-json", action="store_true", default=os.environ.get("KAME_LOG_JSON") == "1",
                        help="JSON log lines (also KAME_LOG_JSON=1)")
+    serve.add_argument("--engine", default=os.environ.get("KAME_ENGINE_ADDRESS"), metavar="ADDRESS",
+                       help="use the engine of a `kame-phone engine-serve` at unix:/path or tcp://host:port "
+                            "(token in $KAME_ENGINE_TOKEN) instead of loading one; --max-calls is the seats to ask for")
     add_engine_arguments(serve)
     serve.set_defaults(func=_serve)
 

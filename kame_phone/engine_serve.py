@@ -19,10 +19,9 @@ import signal
 import sys
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from engine.remote import Address, EngineServer
-from telephony.server import freeze_startup_heap
+from telephony.server import freeze_startup_heap, handle_metrics
 
 from .app import load_engine
 
@@ -44,14 +43,10 @@ def _http_app(state: dict[str, object]) -> web.Application:
         ready = engine is not None and engine.ready  # type: ignore[attr-defined]
         return web.Response(status=200 if ready else 503, text="ready\n" if ready else "not ready\n")
 
-    async def metrics(_: web.Request) -> web.Response:
-        body = await asyncio.to_thread(generate_latest, REGISTRY)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", handle_metrics)  # the same exposition as the phone edge's
     return app
 
 

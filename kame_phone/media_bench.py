@@ -442,10 +442,7 @@ async def _in_caller_process(plan: CallerPlan, timeout_s: float) -> dict[str, An
             raise RuntimeError(f"the caller process died (exit code {proc.exitcode})") from None
     finally:
         ours.close()
-        await asyncio.to_thread(proc.join, 5)
-        if proc.is_alive():
-            proc.kill()
-            await asyncio.to_thread(proc.join)
+        await asyncio.to_thread(_join_or_kill, proc)
 
 
 def run_callers(plan: CallerPlan) -> dict[str, Any]:

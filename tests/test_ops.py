@@ -1090,6 +1090,8 @@ def test_dockerfile_runtime_contract() -> None:
     instructions = dockerfile_instructions()
     text = "\n".join(instructions)
     assert any(i.startswith("HEALTHCHECK") and "/healthz" in i for i in instructions), "no /healthz HEALTHCHECK"
+    # one image, two servers: the check's port comes from KAME_HEALTH_PORT (engine-serve listens on 9091)
+    assert any(i.startswith("HEALTHCHECK") and "KAME_HEALTH_PORT" in i and "8080" in i for i in instructions)
     assert 'ENTRYPOINT ["kame-phone"]' in text
     assert "EXPOSE 8080" in text
     assert "STOPSIGNAL SIGTERM" in text

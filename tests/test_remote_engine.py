@@ -105,6 +105,13 @@ def test_addresses() -> None:
             Address.parse(bad)
 
 
+def test_serve_refuses_a_malformed_engine_address_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from kame_phone.cli import main
+
+    assert main(["serve", "--insecure-dev", "--engine", "nowhere"]) == 2
+    assert "--engine: engine address 'nowhere'" in capsys.readouterr().err
+
+
 def _tone(hz: float, seconds: float) -> np.ndarray:
     t = np.arange(int(seconds * 8000)) / 8000
     return (0.3 * np.sin(2 * np.pi * hz * t)).astype(np.float32)
