@@ -16,12 +16,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-from moshi.models import loaders
 
 from .batch import KameBatch, SamplingConfig
+from .checkpoint import load_random
 from .interface import FRAME_SAMPLES, FRAME_SECONDS
 from .model import KameLM
-from .presets import lm_kwargs_for, mimi_config_for
 
 
 @dataclass
@@ -60,13 +59,8 @@ def _device_name(device: torch.device) -> str:
 
 
 def build_random(size: str, device: torch.device, dtype: torch.dtype, context: int | None):
-    kwargs = lm_kwargs_for(size)
-    if context:
-        kwargs["context"] = context
-    torch.manual_seed(0)
-    lm = KameLM(device=device, dtype=dtype, **kwargs).eval()
-    mimi = loaders.get_mimi(None, mimi_config_for(size), device=device, num_codebooks=kwargs["dep_q"])
-    return lm, mimi
+    bundle = load_random(size, device, dtype, context)
+    return bundle.lm, bundle.mimi
 
 
 def kv_cache_bytes(lm: KameLM, batch: int) -> int:

@@ -230,6 +230,33 @@ def load_tokenizer(files: CheckpointFiles, text_card: int) -> sentencepiece.Sent
     return sp
 
 
+RANDOM_PREFIX = "random:"
+
+
+def load_random(size: str, device: torch.device, dtype: torch.dtype, context: int | None = None) -> KameBundle:
+    """`random:SIZE`: the named architecture with random weights, no files needed.
+
+    For capacity tests of a GPU node before the real weights are there: speed does not depend on the
+    weights' values, but the bot says noise. The tokenizer is the tiny test one (its ids are valid at
+    every size), so oracle drafts still cost a real SentencePiece encode.
+    """
+    # Imported here: presets and the tiny tokenizer are only needed by this path.
+    from .presets import SIZES, lm_kwargs_for, mimi_config_for
+    from .tiny_checkpoint import train_tiny_tokenizer
+
+    if size not in SIZES:
+        raise CheckpointError(f"random:{size}: unknown size; choose one of {', '.join(SIZES)}")
+    log.warning("checkpoint random:%s: RANDOM WEIGHTS, for capacity tests only; the bot will speak noise", size)
+    kwargs = lm_kwargs_for(size)
+    if context:
+        kwargs["context"] = context
+    torch.manual_seed(0)
+    lm = KameLM(device=device, dtype=dtype, **kwargs).eval()
+    mimi = loaders.get_mimi(None, mimi_config_for(size), device=device, num_codebooks=kwargs["dep_q"])
+    tokenizer = sentencepiece.SentencePieceProcessor(model_proto=train_tiny_tokenizer())
+    return KameBundle(lm=lm, mimi=mimi, tokenizer=tokenizer, source=RANDOM_PREFIX + size)
+
+
 def load_kame(
     source: str,
     device: torch.device | str = "cpu",
@@ -237,10 +264,13 @@ def load_kame(
     context: int | None = None,
     revision: str | None = None,
 ) -> KameBundle:
-    """Load LM, Mimi and tokenizer. `context` caps the KV cache in frames (the call-length window)."""
+    """Load LM, Mimi and tokenizer from a directory, a Hugging Face repo id or `random:SIZE` (see
+    load_random). `context` caps the KV cache in frames (the call-length window)."""
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if source.startswith(RANDOM_PREFIX):
+        return load_random(source.removeprefix(RANDOM_PREFIX), device, dtype, context)
     files = resolve_checkpoint(source, revision)
     lm = load_lm(files, device, dtype, {"context": context} if context else None)
     return KameBundle(

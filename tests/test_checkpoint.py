@@ -119,3 +119,12 @@ def test_corrupt_weights_file(tiny_checkpoint: Path, tmp_path: Path) -> None:
     (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(CheckpointError, match="cannot read LM weights"):
         load_kame(str(ckpt))
+
+
+def test_random_checkpoint_builds_the_named_size_without_files() -> None:
+    """`random:SIZE` (capacity tests before real weights arrive) builds the architecture with a tokenizer."""
+    bundle = load_kame("random:tiny")
+    assert bundle.source == "random:tiny" and bundle.lm.oracle_emb.weight.shape == bundle.lm.text_emb.weight.shape
+    assert bundle.tokenizer.vocab_size() <= bundle.lm.text_card
+    with pytest.raises(CheckpointError, match="unknown size"):
+        load_kame("random:moshi-70b")

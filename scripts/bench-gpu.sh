@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The benchmarks that need a GPU, at full size with random weights (speed does not depend on the weights'
+# values). Usage: scripts/bench-gpu.sh OUTDIR [engine|oracle|media|all]
+# Needs the package importable (an installed venv, or PYTHONPATH=repo root) and a CUDA GPU with ~80 GB.
+# Each part writes OUTDIR/<part>.txt (what it printed) and OUTDIR/<part>.json (the figures).
+set -uo pipefail
+out=${1:?usage: scripts/bench-gpu.sh OUTDIR [engine|oracle|media|all]}
+what=${2:-all}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+
+if [[ $what == engine || $what == all ]]; then
+  # context 2000 frames (160 s) is what lets 48 calls' KV caches fit 80 GB (docs/benchmarks.md).
+  timeout 540 "$py" -m kame_phone.cli bench engine --size moshi-7b --batch 1,8,16,32,48,64 --context 2000 \
+    --json "$out/engine.json" 2>&1 | tee "$out/engine.txt"
+fi
+if [[ $what == oracle || $what == all ]]; then
+  # 32 calls, the engine in its own process as served.
+  timeout 200 "$py" -m kame_phone.cli bench oracle --size moshi-7b --calls 32 --seconds 20 --context 2000 \
+    --engine-process --json "$out/oracle.json" 2>&1 | tee "$out/oracle.txt"
+fi
+if [[ $what == media || $what == all ]]; then
+  # The phone edge alone (no model), 200 calls: one edge process, then two and four on one engine link.
+  for edges in 1 2 4; do
+    timeout 120 "$py" -m kame_phone.cli bench media --calls 200 --seconds 20 --edges "$edges" \
+      $([[ $edges == 1 ]] || echo --engine-link) --json "$out/media-$edges.json" 2>&1 | tee "$out/media-$edges.txt"
+  done
+fi
