@@ -273,6 +273,7 @@ def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
 
     from .batch import KameBatch
     from .checkpoint import load_kame
+    from .heap import freeze_startup_heap
 
     if spec.torch_threads > 0:
         torch.set_num_threads(spec.torch_threads)
@@ -295,6 +296,8 @@ def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
     except Exception as e:
         send(("failed", f"{type(e).__name__}: {e}"))
         return
+    # This process's heap is mostly torch and the model; a full collection over it stalls every call's tick.
+    freeze_startup_heap()
     send(("ready",))
     _serve_commands(conn, loop)
 

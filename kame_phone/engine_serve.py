@@ -20,8 +20,9 @@ import sys
 
 from aiohttp import web
 
+from engine.heap import freeze_startup_heap
 from engine.remote import Address, EngineServer
-from telephony.server import freeze_startup_heap, handle_metrics
+from telephony.server import handle_metrics
 
 from .app import load_engine
 
