@@ -8,6 +8,7 @@ thread: the frame loop drives it, and tests step it directly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,18 +97,19 @@ class KameBatch:
         self._fresh |= rows
 
     @torch.no_grad()
-    def step(self, pcm: np.ndarray, active: np.ndarray, oracle: np.ndarray) -> StepResult:
+    def step(
+        self, pcm: np.ndarray, active: np.ndarray, oracle: np.ndarray | Callable[[], np.ndarray]
+    ) -> StepResult:
         """Advance every active row by one 80 ms frame.
 
         pcm: [B, FRAME_SAMPLES] float32 caller audio (silence for inactive rows); active: [B] bool;
-        oracle: [B] int64, the oracle token each row feeds this step.
+        oracle: [B] int64, the oracle token each row feeds this step, or a function returning it, called
+        as late as possible (after the Mimi encode is issued) so a draft that lands meanwhile still makes
+        this tick.
         """
         B = self.batch_size
         assert pcm.shape == (B, FRAME_SAMPLES), pcm.shape
         self._pcm_in[:, 0].copy_(torch.from_numpy(np.ascontiguousarray(pcm, dtype=np.float32)))
-        self._oracle_in[:, 0].copy_(torch.from_numpy(np.ascontiguousarray(oracle, dtype=np.int64)))
-        # In place into the buffer the captured graph reads.
-        self._oracle.copy_(self._oracle_in, non_blocking=True)
         active_mask = self._mask(active)
         self.lm_gen.set_exec_mask(active_mask)
         self.mimi.set_exec_mask(active_mask)
@@ -120,6 +122,10 @@ class KameBatch:
             self.mimi.reset_streaming(self._mask(first))
             self._fresh &= ~first
 
+        tokens = oracle() if callable(oracle) else oracle
+        self._oracle_in[:, 0].copy_(torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)))
+        # In place into the buffer the captured graph reads.
+        self._oracle.copy_(self._oracle_in, non_blocking=True)
         out = self.lm_gen.step(codes)  # [B, 1 + dep_q, 1]
         assert out is not None  # support_out_of_sync never returns None
         audio = out[:, 1:, :]

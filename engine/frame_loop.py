@@ -245,7 +245,14 @@ class FrameLoop:
                     self.stats.underruns += 1
                     metrics.ENGINE_UNDERRUNS.inc()
                 held[row] = self._held(slot)
-                if not held[row]:  # while held the oracle waits: padding, cursor unmoved
+            self._tick_no += 1
+
+        def take_oracle() -> np.ndarray:
+            """The oracle token of every row, read by the batch right before the LM step."""
+            with self._lock:
+                for row, slot in enumerate(slots):
+                    if slot is None or held[row]:  # while held the oracle waits: padding, cursor unmoved
+                        continue
                     oracle[row] = slot.oracle.next_token()
                     if slot.oracle.lag_from is not None and oracle[row] == slot.oracle.start_token:
                         now = self.clock()
@@ -255,9 +262,10 @@ class FrameLoop:
                         fed.observe()
                         self.oracle_fed.append(fed)
                         slot.oracle.lag_from = None
-            self._tick_no += 1
+            return oracle
+
         self.batch.reset_rows(reset)
-        result = self.batch.step(pcm, active, oracle)
+        result = self.batch.step(pcm, active, take_oracle)
         delivered = []
         for row, slot in enumerate(slots):
             if slot is None:
