@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TranscriptCallback = Callable[[str, bool, float], None]  # (text, final, at)
+DRAFT_UPDATE_INTERVAL_S = 0.08  # a growing draft reaches the engine at most once per frame
 OracleCallback = Callable[[str, float, int], None]  # (draft text, triggered_at, candidate_id)
 ErrorCallback = Callable[[Literal["stt_error", "llm_error"], str], None]  # (kind, detail)
 
@@ -233,6 +234,12 @@ class CallBackend:
                 log.warning("call %s: closing the STT failed", self.call_id, exc_info=True)
 
     # --- plumbing ----------------------------------------------------------------------------------
+    def _deliver_draft(self, text: str, triggered_at: float, candidate_id: int) -> None:
+        try:
+            self._on_oracle(text, triggered_at, candidate_id)
+        except Exception:
+            log.exception("call %s: on_oracle callback failed", self.call_id)
+
     def _spawn(self, coro, name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=f"{name}:{self.call_id}")
         self._tasks.add(task)
@@ -361,14 +368,25 @@ class CallBackend:
         assert self._llm is not None
         # ORACLE_LAG_SECONDS is observed by the frame loop, when the candidate's first token is fed.
         try:
-            async with contextlib.aclosing(self._llm.stream_draft(messages, call_id=self.call_id)) as drafts:
+            request_id = f"{self.call_id}-{candidate_id}"
+            drafts_stream = self._llm.stream_draft(messages, call_id=self.call_id, request_id=request_id)
+            sent_at: float | None = None
+            unsent: str | None = None
+            async with contextlib.aclosing(drafts_stream) as drafts:
                 async for text in drafts:
                     if candidate_id != self._candidate_id:
                         return  # superseded between two chunks (aclosing closes the HTTP stream)
-                    try:
-                        self._on_oracle(text, triggered_at, candidate_id)
-                    except Exception:
-                        log.exception("call %s: on_oracle callback failed", self.call_id)
+                    # The first draft goes at once (it is the lag that matters); growth at most once per
+                    # frame: the engine feeds one token per 80 ms frame while an LLM streams several, and
+                    # each update is a message to the engine and a re-tokenization of the whole draft.
+                    now = self._clock()
+                    if sent_at is None or now - sent_at >= DRAFT_UPDATE_INTERVAL_S:
+                        self._deliver_draft(text, triggered_at, candidate_id)
+                        sent_at, unsent = now, None
+                    else:
+                        unsent = text
+            if unsent is not None and candidate_id == self._candidate_id:
+                self._deliver_draft(unsent, triggered_at, candidate_id)
         except LlmError as exc:  # counted and logged by the client
             if candidate_id == self._candidate_id:
                 self.policy.on_failure(self._clock())

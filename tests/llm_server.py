@@ -28,6 +28,7 @@ class FakeLlm:
     delay_s: float = 0.0  # before the response starts
     chunk_delay_s: float = 0.0  # between streamed chunks
     requests: list[dict] = field(default_factory=list)
+    request_ids: list[str | None] = field(default_factory=list)  # each request's X-Request-Id
     failures_left: int | None = None  # fail this many requests as `mode` says, then answer normally
     disconnects: int = 0  # streams the client walked away from
     base_url: str = ""
@@ -35,6 +36,7 @@ class FakeLlm:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        self.request_ids.append(request.headers.get("X-Request-Id"))
         mode = self.mode
         if self.failures_left is not None:
             mode = mode if self.failures_left > 0 else "ok"

@@ -284,7 +284,7 @@ async def test_stream_draft_yields_growing_drafts(llm_server: FakeLlm) -> None:
     llm = make_llm(llm_server)
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "what time do you open"}]
     requests_before = llm_requests()
-    drafts = [d async for d in llm.stream_draft(messages, call_id="c1")]
+    drafts = [d async for d in llm.stream_draft(messages, call_id="c1", request_id="c1-7")]
     await llm.aclose()
     assert llm_requests() == requests_before + 1  # one request, however many chunks
     answer = answer_for(messages)
@@ -292,6 +292,7 @@ async def test_stream_draft_yields_growing_drafts(llm_server: FakeLlm) -> None:
     assert all(b.startswith(a) and len(b) > len(a) for a, b in zip(drafts, drafts[1:], strict=False))
     (req,) = llm_server.requests
     assert req["model"] == "kame-test" and req["stream"] is True and req["messages"] == messages
+    assert llm_server.request_ids == ["c1-7"]  # so the LLM server's logs can be joined with ours
 
 
 @pytest.mark.parametrize(
@@ -402,6 +403,7 @@ async def test_speech_reaches_the_llm_and_its_answer_becomes_the_oracle(
     tmp_path: Path, llm_server: FakeLlm, executor
 ) -> None:
     llm = make_llm(llm_server)
+    llm_server.chunk_delay_s = 0.02  # a word every 20 ms: faster than the engine's one token per 80 ms
     pool = DecoderPool()
     rec, backend = await run_call(
         tmp_path, llm_server, llm, executor, "My flight to Boston was cancelled this morning.", "call-A", pool
@@ -415,7 +417,12 @@ async def test_speech_reaches_the_llm_and_its_answer_becomes_the_oracle(
     last_id = rec.oracles[-1][1]
     texts = [t for t, cid in rec.oracles if cid == last_id]
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+    # The first word went at once; the growth reached the engine at most once per 80 ms frame, whole at the end.
+    answer = answer_for(llm_server.requests[-1]["messages"])
+    assert texts[0] == answer.split(" ")[0] and texts[-1] == answer
+    assert 2 <= len(texts) < len(answer.split(" "))
     assert [cid for _, cid in rec.oracles] == sorted(cid for _, cid in rec.oracles)
+    assert llm_server.request_ids[-1] == f"call-A-{last_id}"  # each request names its call and candidate
     await backend.aclose()
     await backend.aclose()  # idempotent
     assert (pool.created, pool.idle) == (1, 1)  # the decoder went back for the next call
@@ -726,3 +733,17 @@ async def test_services_warm_up_prebuilds_pooled_decoders() -> None:
     await services.warm_up(2)
     assert DECODER_POOL.idle >= 2
     await services.aclose()
+
+
+async def test_sse_events_are_parsed_as_the_spec_says() -> None:
+    """Data lines join with newlines, comments are skipped, and an error event ends the stream."""
+    from engine.llm import LlmStreamError, _sse_data
+
+    async def lines(*items: str):  # type: ignore[no-untyped-def]
+        for item in items:
+            yield item
+
+    got = [d async for d in _sse_data(lines(": keep-alive", "", 'data: {"a":', "data: 1}", "", "data: [DONE]", ""))]
+    assert got == ['{"a":\n1}', "[DONE]"]
+    with pytest.raises(LlmStreamError, match="overloaded"):
+        [d async for d in _sse_data(lines("event: error", "data: overloaded", ""))]
