@@ -99,7 +99,8 @@ def _bench(args: argparse.Namespace) -> int:
             run_oracle_bench(
                 calls=args.calls, seconds=args.seconds, ttft_ms=args.llm_ttft_ms,
                 engine_process=args.engine_process, torch_threads=args.torch_threads,
-                ttft_jitter_ms=args.llm_ttft_jitter_ms,
+                size=args.size, ttft_jitter_ms=args.llm_ttft_jitter_ms,
+                device=args.device or ("cuda" if args.size != "tiny" and _cuda() else "cpu"), context=args.context,
             )
         )
         if args.json:
@@ -188,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seconds", type=float, default=20.0, help="media/oracle bench: how long")
     bench.add_argument("--llm-ttft-ms", type=float, default=300.0, help="oracle bench: the LLM's fixed TTFT")
     bench.add_argument("--llm-ttft-jitter-ms", type=float, default=0.0,
-                       help="oracle bench: vary each TTFT uniformly by up to this much")
+                       help="oracle bench: vary each request's TTFT uniformly by up to this much")
     bench.add_argument("--engine-process", action="store_true", help="oracle bench: the engine in its own process")
     bench.add_argument("--engine-link", action="store_true",
                        help="media bench: the loopback engine in its own process, reached over the engine link")
