@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--checkpoint", default="SakanaAI/kame", help="Hugging Face repo id or local checkpoint dir")
+    g.add_argument("--checkpoint", default="SakanaAI/kame",
+                   help="Hugging Face repo id, local checkpoint dir, or random:moshi-7b (random weights, load tests)")
     g.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available)")
     g.add_argument("--max-calls", type=int, default=8, help="call slots in the batch")
     g.add_argument("--context", type=int, default=None, help="KV window in 80 ms frames (3000 = 4 min)")
