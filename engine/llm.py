@@ -10,6 +10,7 @@ some servers echo request headers back in their error bodies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -98,13 +99,17 @@ async def _sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
                 event = value
             continue
         if data:
-            joined = "\n".join(data)
-            if event == "error" or joined.startswith('{"error"'):
-                raise LlmStreamError(joined[:200])
-            yield joined
+            yield _event_data(event, data)
         event, data = "", []
     if data:  # a last event without its blank line
-        yield "\n".join(data)
+        yield _event_data(event, data)
+
+
+def _event_data(event: str, data: list[str]) -> str:
+    joined = "\n".join(data)
+    if event == "error":
+        raise LlmStreamError(joined[:200])
+    return joined
 
 
 def _delta_content(chunk: Any) -> str | None:
@@ -116,7 +121,7 @@ def _delta_content(chunk: Any) -> str | None:
     choices = chunk.get("choices")
     if not choices:  # e.g. a trailing usage chunk
         return None
-    piece = choices[0]["delta"].get("content")
+    piece = (choices[0].get("delta") or {}).get("content")  # some servers end with a choice without delta
     if piece is not None and not isinstance(piece, str):
         raise TypeError(f"delta.content is {type(piece).__name__}, not str")
     return piece
@@ -178,19 +183,21 @@ class LlmClient:
                 **extra,  # type: ignore[arg-type]
             ) as response:
                 streaming = True
-                async for data in _sse_data(response.iter_lines()):
-                    if data == "[DONE]":
-                        break
-                    piece = _delta_content(json.loads(data))
-                    if not piece:
-                        continue
-                    if not text:
-                        metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
-                        piece = piece.lstrip()
+                # Closed with the response, not left for the garbage collector to finalize.
+                async with contextlib.aclosing(_sse_data(response.iter_lines())) as events:
+                    async for data in events:
+                        if data == "[DONE]":
+                            break
+                        piece = _delta_content(json.loads(data))
                         if not piece:
                             continue
-                    text += piece
-                    yield text
+                        if not text:
+                            metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
+                            piece = piece.lstrip()
+                            if not piece:
+                                continue
+                        text += piece
+                        yield text
         except asyncio.CancelledError:
             raise
         except Exception as exc:
