@@ -367,11 +367,11 @@ class CallBackend:
     async def _stream_request(self, candidate_id: int, messages: list[dict[str, str]], triggered_at: float) -> None:
         assert self._llm is not None
         # ORACLE_LAG_SECONDS is observed by the frame loop, when the candidate's first token is fed.
+        sent_at: float | None = None
+        unsent: str | None = None  # the newest draft, held back until a frame has passed
         try:
             request_id = f"{self.call_id}-{candidate_id}"
             drafts_stream = self._llm.stream_draft(messages, call_id=self.call_id, request_id=request_id)
-            sent_at: float | None = None
-            unsent: str | None = None
             async with contextlib.aclosing(drafts_stream) as drafts:
                 async for text in drafts:
                     if candidate_id != self._candidate_id:
@@ -389,6 +389,8 @@ class CallBackend:
                 self._deliver_draft(unsent, triggered_at, candidate_id)
         except LlmError as exc:  # counted and logged by the client
             if candidate_id == self._candidate_id:
+                if unsent is not None:  # what came before the failure is still the newest answer
+                    self._deliver_draft(unsent, triggered_at, candidate_id)
                 self.policy.on_failure(self._clock())
             self._report_error("llm_error", exc.kind)
             return

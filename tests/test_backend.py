@@ -476,6 +476,9 @@ async def test_llm_failure_is_counted_the_call_goes_on_and_retries(
     assert "boston" in final
     (failed,) = llm_server.requests
     assert last_user(failed) == final  # the caller's real words reached the LLM
+    if mode == "broken":  # 3 words came before the break: the engine got all of them, none held back
+        first_candidate = [text for text, cid in rec.oracles if cid == 1]
+        assert first_candidate[-1] == " ".join(answer_for(failed["messages"]).split(" ")[:3])
     # The call goes on: the caller is still heard (an open utterance, so partials only, no new trigger).
     more = frames_of(speech(tmp_path, "I would like to order a large pizza with cheese."), tail_s=0.1)
     await feed_frames(backend, more)
