@@ -6,8 +6,10 @@ Per call, three tasks on the event loop:
 - the policy loop polls `OraclePolicy` every `poll_interval_s` and starts a new LLM request when told;
 - at most one LLM request streams at a time: a new one cancels the one it supersedes.
 
-Every draft (the cumulative text of the current request) goes to `on_oracle`; each request has its own
-`candidate_id`, so the engine knows when a draft starts a new candidate rather than extending one.
+Drafts (the cumulative text of the current request) go to `on_oracle`: the first at once, then at most
+one per 80 ms frame (the engine feeds one oracle token per frame), and the whole answer at the end. Each
+request has its own `candidate_id` (also its `X-Request-Id`, `<call>-<candidate>`), so the engine knows
+when a draft starts a new candidate rather than extending one.
 Nothing here raises into the engine: STT and LLM failures are counted, logged and survived.
 """
 
