@@ -16,9 +16,11 @@ if [[ $what == engine || $what == all ]]; then
     --json "$out/engine.json" 2>&1 | tee "$out/engine.txt"
 fi
 if [[ $what == oracle || $what == all ]]; then
-  # 32 calls, the engine in its own process as served.
-  timeout 200 "$py" -m kame_phone.cli bench oracle --size moshi-7b --calls 32 --seconds 20 --context 2000 \
-    --engine-process --json "$out/oracle.json" 2>&1 | tee "$out/oracle.txt"
+  # 32 calls, the engine in its own process as served: a fixed TTFT (the target's setting), then varying.
+  for jitter in 0 100; do
+    timeout 200 "$py" -m kame_phone.cli bench oracle --size moshi-7b --calls 32 --seconds 20 --context 2000 \
+      --engine-process --llm-ttft-jitter-ms "$jitter" --json "$out/oracle-$jitter.json" 2>&1 | tee "$out/oracle-$jitter.txt"
+  done
 fi
 if [[ $what == media || $what == all ]]; then
   # The phone edge alone (no model), 200 calls: one edge process, then two and four on one engine link.
