@@ -179,6 +179,8 @@ async def run_oracle_bench(
 ) -> dict[str, Any]:
     """`size` "tiny" loads a generated tiny checkpoint through the real loader; any other size is
     `random:SIZE` (full-size architecture, random weights: the tick costs what it will in production)."""
+    if size != "tiny" and not device.startswith("cuda"):
+        raise SystemExit(f"size {size} needs a CUDA GPU (it is ~16 GB in bf16); use --size tiny on CPU")
     mp = multiprocessing.get_context("spawn")
     port_in, port_out = mp.Pipe(duplex=False)
     requests_in, requests_out = mp.Pipe(duplex=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from engine.bench import run_engine_bench
@@ -26,6 +27,8 @@ def test_full_size_needs_a_gpu() -> None:
 
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         run_engine_bench("moshi-7b", [1], "cpu")
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        asyncio.run(run_oracle_bench(size="moshi-7b", device="cpu"))
 
 
 async def test_oracle_bench_measures_lag_against_ttft() -> None:
