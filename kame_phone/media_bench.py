@@ -47,13 +47,12 @@ import numpy as np
 from prometheus_client import REGISTRY
 from twilio.request_validator import RequestValidator
 
-from engine.heap import freeze_startup_heap
 from engine.interface import FRAME_SAMPLES, FRAME_SECONDS, BotFrames, EngineClosed, EngineFull, EngineOutput
 from telephony import twilio_messages as tm
 from telephony.call_store import MemoryCallStore
 from telephony.config import ServiceConfig
 from telephony.mulaw import float_to_ulaw
-from telephony.server import VOICE_PATH, ServerContext, ServiceHandle
+from telephony.server import VOICE_PATH, ServerContext, ServiceHandle, freeze_startup_heap
 from telephony.signatures import SIGNATURE_HEADER, websocket_signature_url
 from telephony.twiml import parse_connect_stream
 

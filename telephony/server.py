@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import hmac
 import json
 import logging
@@ -16,7 +17,6 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from engine.heap import freeze_startup_heap
 from engine.interface import Engine
 
 from . import metrics
@@ -324,6 +324,14 @@ class ServiceHandle:
     async def aclose(self) -> None:
         await self.ctx.fanout.aclose()
         await self.runner.cleanup()
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (modules, the model's Python objects, the app) out of the collector's
+    sight. Without it a full collection walks them all: measured 140 ms with the audio of every call
+    stalled, a few times a minute under load. Call once, when start-up is done."""
+    gc.collect()
+    gc.freeze()
 
 
 async def run_service(
