@@ -6,7 +6,9 @@ holds ~100 calls within its latency budget (docs/benchmarks.md), so a node that 
 edge processes against one GPU engine, and the engine can sit on another node than its edges.
 
 Each edge asks for a number of seats in its hello and is granted at most what the engine has left; the
-seats are its `max_calls`, so cluster admission never books a seat another edge holds.
+seats are its `max_calls`, so cluster admission never books a seat another edge holds. Off loopback the
+hello carries a shared token; `tls://host:port` wraps the link in TLS (the edge checks the engine's
+certificate), since it carries the callers' audio.
 
 Wire: every message is a 4-byte big-endian length, one kind byte, a body. Control bodies are JSON; audio
 is raw 16-bit PCM (little-endian, 24 kHz): half of float32's bytes, which mattered (at 100 calls a tick is
@@ -30,6 +32,7 @@ import hmac
 import json
 import logging
 import socket
+import ssl
 import struct
 import time
 from collections.abc import AsyncIterator
@@ -183,11 +186,12 @@ def parse_frames(body: bytes | memoryview, now: float) -> BotFrames:
 
 @dataclass(frozen=True)
 class Address:
-    """`unix:/path/engine.sock`, `tcp://host:port` or `host:port`."""
+    """`unix:/path/engine.sock`, `tcp://host:port` (or `host:port`), or `tls://host:port` (TCP in TLS)."""
 
     unix_path: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
+    tls: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Address:
@@ -196,11 +200,12 @@ class Address:
             if not path:
                 raise ValueError("unix: address without a path")
             return cls(unix_path=path)
-        hostport = text.removeprefix("tcp://")
+        tls = text.startswith("tls://")
+        hostport = text.removeprefix("tls://").removeprefix("tcp://")
         host, sep, port = hostport.rpartition(":")
         if not sep or not port.isdigit():
-            raise ValueError(f"engine address {text!r}: want unix:/path or tcp://host:port")
-        return cls(host=host.strip("[]") or "127.0.0.1", port=int(port))
+            raise ValueError(f"engine address {text!r}: want unix:/path, tcp://host:port or tls://host:port")
+        return cls(host=host.strip("[]") or "127.0.0.1", port=int(port), tls=tls)
 
     @property
     def local_only(self) -> bool:
@@ -208,7 +213,21 @@ class Address:
         return self.unix_path is not None or self.host in ("127.0.0.1", "::1", "localhost")
 
     def __str__(self) -> str:
-        return f"unix:{self.unix_path}" if self.unix_path else f"tcp://{self.host}:{self.port}"
+        if self.unix_path:
+            return f"unix:{self.unix_path}"
+        return f"{'tls' if self.tls else 'tcp'}://{self.host}:{self.port}"
+
+
+def server_tls(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """The engine server's TLS: its certificate chain and key (PEM). Raises OSError/ssl.SSLError if unusable."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert_file, key_file)
+    return context
+
+
+def edge_tls(ca_file: str | None = None) -> ssl.SSLContext:
+    """An edge's TLS: verifies the engine's certificate against `ca_file` (PEM), else the system's CAs."""
+    return ssl.create_default_context(cafile=ca_file)
 
 
 def _tune_socket(writer: asyncio.StreamWriter, buffer_bytes: int = _SOCKET_BUFFER_BYTES) -> None:
@@ -250,10 +269,11 @@ class EngineServer:
 
     def __init__(
         self, engine: Engine, *, token: str | None, backlog_bytes: int = 8 << 20,
-        socket_buffer_bytes: int = _SOCKET_BUFFER_BYTES,
+        socket_buffer_bytes: int = _SOCKET_BUFFER_BYTES, tls: ssl.SSLContext | None = None,
     ) -> None:  # fmt: skip
         self.engine = engine
         self.token = token
+        self.tls = tls  # used on a tls:// address (server_tls)
         self.backlog_bytes = backlog_bytes  # unsent bytes to one edge beyond which its ticks are dropped
         self.socket_buffer_bytes = socket_buffer_bytes
         self._edges: set[_Edge] = set()
@@ -279,8 +299,11 @@ class EngineServer:
             self._server = await asyncio.start_unix_server(self._serve_edge, path=address.unix_path)
             bound = address
         else:
-            self._server = await asyncio.start_server(self._serve_edge, address.host, address.port)
-            bound = Address(host=address.host, port=self._server.sockets[0].getsockname()[1])
+            if address.tls and self.tls is None:
+                raise ValueError(f"{address} needs a certificate and key (engine-serve --tls-cert/--tls-key)")
+            ssl_context = self.tls if address.tls else None
+            self._server = await asyncio.start_server(self._serve_edge, address.host, address.port, ssl=ssl_context)
+            bound = Address(host=address.host, port=self._server.sockets[0].getsockname()[1], tls=address.tls)
         self._fanout = asyncio.create_task(self._fan_out_frames(), name="engine-link-frames")
         log.info("engine link listening on %s (%d seats)", bound, self.engine.max_calls)
         return bound
@@ -524,10 +547,11 @@ class RemoteEngine:
 
     def __init__(
         self, address: Address, *, token: str | None, seats: int, name: str | None = None,
-        backlog_bytes: int = 1 << 20, frames_queue_ticks: int = 8,
+        backlog_bytes: int = 1 << 20, frames_queue_ticks: int = 8, tls: ssl.SSLContext | None = None,
     ) -> None:  # fmt: skip
         self.address = address
         self.token = token
+        self.tls = tls  # on a tls:// address; None: the system's CAs (edge_tls())
         self.requested_seats = seats
         self.name = name or socket.gethostname()
         self.backlog_bytes = backlog_bytes  # ~130 frames of caller audio unsent: the link is stuck, drop
@@ -554,6 +578,16 @@ class RemoteEngine:
         a = self.address
         if a.unix_path is not None:
             reader, writer = await asyncio.open_unix_connection(a.unix_path)
+        elif a.tls:
+            try:
+                reader, writer = await asyncio.open_connection(
+                    a.host, a.port, ssl=self.tls or edge_tls(), server_hostname=a.host
+                )
+            except ssl.SSLCertVerificationError as e:  # retrying will not make it trusted
+                raise LinkRefused(
+                    f"engine at {a}: its TLS certificate is not trusted ({e.verify_message}); "
+                    "set KAME_ENGINE_CA to the CA that signed it"
+                ) from None
         else:
             reader, writer = await asyncio.open_connection(a.host, a.port)
         writer.write(_json(b"H", {"token": self.token or "", "seats": self.requested_seats, "name": self.name}))

@@ -9,7 +9,7 @@ import os
 
 from engine.backend import BackendConfig, BackendServices
 from engine.batch import SamplingConfig
-from engine.remote import Address, LinkError, LinkRefused, RemoteEngine
+from engine.remote import Address, LinkError, LinkRefused, RemoteEngine, edge_tls
 from engine.service import EngineConfig, LocalEngine
 
 log = logging.getLogger(__name__)
@@ -74,10 +74,12 @@ async def connect_engine(args: argparse.Namespace) -> RemoteEngine:
     loading its model); a wrong token fails at once."""
     address = Address.parse(args.engine)
     token = os.environ.get("KAME_ENGINE_TOKEN") or None
+    # tls://: the engine's certificate is checked against KAME_ENGINE_CA (a PEM file), else the system's CAs.
+    tls = edge_tls(os.environ.get("KAME_ENGINE_CA") or None) if address.tls else None
     delay = 0.5
     while True:
         try:
-            return await RemoteEngine.connect(address, token=token, seats=args.max_calls)
+            return await RemoteEngine.connect(address, token=token, seats=args.max_calls, tls=tls)
         except LinkRefused:
             raise
         except (OSError, LinkError) as e:

@@ -149,14 +149,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-json", action="store_true", default=os.environ.get("KAME_LOG_JSON") == "1",
                        help="JSON log lines (also KAME_LOG_JSON=1)")
     serve.add_argument("--engine", default=os.environ.get("KAME_ENGINE_ADDRESS"), metavar="ADDRESS",
-                       help="use the engine of a `kame-phone engine-serve` at unix:/path or tcp://host:port "
-                            "(token in $KAME_ENGINE_TOKEN) instead of loading one; --max-calls is the seats to ask for")
+                       help="use the engine of a `kame-phone engine-serve` at unix:/path, tcp://host:port or "
+                            "tls://host:port (token in $KAME_ENGINE_TOKEN; for tls://, the CA in $KAME_ENGINE_CA) "
+                            "instead of loading one; --max-calls is the seats to ask for")
     add_engine_arguments(serve)
     serve.set_defaults(func=_serve)
 
     engine_serve = sub.add_parser("engine-serve", help="run the engine alone, for `serve --engine` edges to share")
     engine_serve.add_argument("--listen", required=True, metavar="ADDRESS",
-                              help="unix:/path/engine.sock or tcp://host:port (off loopback: needs $KAME_ENGINE_TOKEN)")
+                              help="unix:/path/engine.sock, tcp://host:port or tls://host:port "
+                                   "(off loopback: needs $KAME_ENGINE_TOKEN)")
+    engine_serve.add_argument("--tls-cert", default=os.environ.get("KAME_ENGINE_TLS_CERT"), metavar="PEM",
+                              help="certificate chain for a tls:// address (also $KAME_ENGINE_TLS_CERT)")
+    engine_serve.add_argument("--tls-key", default=os.environ.get("KAME_ENGINE_TLS_KEY"), metavar="PEM",
+                              help="its private key (also $KAME_ENGINE_TLS_KEY)")
     engine_serve.add_argument("--http-port", type=int, default=9091, help="/healthz, /readyz and /metrics")
     engine_serve.add_argument("--http-host", default="127.0.0.1")
     engine_serve.add_argument("--drain-timeout", type=float, default=600.0,

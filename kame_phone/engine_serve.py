@@ -16,12 +16,13 @@ import contextlib
 import logging
 import os
 import signal
+import ssl
 import sys
 
 from aiohttp import web
 
 from engine.heap import freeze_startup_heap
-from engine.remote import Address, EngineServer
+from engine.remote import Address, EngineServer, server_tls
 from telephony.server import handle_metrics
 
 from .app import load_engine
@@ -62,6 +63,20 @@ async def run_engine_server(args: argparse.Namespace) -> int:
         print("kame-phone engine-serve: listening beyond this machine needs KAME_ENGINE_TOKEN "
               "(edges send the same value)", file=sys.stderr)  # fmt: skip
         return 2
+    tls = None
+    if address.tls:
+        if not (args.tls_cert and args.tls_key):
+            print(f"kame-phone engine-serve: {address} needs --tls-cert and --tls-key "
+                  "(or KAME_ENGINE_TLS_CERT / KAME_ENGINE_TLS_KEY)", file=sys.stderr)  # fmt: skip
+            return 2
+        try:
+            tls = server_tls(args.tls_cert, args.tls_key)
+        except (OSError, ssl.SSLError) as e:
+            print(f"kame-phone engine-serve: cannot use the TLS certificate/key: {e}", file=sys.stderr)
+            return 2
+    elif not address.local_only:
+        log.warning("the engine link on %s is not encrypted: callers' audio crosses the network in clear "
+                    "(listen on tls://host:port with --tls-cert/--tls-key)", address)  # fmt: skip
     state: dict[str, object] = {}
     runner = web.AppRunner(_http_app(state), access_log=None)
     await runner.setup()
@@ -80,7 +95,7 @@ async def run_engine_server(args: argparse.Namespace) -> int:
             loading.cancel()
             return 0
         engine = state["engine"] = loading.result()
-        server = state["server"] = EngineServer(engine, token=token)
+        server = state["server"] = EngineServer(engine, token=token, tls=tls)
         bound = await server.listen(address)
         freeze_startup_heap()
         print(f"engine serving {engine.max_calls} seats on {bound}", flush=True)  # the line tests wait for

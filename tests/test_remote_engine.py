@@ -35,11 +35,13 @@ from engine.remote import (
     LinkRefused,
     RemoteEngine,
     audio_message,
+    edge_tls,
     event_message,
     frames_message,
     parse_audio,
     parse_event,
     parse_frames,
+    server_tls,
 )
 from kame_phone.media_bench import LoopbackEngine
 from telephony.call_store import MemoryCallStore
@@ -52,6 +54,8 @@ from .redis_support import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "e" * 32
+# A self-signed certificate for localhost/127.0.0.1 and its key, made for these tests only (valid to 2126).
+TLS_CERT, TLS_KEY = ROOT / "tests/data/engine-link-cert.pem", ROOT / "tests/data/engine-link-key.pem"
 
 
 def _body(message: bytes) -> bytes:
@@ -100,7 +104,9 @@ def test_addresses() -> None:
     assert Address.parse("[::1]:7000") == Address(host="::1", port=7000)
     assert Address.parse("unix:/x").local_only and Address.parse("127.0.0.1:1").local_only
     assert not Address.parse("tcp://10.0.0.5:7000").local_only
-    for bad in ("unix:", "engine.local", "tcp://host:port"):
+    assert Address.parse("tls://engine.internal:7070") == Address(host="engine.internal", port=7070, tls=True)
+    assert str(Address.parse("tls://engine.internal:7070")) == "tls://engine.internal:7070"
+    for bad in ("unix:", "engine.local", "tcp://host:port", "tls://host"):
         with pytest.raises(ValueError):
             Address.parse(bad)
 
@@ -128,11 +134,19 @@ async def engine_server(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable
     the test."""
     started: list[tuple[LoopbackEngine, EngineServer]] = []
 
-    async def start(max_calls: int, *, tcp: bool = False, **kwargs: Any) -> tuple[EngineServer, Address]:
+    async def start(
+        max_calls: int, *, tcp: bool = False, tls: bool = False, **kwargs: Any
+    ) -> tuple[EngineServer, Address]:
         engine = LoopbackEngine(max_calls=max_calls)
         server = EngineServer(engine, **{"token": None, **kwargs})
         started.append((engine, server))
-        where = Address(host="127.0.0.1", port=0) if tcp else Address(unix_path=str(tmp_path / "engine.sock"))
+        if tls:
+            server.tls = server_tls(str(TLS_CERT), str(TLS_KEY))
+        where = (
+            Address(host="127.0.0.1", port=0, tls=tls)
+            if tcp or tls
+            else Address(unix_path=str(tmp_path / "engine.sock"))
+        )
         return server, await server.listen(where)
 
     yield start
@@ -234,6 +248,40 @@ async def test_a_broken_peer_is_dropped_and_the_other_edge_keeps_its_calls(tmp_p
         assert good.ready and not good.failed
     finally:
         await good.stop()
+
+
+async def test_over_tls_a_call_crosses_and_an_untrusted_engine_is_refused(engine_server) -> None:
+    """tls://: the edge checks the engine's certificate (a test-only self-signed one in tests/data) and the
+    call's audio goes both ways through TLS; an edge that does not trust it is refused for good."""
+    server, address = await engine_server(1, tls=True)
+    assert address.tls
+    with pytest.raises(LinkRefused, match="not trusted"):
+        await RemoteEngine.connect(address, token=None, seats=1, tls=edge_tls())  # the system's CAs only
+    edge = await RemoteEngine.connect(address, token=None, seats=1, tls=edge_tls(str(TLS_CERT)))
+    try:
+        writer = edge._writer
+        assert writer is not None and writer.get_extra_info("ssl_object") is not None  # it is TLS
+        call = await edge.open_call("CA-tls")
+        ticks = aiter(edge.bot_frames())
+        for _ in range(3):
+            call.push_audio(np.full(FRAME_SAMPLES, 0.25, np.float32))
+        async with asyncio.timeout(5):
+            while True:  # the loopback engine's echo came back through TLS
+                tick = await anext(ticks)
+                if tick.call_ids == ("CA-tls",) and tick.voiced[0] and np.allclose(tick.pcm[0], 0.25, atol=1e-4):
+                    break
+    finally:
+        await edge.stop()
+
+
+def test_engine_serve_wants_a_certificate_for_tls(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from kame_phone.cli import main
+
+    assert main(["engine-serve", "--listen", "tls://127.0.0.1:0", "--checkpoint", str(tmp_path)]) == 2
+    assert "needs --tls-cert and --tls-key" in capsys.readouterr().err
+    missing = ["--tls-cert", str(tmp_path / "no.pem"), "--tls-key", str(tmp_path / "no.pem")]
+    assert main(["engine-serve", "--listen", "tls://127.0.0.1:0", *missing, "--checkpoint", str(tmp_path)]) == 2
+    assert "cannot use the TLS certificate/key" in capsys.readouterr().err
 
 
 async def test_an_edge_that_stops_reading_loses_its_ticks_not_the_others(tmp_path: Path, engine_server) -> None:
