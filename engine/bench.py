@@ -58,11 +58,6 @@ def _device_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
-def build_random(size: str, device: torch.device, dtype: torch.dtype, context: int | None):
-    bundle = load_random(size, device, dtype, context)
-    return bundle.lm, bundle.mimi
-
-
 def kv_cache_bytes(lm: KameLM, batch: int) -> int:
     """Main transformer KV cache: layers x (K and V) x batch x heads x context x head_dim."""
     layer = lm.transformer.layers[0].self_attn
@@ -126,7 +121,8 @@ def run_engine_bench(
         dtype or ("bf16" if dev.type == "cuda" else "fp32")
     ]
     torch.set_grad_enabled(False)
-    lm, mimi = build_random(size, dev, torch_dtype, context)
+    bundle = load_random(size, dev, torch_dtype, context)
+    lm, mimi = bundle.lm, bundle.mimi
     report = BenchReport(
         size=size,
         device=str(dev),

@@ -38,6 +38,7 @@ from aiohttp import web
 
 from engine.backend import CallBackend
 from engine.batch import SamplingConfig
+from engine.checkpoint import RANDOM_PREFIX
 from engine.heap import freeze_startup_heap
 from engine.interface import FRAME_SAMPLES, FRAME_SECONDS
 from engine.llm import LlmClient, LlmConfig
@@ -192,7 +193,7 @@ async def run_oracle_bench(
     try:
         engine = EngineConfig(
             device=device, max_calls=calls, sampling=SamplingConfig(), engine_process=engine_process,
-            torch_threads=torch_threads, context=context, checkpoint="" if size == "tiny" else f"random:{size}",
+            torch_threads=torch_threads, context=context, checkpoint="" if size == "tiny" else RANDOM_PREFIX + size,
         )
         return await _run(engine, seconds, ttft_ms, ttft_jitter_ms, log, port_in, stop, requests_in)
     finally:
@@ -295,8 +296,8 @@ async def _drain(stream: AsyncIterator[Any]) -> None:
 
 
 def _model_name(checkpoint: str) -> str:
-    if checkpoint.startswith("random:"):
-        return checkpoint.removeprefix("random:") + " (random weights)"
+    if checkpoint.startswith(RANDOM_PREFIX):
+        return checkpoint.removeprefix(RANDOM_PREFIX) + " (random weights)"
     return "tiny model"
 
 

@@ -36,3 +36,5 @@ async def test_oracle_bench_measures_lag_against_ttft() -> None:
     assert result["llm_requests"] >= 2 and result["candidates_fed"] >= 2
     assert result["llm_ttft_client_p50_ms"] >= 100.0  # the server's fixed latency is part of what the client sees
     assert result["oracle_lag_p50_ms"] >= result["llm_ttft_client_p50_ms"]
+    # Matched to the server's own TTFT by request id: the client cannot see a token before it is sent.
+    assert result["on_loop_p50_ms"] >= 0.0 and result["lag_minus_ttft_p50_ms"] >= result["on_loop_p50_ms"]
