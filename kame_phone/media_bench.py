@@ -65,6 +65,7 @@ TARGET_MS = 5.0
 LAST_BUCKET_MS = 50.0  # the media histograms' largest finite bucket
 INBOUND_METRIC = "kame_media_inbound_seconds"
 OUTBOUND_METRIC = "kame_media_outbound_seconds"
+FANOUT_METRIC = "kame_media_fanout_seconds"  # per tick, by phase: where the outbound time goes
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -473,6 +474,17 @@ def _histogram(name: str) -> list[tuple[float, float]]:
     raise KeyError(name)
 
 
+def _histograms_by(name: str, label: str) -> dict[str, list[tuple[float, float]]]:
+    """`_histogram` for each value of `label` of a labelled histogram (none observed yet: empty)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for metric in REGISTRY.collect():
+        if metric.name == name:
+            for s in metric.samples:
+                if s.name == name + "_bucket":
+                    out.setdefault(s.labels[label], []).append((float(s.labels["le"]), s.value))
+    return out
+
+
 def _host_cpu_s() -> tuple[float, float]:
     """(busy, steal) CPU seconds of the whole machine since boot, all cores, from /proc/stat."""
     try:
@@ -493,12 +505,14 @@ class _Snapshot:
     host_steal: float
     inbound: list[tuple[float, float]]
     outbound: list[tuple[float, float]]
+    fanout: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # by phase
 
     @classmethod
     def take(cls) -> _Snapshot:
         busy, steal = _host_cpu_s()
         return cls(
-            time.monotonic(), time.process_time(), busy, steal, _histogram(INBOUND_METRIC), _histogram(OUTBOUND_METRIC)
+            time.monotonic(), time.process_time(), busy, steal, _histogram(INBOUND_METRIC), _histogram(OUTBOUND_METRIC),
+            _histograms_by(FANOUT_METRIC, "phase"),
         )
 
 
@@ -599,6 +613,14 @@ def _round(x: float) -> float | None:  # None where /proc/stat could not be read
     return round(x, 1) if math.isfinite(x) else None
 
 
+def _phase_quantiles(a: _Snapshot, b: _Snapshot, q: float) -> dict[str, float | None]:
+    """The q-quantile (ms) of each fan-out phase between two snapshots."""
+    return {
+        phase: _ms(bucket_quantile(a.fanout[phase], after, q)) if phase in a.fanout else None
+        for phase, after in b.fanout.items()
+    }
+
+
 def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1000, 3)
 
@@ -647,6 +669,9 @@ async def run_media_bench(
         "outbound_p50_ms": _ms(bucket_quantile(a.outbound, b.outbound, 0.50)),
         "outbound_p99_ms": _ms(bucket_quantile(a.outbound, b.outbound, 0.99)),
         "outbound_within_5ms": share_within(a.outbound, b.outbound, TARGET_MS / 1000),
+        # where a tick's way out goes (per tick, not per call): the last call of a tick waits for all of it
+        "fanout_p50_ms": _phase_quantiles(a, b, 0.50),
+        "fanout_p99_ms": _phase_quantiles(a, b, 0.99),
         "run_inbound_p99_ms": _ms(bucket_quantile(run_start.inbound, run_end.inbound, 0.99)),
         "run_outbound_p99_ms": _ms(bucket_quantile(run_start.outbound, run_end.outbound, 0.99)),
         # exact, caller process <-> engine, same clock: kernel and event-loop queueing included
@@ -821,8 +846,16 @@ def _merge_windows(pairs: list[tuple[_Snapshot, _Snapshot]]) -> tuple[_Snapshot,
         rows = [getattr(pair[side], name) for pair in pairs]
         return [(le, sum(row[i][1] for row in rows)) for i, (le, _) in enumerate(rows[0])]
 
+    def phases(side: int) -> dict[str, list[tuple[float, float]]]:
+        names = set.intersection(*(set(pair[side].fanout) for pair in pairs))
+        return {
+            name: [(le, sum(pair[side].fanout[name][i][1] for pair in pairs)) for i, (le, _) in
+                   enumerate(pairs[0][side].fanout[name])]
+            for name in names
+        }
+
     a0, b0 = pairs[0]
-    first = _Snapshot(start, 0.0, 0.0, 0.0, summed(0, "inbound"), summed(0, "outbound"))
+    first = _Snapshot(start, 0.0, 0.0, 0.0, summed(0, "inbound"), summed(0, "outbound"), phases(0))
     last = _Snapshot(
         end,
         sum(rate(a, b, lambda s: s.cpu) for a, b in pairs),
@@ -830,6 +863,7 @@ def _merge_windows(pairs: list[tuple[_Snapshot, _Snapshot]]) -> tuple[_Snapshot,
         rate(a0, b0, lambda s: s.host_steal),
         summed(1, "inbound"),
         summed(1, "outbound"),
+        phases(1),
     )
     return first, last
 
@@ -953,6 +987,10 @@ def format_table(r: dict[str, Any]) -> str:
         f"  (<= 5 ms: {pct(r['inbound_within_5ms'])})",
         f"outbound p50/p99   {ms(r['outbound_p50_ms'])} / {ms(r['outbound_p99_ms'])} ms"
         f"  (<= 5 ms: {pct(r['outbound_within_5ms'])})",
+        "tick phases        " + ", ".join(
+            f"{phase} {ms(r['fanout_p50_ms'].get(phase))}/{ms(r['fanout_p99_ms'].get(phase))}"
+            for phase in ("wait", "resample", "encode", "send")
+        ) + " ms (p50/p99 per tick)",
         f"wire, exact        in {exact(r['inbound_wire_p50_ms'])} / {exact(r['inbound_wire_p99_ms'])} ms,"
         f" out {exact(r['outbound_wire_p50_ms'])} / {exact(r['outbound_wire_p99_ms'])} ms (p50/p99, caller <-> engine)",
         f"loop lag p50/p99   {r['loop_lag_p50_ms']:.2f} / {r['loop_lag_p99_ms']:.2f} ms"

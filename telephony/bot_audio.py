@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ from threadpoolctl import threadpool_limits
 
 from engine.interface import BotFrames, Engine
 
+from . import metrics
 from .framing import FRAME_BYTES
 from .mulaw import float_to_ulaw
 from .resample import DownsamplerBank
@@ -28,6 +30,9 @@ if TYPE_CHECKING:
     from .media_session import MediaStreamSession
 
 log = logging.getLogger(__name__)
+
+# One child per phase, bound once: this runs every tick.
+_PHASE_SECONDS = {phase: metrics.MEDIA_FANOUT_SECONDS.labels(phase=phase) for phase in metrics.FANOUT_PHASES}
 
 
 class BotAudioFanout:
@@ -75,6 +80,7 @@ class BotAudioFanout:
 
     async def deliver(self, frames: BotFrames) -> None:
         """Play one tick: every row whose call is streaming here gets its text noted and its audio sent."""
+        began = time.monotonic()
         sessions: list[MediaStreamSession] = []
         rows: list[int] = []
         for i, call_id in enumerate(frames.call_ids):
@@ -89,15 +95,25 @@ class BotAudioFanout:
                 rows.append(i)
         if not rows:
             return
+        picked = time.monotonic()
         line = self.downsampler.process(sessions, frames.pcm[rows])
+        resampled = time.monotonic()
         mulaw, levels = float_to_ulaw(line), levels_dbfs(line)  # every row's 640 bytes, back to back
+        encoded = time.monotonic()
         sent_at = [
             await session.send_bot_audio(mulaw[k * FRAME_BYTES : (k + 1) * FRAME_BYTES])
             for k, session in enumerate(sessions)
         ]
+        sent = time.monotonic()
+        for phase, seconds in zip(
+            metrics.FANOUT_PHASES,
+            (began - frames.produced_at, resampled - picked, encoded - resampled, sent - encoded),
+            strict=True,
+        ):
+            _PHASE_SECONDS[phase].observe(seconds)
         # Bookkeeping and marks after every call's audio is out: they can wait a millisecond, the audio cannot.
-        for session, level, sent in zip(sessions, levels, sent_at, strict=True):
-            if sent is not None:
-                session.after_bot_audio(float(level), frames.produced_at, sent)
+        for session, level, at in zip(sessions, levels, sent_at, strict=True):
+            if at is not None:
+                session.after_bot_audio(float(level), frames.produced_at, at)
         for session in sessions:
             await session.send_mark_if_due()

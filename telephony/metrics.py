@@ -58,6 +58,15 @@ MEDIA_OUTBOUND_SECONDS = Histogram(
     "From engine output to the outbound media message being sent.",
     buckets=[b / 1000 for b in _MEDIA_BUCKETS_MS],
 )
+MEDIA_FANOUT_SECONDS = Histogram(
+    "kame_media_fanout_seconds",
+    "One engine tick on its way out of this edge, by phase: wait (engine output to the fan-out running),"
+    " resample (24 to 8 kHz, every call), encode (mu-law and levels), send (every call's message, back to"
+    " back). The last call of a tick waits for all four.",
+    ["phase"],
+    buckets=[b / 1000 for b in _MEDIA_BUCKETS_MS],
+)
+FANOUT_PHASES = ("wait", "resample", "encode", "send")
 MEDIA_OUTBOUND_DROPPED = Counter(
     "kame_media_outbound_dropped_frames_total",
     "Bot frames not sent because the peer was not reading its socket (its unsent backlog was full).",

@@ -24,6 +24,7 @@ from kame_phone.media_bench import LoopbackEngine
 from telephony import twilio_messages as tm
 from telephony.call_store import MemoryCallStore
 from telephony.config import ServiceConfig
+from telephony.metrics import FANOUT_PHASES
 from telephony.resample import Downsampler24to8, DownsamplerBank
 from telephony.server import MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
 from telephony.signatures import SIGNATURE_HEADER, websocket_signature_url
@@ -50,6 +51,21 @@ def test_bank_equals_one_downsampler_per_stream_as_calls_come_and_go() -> None:
         assert got.shape == (len(keys), FRAME_SAMPLES // 3)
         np.testing.assert_allclose(got, want, atol=2e-6)
     assert len(bank) == 5
+
+
+def test_a_tick_of_many_calls_goes_through_the_bank_in_chunks_each_row_its_own_stream() -> None:
+    """Past 16 calls the bank works a few rows at a time; rows in different chunks, and calls that move
+    from one chunk to another between ticks, must still continue their own stream."""
+    rng = np.random.default_rng(11)
+    keys = [f"call-{i}" for i in range(45)]
+    bank = DownsamplerBank()
+    reference = {key: Downsampler24to8() for key in keys}
+    for _ in range(4):
+        tick = [k for k in rng.permutation(keys) if rng.random() < 0.9]  # order and membership change
+        frames = (0.3 * rng.standard_normal((len(tick), FRAME_SAMPLES))).astype(np.float32)
+        got = bank.process(tick, frames)
+        want = np.stack([reference[k].process(row) for k, row in zip(tick, frames, strict=True)])
+        np.testing.assert_allclose(got, want, atol=2e-6)
 
 
 def test_bank_is_the_same_filter_so_aliases_stay_rejected() -> None:
@@ -93,6 +109,7 @@ async def test_every_call_hears_its_own_row_of_the_tick(tmp_path: Path) -> None:
     handle = await ServiceHandle(ctx).start()
     ws_url = handle.http_url.replace("http://", "ws://") + MEDIA_PATH
     tones = [400.0, 1000.0, 2200.0]
+    ticks_before = {phase: metric("kame_media_fanout_seconds_count", phase=phase) for phase in FANOUT_PHASES}
     t = np.arange(3 * 8000) / 8000
     try:
         reports = await asyncio.gather(
@@ -115,6 +132,11 @@ async def test_every_call_hears_its_own_row_of_the_tick(tmp_path: Path) -> None:
         assert report.outcome == "completed", report.errors
         assert report.bot_seconds_received > 2.0
         assert abs(dominant_hz(tmp_path / f"{hz:.0f}.wav") - hz) < 20, hz
+    # every tick that played audio was timed in each of its phases, once per tick (not once per call)
+    ticks = {p: metric("kame_media_fanout_seconds_count", phase=p) - ticks_before[p] for p in FANOUT_PHASES}
+    assert len(set(ticks.values())) == 1, ticks
+    # ~3.5 s of audio each, ~44 ticks that all three calls share (once per call would be ~130)
+    assert 30 <= ticks["send"] <= 60, ticks
 
 
 @dataclass

@@ -39,6 +39,11 @@ async def test_four_calls_keep_up() -> None:
     assert report["cpu_per_call_ms_per_s"] > 0
     assert report["machine"]["cores"] >= 1 and report["machine"]["python"]
     assert "real time" in "\n".join(lines)
+    # where a tick's way out went, phase by phase, read from the edge's own metric
+    assert set(report["fanout_p99_ms"]) == {"wait", "resample", "encode", "send"}
+    assert all(report["fanout_p50_ms"][p] <= report["fanout_p99_ms"][p] for p in report["fanout_p99_ms"])
+    assert report["fanout_p99_ms"]["send"] > 0
+    assert "tick phases" in "\n".join(lines)
 
 
 @pytest.mark.slow
@@ -57,6 +62,7 @@ async def test_the_engine_link_mode_measures_both_hops_and_the_engine_process() 
 async def test_several_edge_processes_share_the_calls_and_one_engine() -> None:
     report = await run_media_bench(calls=4, seconds=2, log=lambda _: None, edges=2)
     assert report["edges"] == 2 and report["engine_link"] is True and report["errors"] == []
+    assert report["fanout_p99_ms"]["send"] > 0  # both edges' phase histograms, summed
     assert report["calls_completed"] == 4 and report["realtime_ok_fraction"] == 1.0
     # the figures come from both edge processes (histograms summed, CPU added) and the engine process
     assert report["outbound_p50_ms"] is not None and report["server_cpu_pct"] > 0
