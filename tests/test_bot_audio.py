@@ -53,9 +53,9 @@ def test_bank_equals_one_downsampler_per_stream_as_calls_come_and_go() -> None:
     assert len(bank) == 5
 
 
-def test_a_tick_of_many_calls_goes_through_the_bank_in_chunks_each_row_its_own_stream() -> None:
-    """Past 16 calls the bank works a few rows at a time; rows in different chunks, and calls that move
-    from one chunk to another between ticks, must still continue their own stream."""
+def test_a_big_tick_in_a_new_order_each_time_keeps_every_row_on_its_own_stream() -> None:
+    """45 calls whose rows come in a different order (and some missing) each tick: every row must still
+    continue its own stream's filter history."""
     rng = np.random.default_rng(11)
     keys = [f"call-{i}" for i in range(45)]
     bank = DownsamplerBank()
