@@ -614,9 +614,10 @@ def _round(x: float) -> float | None:  # None where /proc/stat could not be read
 
 
 def _phase_quantiles(a: _Snapshot, b: _Snapshot, q: float) -> dict[str, float | None]:
-    """The q-quantile (ms) of each fan-out phase between two snapshots."""
+    """The q-quantile (ms) of each fan-out phase between two snapshots (a phase not yet observed at `a`
+    starts from zero)."""
     return {
-        phase: _ms(bucket_quantile(a.fanout[phase], after, q)) if phase in a.fanout else None
+        phase: _ms(bucket_quantile(a.fanout.get(phase) or [(le, 0.0) for le, _ in after], after, q))
         for phase, after in b.fanout.items()
     }
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kame_phone.media_bench import bucket_quantile, run_media_bench, share_within
+from kame_phone.media_bench import _phase_quantiles, _Snapshot, bucket_quantile, run_media_bench, share_within
 
 
 @pytest.mark.slow
@@ -77,3 +77,10 @@ def test_bucket_quantile_interpolates_inside_buckets() -> None:
     assert bucket_quantile(before, after, 0.995) == pytest.approx(0.005)  # past the last bound: the bound
     assert bucket_quantile(before, before, 0.5) is None
     assert share_within(before, after, 0.005) == pytest.approx(0.99)
+
+
+def test_a_fanout_phase_first_seen_inside_the_window_counts_from_zero() -> None:
+    after = [(0.001, 50.0), (0.002, 90.0), (0.005, 99.0), (math.inf, 100.0)]
+    a = _Snapshot(0.0, 0.0, 0.0, 0.0, [], [], {})  # taken before the first tick
+    b = _Snapshot(1.0, 0.0, 0.0, 0.0, [], [], {"send": after})
+    assert _phase_quantiles(a, b, 0.5) == {"send": pytest.approx(1.0)}  # ms
