@@ -51,6 +51,7 @@ from engine.interface import FRAME_SAMPLES, FRAME_SECONDS, BotFrames, EngineClos
 from telephony import twilio_messages as tm
 from telephony.call_store import MemoryCallStore
 from telephony.config import ServiceConfig
+from telephony.metrics import FANOUT_PHASES
 from telephony.mulaw import float_to_ulaw
 from telephony.server import VOICE_PATH, ServerContext, ServiceHandle, freeze_startup_heap
 from telephony.signatures import SIGNATURE_HEADER, websocket_signature_url
@@ -505,7 +506,7 @@ class _Snapshot:
     host_steal: float
     inbound: list[tuple[float, float]]
     outbound: list[tuple[float, float]]
-    fanout: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # by phase
+    fanout: dict[str, list[tuple[float, float]]]  # by phase
 
     @classmethod
     def take(cls) -> _Snapshot:
@@ -843,17 +844,15 @@ def _merge_windows(pairs: list[tuple[_Snapshot, _Snapshot]]) -> tuple[_Snapshot,
     def rate(a: _Snapshot, b: _Snapshot, x: Callable[[_Snapshot], float]) -> float:
         return (x(b) - x(a)) / (b.wall - a.wall) * window
 
-    def summed(side: int, name: str) -> list[tuple[float, float]]:
-        rows = [getattr(pair[side], name) for pair in pairs]
+    def added(rows: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:  # one histogram's buckets
         return [(le, sum(row[i][1] for row in rows)) for i, (le, _) in enumerate(rows[0])]
+
+    def summed(side: int, name: str) -> list[tuple[float, float]]:
+        return added([getattr(pair[side], name) for pair in pairs])
 
     def phases(side: int) -> dict[str, list[tuple[float, float]]]:
         names = set.intersection(*(set(pair[side].fanout) for pair in pairs))
-        return {
-            name: [(le, sum(pair[side].fanout[name][i][1] for pair in pairs)) for i, (le, _) in
-                   enumerate(pairs[0][side].fanout[name])]
-            for name in names
-        }
+        return {name: added([pair[side].fanout[name] for pair in pairs]) for name in names}
 
     a0, b0 = pairs[0]
     first = _Snapshot(start, 0.0, 0.0, 0.0, summed(0, "inbound"), summed(0, "outbound"), phases(0))
@@ -990,7 +989,7 @@ def format_table(r: dict[str, Any]) -> str:
         f"  (<= 5 ms: {pct(r['outbound_within_5ms'])})",
         "tick phases        " + ", ".join(
             f"{phase} {ms(r['fanout_p50_ms'].get(phase))}/{ms(r['fanout_p99_ms'].get(phase))}"
-            for phase in ("wait", "resample", "encode", "send")
+            for phase in FANOUT_PHASES
         ) + " ms (p50/p99 per tick)",
         f"wire, exact        in {exact(r['inbound_wire_p50_ms'])} / {exact(r['inbound_wire_p99_ms'])} ms,"
         f" out {exact(r['outbound_wire_p50_ms'])} / {exact(r['outbound_wire_p99_ms'])} ms (p50/p99, caller <-> engine)",
