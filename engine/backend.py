@@ -7,7 +7,8 @@ Per call, three tasks on the event loop:
 - at most one LLM request streams at a time: a new one cancels the one it supersedes.
 
 Drafts (the cumulative text of the current request) go to `on_oracle`: the first at once, then at most
-one per 80 ms frame (the engine feeds one oracle token per frame), and the whole answer at the end. Each
+one per 80 ms frame (the engine feeds one oracle token per frame), and the whole answer at the end, marked
+complete (until then the engine holds back the draft's unfinished last word). Each
 request has its own `candidate_id` (also its `X-Request-Id`, `<call>-<candidate>`), so the engine knows
 when a draft starts a new candidate rather than extending one.
 Nothing here raises into the engine: STT and LLM failures are counted, logged and survived.
@@ -42,7 +43,7 @@ T = TypeVar("T")
 
 TranscriptCallback = Callable[[str, bool, float], None]  # (text, final, at)
 DRAFT_UPDATE_INTERVAL_S = 0.08  # a growing draft reaches the engine at most once per frame
-OracleCallback = Callable[[str, float, int], None]  # (draft text, triggered_at, candidate_id)
+OracleCallback = Callable[[str, float, int, bool], None]  # (draft text, triggered_at, candidate_id, complete)
 ErrorCallback = Callable[[Literal["stt_error", "llm_error"], str], None]  # (kind, detail)
 
 
@@ -236,9 +237,9 @@ class CallBackend:
                 log.warning("call %s: closing the STT failed", self.call_id, exc_info=True)
 
     # --- plumbing ----------------------------------------------------------------------------------
-    def _deliver_draft(self, text: str, triggered_at: float, candidate_id: int) -> None:
+    def _deliver_draft(self, text: str, triggered_at: float, candidate_id: int, complete: bool = False) -> None:
         try:
-            self._on_oracle(text, triggered_at, candidate_id)
+            self._on_oracle(text, triggered_at, candidate_id, complete)
         except Exception:
             log.exception("call %s: on_oracle callback failed", self.call_id)
 
@@ -370,7 +371,7 @@ class CallBackend:
         assert self._llm is not None
         # ORACLE_LAG_SECONDS is observed by the frame loop, when the candidate's first token is fed.
         sent_at: float | None = None
-        unsent: str | None = None  # the newest draft, held back until a frame has passed
+        latest: str | None = None  # the newest draft (it may be held back until a frame has passed)
         try:
             request_id = f"{self.call_id}-{candidate_id}"
             drafts_stream = self._llm.stream_draft(messages, call_id=self.call_id, request_id=request_id)
@@ -381,18 +382,17 @@ class CallBackend:
                     # The first draft goes at once (it is the lag that matters); growth at most once per
                     # frame: the engine feeds one token per 80 ms frame while an LLM streams several, and
                     # each update is a message to the engine and a re-tokenization of the whole draft.
-                    now = self._clock()
+                    latest, now = text, self._clock()
                     if sent_at is None or now - sent_at >= DRAFT_UPDATE_INTERVAL_S:
                         self._deliver_draft(text, triggered_at, candidate_id)
-                        sent_at, unsent = now, None
-                    else:
-                        unsent = text
-            if unsent is not None and candidate_id == self._candidate_id:
-                self._deliver_draft(unsent, triggered_at, candidate_id)
+                        sent_at = now
+            # The end of the stream settles the last word (even if this text already went, incomplete).
+            if latest is not None and candidate_id == self._candidate_id:
+                self._deliver_draft(latest, triggered_at, candidate_id, complete=True)
         except LlmError as exc:  # counted and logged by the client
             if candidate_id == self._candidate_id:
-                if unsent is not None:  # what came before the failure is still the newest answer
-                    self._deliver_draft(unsent, triggered_at, candidate_id)
+                if latest is not None:  # what came before the failure is still the newest answer, and all of it
+                    self._deliver_draft(latest, triggered_at, candidate_id, complete=True)
                 self.policy.on_failure(self._clock())
             self._report_error("llm_error", exc.kind)
             return

@@ -24,7 +24,7 @@ import sentencepiece
 from . import metrics
 from .batch import UNGENERATED, KameBatch
 from .interface import FRAME_SAMPLES, FRAME_SECONDS, EngineClosed, EngineFull
-from .oracle_buffer import OracleBuffer
+from .oracle_buffer import OracleBuffer, tokenize_draft
 from .ticker import FrameTicker
 
 log = logging.getLogger(__name__)
@@ -188,19 +188,28 @@ class FrameLoop:
                 metrics.ENGINE_OVERRUNS.inc()
 
     def set_oracle(
-        self, row: int, call_id: str, candidate_id: int, text: str, triggered_at: float | None = None
+        self,
+        row: int,
+        call_id: str,
+        candidate_id: int,
+        text: str,
+        triggered_at: float | None = None,
+        *,
+        complete: bool,
     ) -> list[int]:
         """Make `text` (a whole draft, tokenized as a whole) the slot's newest oracle candidate.
 
-        `triggered_at` (this loop's clock) is when the transcript update behind it arrived: the oracle lag
-        is measured from there to the tick that feeds the candidate's boundary token.
+        `complete`: the draft's stream has ended, so its last word is settled too (until then it is held
+        back: engine/oracle_buffer.py). `triggered_at` (this loop's clock) is when the transcript update
+        behind it arrived: the oracle lag is measured from there to the tick that feeds the candidate's
+        boundary token. Returns the draft's tokens.
         """
-        tokens = self.tokenizer.encode(text) if text else []
+        draft = tokenize_draft(self.tokenizer, text, complete)
         with self._lock:
             slot = self._slots[row]
             if slot is not None and slot.call_id == call_id:
-                slot.oracle.set_candidate(candidate_id, tokens, triggered_at, now=self.clock())
-        return tokens
+                slot.oracle.set_candidate(candidate_id, draft, triggered_at, now=self.clock())
+        return draft.tokens
 
     def caller_turn(self, row: int, call_id: str, speaking: bool) -> None:
         """The caller started (True) or ended (False) a turn: drives the forced response delay."""

@@ -165,9 +165,16 @@ class FrameLoopProcess:
         self._send(("audio", row, call_id, pcm.astype(np.float32, copy=False)))
 
     def set_oracle(
-        self, row: int, call_id: str, candidate_id: int, text: str, triggered_at: float | None = None
+        self,
+        row: int,
+        call_id: str,
+        candidate_id: int,
+        text: str,
+        triggered_at: float | None = None,
+        *,
+        complete: bool,
     ) -> None:
-        self._send(("oracle", row, call_id, candidate_id, text, triggered_at))
+        self._send(("oracle", row, call_id, candidate_id, text, triggered_at, complete))
 
     def caller_turn(self, row: int, call_id: str, speaking: bool) -> None:
         self._send(("turn", row, call_id, speaking))
@@ -311,7 +318,8 @@ def _serve_commands(conn: Connection, loop: _ChildFrameLoop) -> None:
         if kind == "audio":
             loop.push_audio(*body)
         elif kind == "oracle":
-            loop.set_oracle(*body)
+            *args, complete = body
+            loop.set_oracle(*args, complete=complete)
         elif kind == "turn":
             loop.caller_turn(*body)
         elif kind == "join":

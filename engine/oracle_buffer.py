@@ -5,11 +5,51 @@ tokens one per frame, then padding; the newest candidate always wins. Unlike the
 anchors tokens to wall-clock steps and silently skips ones that arrive late), tokens that arrive while a
 candidate streams continue it without gaps: the cursor waits on padding and resumes at the next unfed
 token, which matches the contiguous layout the model saw in training.
+
+A growing draft is re-tokenized as a whole, and only its *settled* tokens are fed: those no later text of
+the same draft can change. SentencePiece splits on whitespace, so every word followed by whitespace is
+settled; the unfinished last word ("... for cal") is held back until more text or the end of the stream
+decides it ("calling" is one piece, "cal" two). Feeding it early would mix two tokenizations of one word.
+docs/oracle.md has the whole rule and how it differs from the official code.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from typing import Protocol
+
+_LAST_SPACE = re.compile(r"\s(?=\S*$)")  # the whitespace right before the draft's last word
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTokens:
+    tokens: list[int]  # the whole draft, tokenized as a whole
+    settled: int  # how many leading tokens no later text of this draft can change
+
+
+def tokenize_draft(tokenizer: Tokenizer, text: str, complete: bool) -> DraftTokens:
+    """Tokenize a draft; all of it is settled once `complete` (its stream ended), else all but its last word."""
+    tokens = tokenizer.encode(text) if text else []
+    if complete:
+        return DraftTokens(tokens, len(tokens))
+    # Text up to (and with) the last whitespace: its words are finished. If the draft ends in whitespace,
+    # that is all of it.
+    space = _LAST_SPACE.search(text)
+    head = text[: space.end()] if space else ""
+    head_tokens = tokenizer.encode(head) if head.strip() else []
+    # The common prefix, not len(head_tokens): a tokenizer that merged across words must never get a token
+    # fed that the whole draft does not also have.
+    settled = 0
+    for a, b in zip(head_tokens, tokens, strict=False):
+        if a != b:
+            break
+        settled += 1
+    return DraftTokens(tokens, settled)
 
 
 @dataclass
@@ -17,26 +57,33 @@ class OracleBuffer:
     start_token: int  # boundary token (text_card, i.e. 32000 at full size)
     pad_token: int = 3
     seq: list[int] = field(default_factory=list)  # boundary + tokens of the current candidate
+    feedable: int = 0  # entries of `seq` that may be fed: the boundary and the settled tokens
     fed: int = 0  # how many entries of `seq` were fed already
     candidate_id: int = -1  # the back-end's id for the current candidate
     lag_from: float | None = None  # when the request behind this candidate was triggered (monotonic)
     queued_at: float | None = None  # when this candidate reached the slot (monotonic)
 
     def set_candidate(
-        self, candidate_id: int, tokens: list[int], triggered_at: float | None = None, now: float | None = None
+        self,
+        candidate_id: int,
+        draft: DraftTokens,
+        triggered_at: float | None = None,
+        now: float | None = None,
     ) -> None:
         """Install (or extend) a candidate. A new id restarts at the boundary; the same id continues."""
-        new_seq = [self.start_token, *tokens]
         if candidate_id != self.candidate_id:
             self.candidate_id = candidate_id
             self.fed = 0
             self.lag_from = triggered_at
             self.queued_at = now
-        # The same candidate re-tokenized as a whole: what was fed stays fed, the rest follows on.
-        self.seq = new_seq
+        # The same candidate re-tokenized as a whole: what was fed stays fed (settled tokens never change),
+        # the rest follows on. The boundary goes at once, even before any token is settled.
+        self.seq = [self.start_token, *draft.tokens]
+        self.feedable = 1 + draft.settled
 
     def clear(self) -> None:
         self.seq = []
+        self.feedable = 0
         self.fed = 0
         self.candidate_id = -1
         self.lag_from = None
@@ -44,12 +91,8 @@ class OracleBuffer:
 
     def next_token(self) -> int:
         """Token for the next executed step of this slot; advances the cursor."""
-        if self.fed < len(self.seq):
+        if self.fed < self.feedable:
             token = self.seq[self.fed]
             self.fed += 1
             return token
         return self.pad_token
-
-    @property
-    def streaming(self) -> bool:
-        return self.fed < len(self.seq)

@@ -49,7 +49,7 @@ class BackendProvider(Protocol):
         self,
         call_id: str,
         on_transcript: Callable[[str, bool, float], None],  # text, final, at (monotonic)
-        on_oracle: Callable[[str, float, int], None],  # whole draft text, triggered_at, candidate id
+        on_oracle: Callable[[str, float, int, bool], None],  # whole draft text, triggered_at, candidate id, complete
         on_error: Callable[[str, str], None],  # kind, detail
     ) -> CallBackendHooks: ...
 
@@ -111,8 +111,8 @@ class LocalCallSession:
         self._engine.frame_loop.caller_turn(self.row, self.call_id, speaking=not final)
         self._put(CallerTranscript(text=text, final=final, at=at))
 
-    def _on_oracle(self, text: str, triggered_at: float, candidate_id: int) -> None:
-        self._engine.frame_loop.set_oracle(self.row, self.call_id, candidate_id, text, triggered_at)
+    def _on_oracle(self, text: str, triggered_at: float, candidate_id: int, complete: bool) -> None:
+        self._engine.frame_loop.set_oracle(self.row, self.call_id, candidate_id, text, triggered_at, complete=complete)
         self._put(OracleUpdate(text=text, at=time.monotonic(), candidate=candidate_id))
 
     def _on_reset(self) -> None:  # frame-loop thread

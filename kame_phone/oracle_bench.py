@@ -126,9 +126,9 @@ class _Provider:
         self._rng = random.Random(seed)
 
     def open_call(self, call_id, on_transcript, on_oracle, on_error):  # type: ignore[no-untyped-def]
-        def tapped(text: str, triggered_at: float, candidate_id: int) -> None:
+        def tapped(text: str, triggered_at: float, candidate_id: int, complete: bool) -> None:
             self.first_draft.setdefault((call_id, candidate_id), (triggered_at, time.monotonic()))
-            on_oracle(text, triggered_at, candidate_id)
+            on_oracle(text, triggered_at, candidate_id, complete)
 
         caller = functools.partial(
             ScriptedCaller, word_s=self._rng.choice((0.24, 0.32, 0.4)), phase_frames=self._rng.randrange(5)

@@ -106,6 +106,7 @@ async def feed_frames(backend: CallBackend, frames: list[np.ndarray]) -> None:
 class Recorder:
     transcripts: list[tuple[str, bool]] = field(default_factory=list)
     oracles: list[tuple[str, int]] = field(default_factory=list)  # (text, candidate_id)
+    complete: list[bool] = field(default_factory=list)  # each draft's flag: its stream has ended
     errors: list[tuple[str, str]] = field(default_factory=list)
     loop_thread: int = field(default_factory=threading.get_ident)
 
@@ -113,9 +114,13 @@ class Recorder:
         assert threading.get_ident() == self.loop_thread, "callbacks run on the event loop"
         self.transcripts.append((text, final))
 
-    def on_oracle(self, text: str, triggered_at: float, candidate_id: int) -> None:
+    def on_oracle(self, text: str, triggered_at: float, candidate_id: int, complete: bool) -> None:
         assert threading.get_ident() == self.loop_thread
         self.oracles.append((text, candidate_id))
+        self.complete.append(complete)
+
+    def drafts_of(self, candidate_id: int) -> list[tuple[str, bool]]:
+        return [(t, done) for (t, cid), done in zip(self.oracles, self.complete, strict=True) if cid == candidate_id]
 
     def on_error(self, kind: str, detail: str) -> None:
         self.errors.append((kind, detail))
@@ -421,6 +426,8 @@ async def test_speech_reaches_the_llm_and_its_answer_becomes_the_oracle(
     answer = answer_for(llm_server.requests[-1]["messages"])
     assert texts[0] == answer.split(" ")[0] and texts[-1] == answer
     assert 2 <= len(texts) < len(answer.split(" "))
+    # Only the stream's end marks the draft complete (the engine holds the last word back until then).
+    assert [done for _, done in rec.drafts_of(last_id)] == [False] * (len(texts) - 1) + [True]
     assert [cid for _, cid in rec.oracles] == sorted(cid for _, cid in rec.oracles)
     assert llm_server.request_ids[-1] == f"call-A-{last_id}"  # each request names its call and candidate
     await backend.aclose()
@@ -479,6 +486,7 @@ async def test_llm_failure_is_counted_the_call_goes_on_and_retries(
     if mode == "broken":  # 3 words came before the break: the engine got all of them, none held back
         first_candidate = [text for text, cid in rec.oracles if cid == 1]
         assert first_candidate[-1] == " ".join(answer_for(failed["messages"]).split(" ")[:3])
+        assert rec.drafts_of(1)[-1][1]  # the break ends the stream: its last word is settled too
     # The call goes on: the caller is still heard (an open utterance, so partials only, no new trigger).
     more = frames_of(speech(tmp_path, "I would like to order a large pizza with cheese."), tail_s=0.1)
     await feed_frames(backend, more)

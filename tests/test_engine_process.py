@@ -63,7 +63,7 @@ async def test_an_oracle_crosses_into_the_engine_process(tiny_checkpoint: Path) 
         call = await engine.open_call("CA-oracle")
         call.push_audio(np.zeros(FRAME_SAMPLES, np.float32))
         triggered = time.monotonic()
-        call._on_oracle("the store opens at nine", triggered, 5)
+        call._on_oracle("the store opens at nine", triggered, 5, True)
         async with asyncio.timeout(5):
             while not engine.frame_loop.oracle_fed:  # noqa: ASYNC110 - filled by the pipe's reader thread
                 await asyncio.sleep(0.02)

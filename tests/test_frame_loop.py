@@ -12,6 +12,7 @@ import pytest
 from engine.batch import UNGENERATED, KameBatch, SamplingConfig
 from engine.frame_loop import FrameLoop, SlotOutput
 from engine.interface import FRAME_SAMPLES, EngineFull
+from engine.oracle_buffer import DraftTokens
 
 from .phone_fixtures import metric
 
@@ -63,7 +64,7 @@ def _script(loop: FrameLoop, events: dict[int, list[tuple]], ticks: int) -> dict
                 recs[call] = Recorder()
                 rows[call] = loop.join(call, recs[call])
                 feeds[call] = list(audio)
-                loop.set_oracle(rows[call], call, 1, oracle)
+                loop.set_oracle(rows[call], call, 1, oracle, complete=True)
             else:
                 loop.leave(rows[ev[1]], ev[1])
                 feeds.pop(ev[1])
@@ -114,8 +115,8 @@ def test_each_slot_feeds_only_its_own_oracle(tiny_bundle) -> None:
     loop.leave(1, "idle")
     row_c = loop.join("C", b)
     assert (row_a, row_c) == (0, 1)
-    toks_a = loop.set_oracle(row_a, "A", 1, "Thank you for calling.")
-    toks_c = loop.set_oracle(row_c, "C", 1, "Your card is now blocked.")
+    toks_a = loop.set_oracle(row_a, "A", 1, "Thank you for calling.", complete=True)
+    toks_c = loop.set_oracle(row_c, "C", 1, "Your card is now blocked.", complete=True)
     assert toks_a == sp.encode("Thank you for calling.") and toks_a != toks_c
     ticks = max(len(toks_a), len(toks_c)) + 3
     for _ in range(ticks):
@@ -138,16 +139,16 @@ def test_newest_candidate_wins_and_growing_draft_continues_without_gaps(tiny_bun
     rec = Recorder()
     row = loop.join("A", rec)
     first = sp.encode("The store opens at nine")
-    loop.set_oracle(row, "A", 1, "The store")
+    loop.set_oracle(row, "A", 1, "The store", complete=False)
     for _ in range(len(sp.encode("The store")) + 3):  # drains, then pads
         loop.tick()
-    loop.set_oracle(row, "A", 1, "The store opens at nine")  # same candidate grew
+    loop.set_oracle(row, "A", 1, "The store opens at nine", complete=True)  # same candidate grew
     for _ in range(len(first)):
         loop.tick()
     fed = [o.oracle_token for o in rec.outputs]
     real = [t for t in fed if t != pad]
     assert real == [start, *first]  # one boundary, every token once, in order, none skipped
-    loop.set_oracle(row, "A", 2, "Sorry, we open at ten")  # a new candidate supersedes
+    loop.set_oracle(row, "A", 2, "Sorry, we open at ten", complete=True)  # a new candidate supersedes
     loop.tick()
     loop.tick()
     assert [o.oracle_token for o in rec.outputs[-2:]] == [start, sp.encode("Sorry, we open at ten")[0]]
@@ -193,7 +194,7 @@ def test_forced_response_delay_holds_silence_and_padding(tiny_bundle) -> None:
     rec = Recorder()
     row = loop.join("A", rec)
     loop.caller_turn(row, "A", True)
-    toks = loop.set_oracle(row, "A", 1, "We open at nine")
+    toks = loop.set_oracle(row, "A", 1, "We open at nine", complete=True)
     for _ in range(4):
         loop.tick()
     loop.caller_turn(row, "A", False)  # the caller's turn ends here
@@ -211,7 +212,7 @@ def test_no_forced_delay_by_default(tiny_bundle) -> None:
     rec = Recorder()
     row = loop.join("A", rec)
     loop.caller_turn(row, "A", True)
-    loop.set_oracle(row, "A", 1, "Hello")
+    loop.set_oracle(row, "A", 1, "Hello", complete=True)
     loop.tick()
     loop.tick()
     assert not any(o.held for o in rec.outputs)
@@ -252,7 +253,7 @@ def test_oracle_lag_is_measured_when_the_boundary_token_is_fed(tiny_bundle) -> N
     before = metric("kame_oracle_lag_seconds_count")
     waits_before = metric("kame_oracle_slot_wait_seconds_count")
     queued = loop.clock()
-    loop.set_oracle(row, "A", 7, "Hello", triggered_at=queued - 0.5)
+    loop.set_oracle(row, "A", 7, "Hello", triggered_at=queued - 0.5, complete=True)
     time.sleep(0.05)  # the candidate waits in its slot for the next tick
     loop.tick()
     loop.tick()  # the second token of the same candidate is not a new lag sample
@@ -273,7 +274,7 @@ def test_a_failing_tick_resets_every_slot_and_the_loop_goes_on(tiny_bundle) -> N
         assert loop.safe_tick()
     # A token outside the oracle vocabulary (a tokenizer that does not match the model) makes the
     # real embedding lookup fail inside the batched step.
-    loop._slots[row_a].oracle.set_candidate(99, [10**6])
+    loop._slots[row_a].oracle.set_candidate(99, DraftTokens([10**6], settled=1))
     assert loop.safe_tick()  # the candidate's boundary token
     assert not loop.safe_tick()
     assert sorted(resets) == ["A", "B"]
@@ -290,7 +291,7 @@ def test_the_tick_sink_gets_every_slot_at_once_and_fresh_marks_restarts(tiny_bun
     loop.join("B", None)
     loop.tick()
     assert [[(c, o.fresh) for c, o in t] for t in ticks] == [[("A", True)], [("A", False), ("B", True)]]
-    loop._slots[row_a].oracle.set_candidate(99, [10**6])  # as above: the batched step fails on it
+    loop._slots[row_a].oracle.set_candidate(99, DraftTokens([10**6], settled=1))  # as above: the batched step fails on it
     assert loop.safe_tick()
     assert not loop.safe_tick()
     assert loop.safe_tick()
