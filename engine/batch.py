@@ -19,6 +19,7 @@ from moshi.utils import compile as moshi_compile
 
 from .interface import FRAME_SAMPLES
 from .model import KameLM, KameStreamingState
+from .sampling import SamplingConfig
 
 UNGENERATED = -2  # moshi's "not generated yet" token
 
@@ -30,18 +31,10 @@ class StepResult:
     voiced: np.ndarray  # [B] bool: the row produced audio codes this step
 
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    use_sampling: bool = True
-    temp: float = 0.8
-    temp_text: float = 0.7
-    top_k: int = 250
-    top_k_text: int = 25
-
-
 class KameBatch:
     def __init__(self, lm: KameLM, mimi: MimiModel, batch_size: int, sampling: SamplingConfig | None = None):
         sampling = sampling or SamplingConfig()
+        self.sampling = sampling
         if lm.device.type != "cuda":
             # moshi torch.compiles a few kernels lazily; on CPU that costs tens of seconds per shape on
             # first use (stalling the first calls) for no real gain, so it stays off there.

@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from .batch import KameBatch, SamplingConfig
+from .batch import KameBatch
 from .checkpoint import load_random
 from .interface import FRAME_SAMPLES, FRAME_SECONDS
 from .model import KameLM
+from .sampling import SamplingConfig
 
 
 @dataclass

@@ -25,6 +25,7 @@ from . import metrics
 from .batch import UNGENERATED, KameBatch
 from .interface import FRAME_SAMPLES, FRAME_SECONDS, EngineClosed, EngineFull
 from .oracle_buffer import OracleBuffer, tokenize_draft
+from .sampling import SamplingConfig
 from .ticker import FrameTicker
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,10 @@ class FrameLoop:
         self._vocab = tokenizer.vocab_size()
         self._silent_pieces = {batch.lm.text_padding_token_id, batch.lm.end_of_text_padding_id}
         metrics.ENGINE_SLOTS_TOTAL.set(self.max_calls)
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return self.batch.sampling
 
     # ---- called from any thread (the asyncio side) ----
 

@@ -30,6 +30,7 @@ from . import metrics
 from .frame_loop import FrameLoop, LoopStats, OracleFed, ResetHook, Slot, SlotOutput, SlotSink, TickSink
 from .interface import FRAME_SAMPLES, EngineClosed, EngineError, EngineFull
 from .oracle_buffer import OracleBuffer
+from .sampling import SamplingConfig, SamplingOverrides
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class ChildSpec:
     device: str
     max_calls: int
     context: int | None
-    sampling: Any  # engine.batch.SamplingConfig
+    sampling: SamplingOverrides  # resolved in the child against the checkpoint's lm_gen_config
     forced_delay_ms: float
     max_queued_frames: int
     torch_threads: int = 0  # 0: torch's default
@@ -68,6 +69,7 @@ class FrameLoopProcess:
         self.died = False
         self.max_calls = spec.max_calls
         self.stats = LoopStats()
+        self.sampling: SamplingConfig | None = None  # in force in the child, known once it is ready
         self.oracle_fed: deque[OracleFed] = deque(maxlen=10_000)
         self._rows: list[_Row | None] = [None] * spec.max_calls
         self._lock = threading.Lock()  # the slot table and the pipe's sending end
@@ -106,6 +108,7 @@ class FrameLoopProcess:
             raise EngineError(f"the engine process died while starting (exit code {self._process.exitcode})") from None
         if kind != "ready":
             raise EngineError(f"the engine process failed to start: {rest[0] if rest else kind}")
+        (self.sampling,) = rest
         self.alive = True
         self._reader = threading.Thread(target=self._read_forever, name="kame-engine-reader", daemon=True)
         self._reader.start()
@@ -294,7 +297,7 @@ def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
         bundle = load_kame(spec.checkpoint, spec.device, None, spec.context)
         loop = _ChildFrameLoop(
             send,
-            KameBatch(bundle.lm, bundle.mimi, spec.max_calls, spec.sampling),
+            KameBatch(bundle.lm, bundle.mimi, spec.max_calls, spec.sampling.resolve(bundle.lm_gen_config)),
             bundle.tokenizer,
             max_queued_frames=spec.max_queued_frames,
             forced_delay_ms=spec.forced_delay_ms,
@@ -305,7 +308,7 @@ def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
         return
     # This process's heap is mostly torch and the model; a full collection over it stalls every call's tick.
     freeze_startup_heap()
-    send(("ready",))
+    send(("ready", loop.sampling))
     _serve_commands(conn, loop)
 
 

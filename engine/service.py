@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from .batch import KameBatch, SamplingConfig
+from .batch import KameBatch
 from .checkpoint import KameBundle, load_kame
 from .frame_loop import FrameLoop, SlotOutput
 from .frame_loop_process import ChildSpec, FrameLoopProcess
@@ -29,6 +29,7 @@ from .interface import (
     EngineOutput,
     OracleUpdate,
 )
+from .sampling import SamplingOverrides
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class EngineConfig:
     max_calls: int = 8
     context: int | None = None  # KV window in frames (3000 = 240 s)
     forced_delay_ms: float = 0.0
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sampling: SamplingOverrides = field(default_factory=SamplingOverrides)  # over the checkpoint's lm_gen_config
     warmup_ticks: int = 4
     max_queued_frames: int = 4
     # Run the frame loop and the model in a child process: the back-end and the phone edge then no longer
@@ -179,7 +180,8 @@ class LocalEngine:
                 raise ValueError("an in-process engine needs its loaded checkpoint")
             if config.torch_threads > 0:
                 torch.set_num_threads(config.torch_threads)
-            batch = KameBatch(bundle.lm, bundle.mimi, config.max_calls, config.sampling)
+            sampling = config.sampling.resolve(bundle.lm_gen_config)
+            batch = KameBatch(bundle.lm, bundle.mimi, config.max_calls, sampling)
             self.frame_loop = FrameLoop(
                 batch,
                 bundle.tokenizer,
@@ -207,7 +209,8 @@ class LocalEngine:
         self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(self.frame_loop.start, self.config.warmup_ticks)
         self._ready = True
-        log.info("engine ready: %d call slots on %s", self.max_calls, self.config.device)
+        log.info("engine ready: %d call slots on %s; sampling: %s", self.max_calls, self.config.device,
+                 self.frame_loop.sampling.describe() if self.frame_loop.sampling else "?")
 
     async def stop(self) -> None:
         self._closing = True

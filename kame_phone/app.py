@@ -8,11 +8,25 @@ import logging
 import os
 
 from engine.backend import BackendConfig, BackendServices
-from engine.batch import SamplingConfig
 from engine.remote import Address, LinkError, LinkRefused, RemoteEngine, edge_tls
+from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
 
 log = logging.getLogger(__name__)
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, not {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, not {text!r}")
+    return value
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +37,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-calls", type=int, default=8, help="call slots in the batch")
     g.add_argument("--context", type=int, default=None, help="KV window in 80 ms frames (3000 = 4 min)")
     g.add_argument("--forced-delay-ms", type=float, default=0.0, help="hold the reply until N ms after a turn")
-    g.add_argument("--greedy", action="store_true", help="argmax instead of sampling (deterministic)")
+    s = parser.add_argument_group("sampling (default: the checkpoint's lm_gen_config, else moshi's 0.8/0.7/250/25)")
+    s.add_argument("--greedy", action="store_true", help="argmax instead of sampling (deterministic)")
+    s.add_argument("--temp", type=_non_negative, default=None, help="audio temperature")
+    s.add_argument("--temp-text", type=_non_negative, default=None, help="text temperature")
+    s.add_argument("--top-k", type=_positive_int, default=None, help="audio top-k")
+    s.add_argument("--top-k-text", type=_positive_int, default=None, help="text top-k")
     g.add_argument("--engine-process", action="store_true",
                    help="run the model and its 80 ms loop in a child process (own GIL and clock; crash-isolated)")
     g.add_argument("--torch-threads", type=int, default=0, help="the model's intra-op CPU threads (0: torch's default)")
@@ -40,7 +59,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_calls=args.max_calls,
         context=args.context,
         forced_delay_ms=args.forced_delay_ms,
-        sampling=SamplingConfig(use_sampling=not args.greedy),
+        sampling=SamplingOverrides(
+            greedy=args.greedy, temp=args.temp, temp_text=args.temp_text, top_k=args.top_k, top_k_text=args.top_k_text
+        ),
         engine_process=args.engine_process,
         torch_threads=args.torch_threads,
     )

@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 from engine.backend import BackendConfig, BackendServices
-from engine.batch import SamplingConfig
+from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
 from engine.tiny_checkpoint import make_tiny_checkpoint
 from telephony.call_store import CallRecord, MemoryCallStore
@@ -68,7 +68,7 @@ async def _call_the_demo_service(
         backend = BackendServices(BackendConfig(stt=stt, llm_enabled=False))
         await backend.warm_up(2)  # decoders are built before the call, not during it
     engine = await LocalEngine.load(
-        EngineConfig(checkpoint=str(ckpt), device="cpu", max_calls=2, sampling=SamplingConfig()), backend
+        EngineConfig(checkpoint=str(ckpt), device="cpu", max_calls=2, sampling=SamplingOverrides()), backend
     )
     await engine.start()
     store = MemoryCallStore()

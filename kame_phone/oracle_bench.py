@@ -37,12 +37,12 @@ import numpy as np
 from aiohttp import web
 
 from engine.backend import CallBackend
-from engine.batch import SamplingConfig
 from engine.checkpoint import RANDOM_PREFIX
 from engine.heap import freeze_startup_heap
 from engine.interface import FRAME_SAMPLES, FRAME_SECONDS
 from engine.llm import LlmClient, LlmConfig
 from engine.oracle_policy import OraclePolicyConfig
+from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
 from engine.stt import SttResult
 from engine.tiny_checkpoint import make_tiny_checkpoint
@@ -192,7 +192,7 @@ async def run_oracle_bench(
     server.start()
     try:
         engine = EngineConfig(
-            device=device, max_calls=calls, sampling=SamplingConfig(), engine_process=engine_process,
+            device=device, max_calls=calls, sampling=SamplingOverrides(), engine_process=engine_process,
             torch_threads=torch_threads, context=context, checkpoint="" if size == "tiny" else RANDOM_PREFIX + size,
         )
         return await _run(engine, seconds, ttft_ms, ttft_jitter_ms, log, port_in, stop, requests_in)

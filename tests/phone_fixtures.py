@@ -17,7 +17,7 @@ import numpy as np
 from prometheus_client import REGISTRY
 from twilio.request_validator import RequestValidator
 
-from engine.batch import SamplingConfig
+from engine.sampling import SamplingOverrides
 from engine.service import BackendProvider, EngineConfig, LocalEngine
 from telephony.call_store import CallStore, MemoryCallStore
 from telephony.config import ServiceConfig
@@ -105,7 +105,7 @@ async def running_phone(
     token = secrets.token_hex(16)
     engine = await LocalEngine.load(
         EngineConfig(checkpoint=str(checkpoint), device="cpu", max_calls=max_calls, warmup_ticks=2,
-                     sampling=SamplingConfig(use_sampling=False)),
+                     sampling=SamplingOverrides(greedy=True)),
         backend,
     )
     await engine.start()

@@ -12,8 +12,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from engine.batch import SamplingConfig
 from engine.interface import FRAME_SAMPLES
+from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
 from telephony.call_store import MemoryCallStore
 from telephony.config import ServiceConfig
@@ -26,7 +26,7 @@ from .phone_fixtures import metric
 async def _engine(checkpoint: Path, slots: int = 2) -> LocalEngine:
     config = EngineConfig(
         checkpoint=str(checkpoint), device="cpu", max_calls=slots, warmup_ticks=2, engine_process=True,
-        sampling=SamplingConfig(use_sampling=False),
+        sampling=SamplingOverrides(greedy=True),
     )
     engine = await LocalEngine.load(config)
     assert engine.bundle is None  # nothing of the model in this process

@@ -9,10 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from engine.batch import UNGENERATED, KameBatch, SamplingConfig
+from engine.batch import UNGENERATED, KameBatch
 from engine.frame_loop import FrameLoop, SlotOutput
 from engine.interface import FRAME_SAMPLES, EngineFull
 from engine.oracle_buffer import DraftTokens
+from engine.sampling import SamplingConfig
 
 from .phone_fixtures import metric
 
@@ -291,7 +292,7 @@ def test_the_tick_sink_gets_every_slot_at_once_and_fresh_marks_restarts(tiny_bun
     loop.join("B", None)
     loop.tick()
     assert [[(c, o.fresh) for c, o in t] for t in ticks] == [[("A", True)], [("A", False), ("B", True)]]
-    loop._slots[row_a].oracle.set_candidate(99, DraftTokens([10**6], settled=1))  # as above: the batched step fails on it
+    loop._slots[row_a].oracle.set_candidate(99, DraftTokens([10**6], settled=1))  # as above: the step fails on it
     assert loop.safe_tick()
     assert not loop.safe_tick()
     assert loop.safe_tick()

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import sentencepiece
 
-from engine.batch import KameBatch, SamplingConfig
+from engine.batch import KameBatch
 from engine.frame_loop import FrameLoop
 from engine.oracle_buffer import OracleBuffer, tokenize_draft
+from engine.sampling import SamplingConfig
 from engine.tiny_checkpoint import train_tiny_tokenizer
 
 SENTENCES = [
