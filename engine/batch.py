@@ -29,6 +29,7 @@ class StepResult:
     pcm: np.ndarray  # [B, FRAME_SAMPLES] float32, zeros where not voiced
     text: np.ndarray  # [B] int64 text token, UNGENERATED where the row produced nothing
     voiced: np.ndarray  # [B] bool: the row produced audio codes this step
+    codes: np.ndarray  # [B, dep_q] int64 audio codes the row's audio was decoded from (0 where not voiced)
 
 
 class KameBatch:
@@ -128,10 +129,13 @@ class KameBatch:
         self.mimi.set_exec_mask(voiced)
         pcm_out = self.mimi.decode(audio)[:, 0, :] * voiced[:, None]
         text = out[:, 0, 0]  # moshi already wrote UNGENERATED for rows that produced nothing
-        # One device->host copy per tick.
-        packed = torch.cat([pcm_out.float(), text[:, None].float(), voiced[:, None].float()], dim=1).cpu().numpy()
+        # One device->host copy per tick (codes < 2^24 are exact in float32).
+        packed = torch.cat(
+            [pcm_out.float(), text[:, None].float(), voiced[:, None].float(), audio[:, :, 0].float()], dim=1
+        ).cpu().numpy()
         return StepResult(
             pcm=packed[:, :FRAME_SAMPLES].astype(np.float32, copy=False),
             text=packed[:, FRAME_SAMPLES].astype(np.int64),
             voiced=packed[:, FRAME_SAMPLES + 1] > 0.5,
+            codes=packed[:, FRAME_SAMPLES + 2 :].astype(np.int64),
         )

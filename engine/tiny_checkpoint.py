@@ -1,8 +1,9 @@
 """`kame-phone make-tiny-checkpoint DIR`: a random-weight KAME checkpoint in the real layout.
 
 Tests, CI and the offline demo load it through the same loader as the real model. Small dims, the
-Moshi stream layout (8 + 8 audio streams, text, oracle), a tiny Mimi, and a SentencePiece model trained
-on `engine/data/tiny_corpus.txt` with ids 0-3 reserved like Moshi's tokenizer (3 = text padding).
+Moshi stream layout (8 + 8 audio streams, text, oracle), a tiny Mimi whose codes follow the audio and
+back (engine/tiny_codec.py), and a SentencePiece model trained on `engine/data/tiny_corpus.txt` with
+ids 0-3 reserved like Moshi's tokenizer (3 = text padding).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from safetensors.torch import save_file
 
 from .model import KameLM
 from .presets import TINY_LM_KWARGS, TINY_TEXT_CARD, tiny_mimi_config
+from .tiny_codec import make_codec_responsive
 
 FILES = {
     "moshi_name": "model.safetensors",
@@ -54,6 +56,7 @@ def make_tiny_checkpoint(directory: str | Path, seed: int = 1234) -> Path:
     save_file({k: v.contiguous() for k, v in lm.state_dict().items()}, str(out / FILES["moshi_name"]))
     mimi_cfg = tiny_mimi_config()
     mimi = loaders.get_mimi(None, mimi_cfg, device="cpu")
+    make_codec_responsive(mimi, seed=seed)  # else every frame is code 0 and every code sounds the same
     save_file({k: v.contiguous() for k, v in mimi.state_dict().items()}, str(out / FILES["mimi_name"]))
     (out / FILES["mimi_config_name"]).write_text(json.dumps(mimi_cfg, indent=1))
     (out / FILES["tokenizer_name"]).write_bytes(train_tiny_tokenizer())

@@ -9,6 +9,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from engine.oracle_buffer import DraftTokens
 from telephony import twilio_messages as tm
 from telephony.config import ConfigError, ServiceConfig
 from telephony.server import STATUS_PATH, VOICE_PATH
@@ -269,7 +270,7 @@ async def test_an_engine_reset_clears_the_audio_queued_at_twilio(tiny_checkpoint
         session = phone.engine._sessions[call_sid]
         # A token the model cannot embed makes the batched tick fail: every slot is reset, and the
         # audio already queued at Twilio for this call is now stale.
-        phone.engine.frame_loop._slots[session.row].oracle.set_candidate(99, [10**6])
+        phone.engine.frame_loop._slots[session.row].oracle.set_candidate(99, DraftTokens([10**6], settled=1))
         events = [await next_event() for _ in range(40)]
         assert "clear" in events
         assert events[events.index("clear") + 1 :].count("media") > 0  # and the call goes on
