@@ -128,6 +128,7 @@ class FrameLoop:
         self._ticker = FrameTicker("kame-frame-loop", self.safe_tick, self._record_timing, clock)
         self._closed = False
         self._tick_no = 0
+        self._idle = True  # the last tick had no call: it ran no model step and is not timed
         # (call id, candidate id, fed at, lag) for the last candidates whose boundary token was fed: the
         # raw samples behind kame_oracle_lag_seconds, for benchmarks and debugging.
         self.oracle_fed: deque[OracleFed] = deque(maxlen=10_000)
@@ -245,6 +246,10 @@ class FrameLoop:
         held = np.zeros(B, dtype=bool)
         with self._lock:
             slots = list(self._slots)
+            self._idle = all(slot is None for slot in slots)
+            if self._idle:  # nobody seated: no model step (an idle engine stays near 0 % CPU)
+                self._tick_no += 1
+                return []
             for row, slot in enumerate(slots):
                 if slot is None:
                     continue
@@ -359,4 +364,5 @@ class FrameLoop:
         self._ticker.stop()
 
     def _record_timing(self, elapsed: float, late: bool) -> None:
-        self.stats.record_tick(elapsed, late)
+        if not self._idle:
+            self.stats.record_tick(elapsed, late)

@@ -368,4 +368,5 @@ class _ChildFrameLoop(FrameLoop):
 
     def _record_timing(self, elapsed: float, late: bool) -> None:
         super()._record_timing(elapsed, late)
-        self.send(("timing", elapsed, late))
+        if not self._idle:
+            self.send(("timing", elapsed, late))

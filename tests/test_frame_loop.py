@@ -299,3 +299,33 @@ def test_the_tick_sink_gets_every_slot_at_once_and_fresh_marks_restarts(tiny_bun
     assert [(c, o.fresh) for c, o in ticks[-1]] == [("A", True), ("B", True)]  # both restarted
     assert loop.safe_tick()
     assert [(c, o.fresh) for c, o in ticks[-1]] == [("A", False), ("B", False)]
+
+
+def _thread_cpu_s(native_id: int) -> float:
+    """CPU seconds a thread of this process has used (Linux /proc; utime + stime in clock ticks)."""
+    import os
+
+    fields = open(f"/proc/self/task/{native_id}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_engine_runs_no_model_step(tiny_bundle) -> None:
+    """With nobody seated the loop keeps its clock but steps no model (it took ~45 % of a core)."""
+    loop = _loop(tiny_bundle, slots=8)
+    loop.start(warmup_ticks=1)
+    try:
+        thread = loop._ticker._thread
+        assert thread is not None and thread.native_id is not None
+        ticks, cpu = metric("kame_engine_tick_seconds_count"), _thread_cpu_s(thread.native_id)
+        time.sleep(2.0)  # 25 frames
+        idle_cpu = _thread_cpu_s(thread.native_id) - cpu
+        assert metric("kame_engine_tick_seconds_count") == ticks and loop.stats.ticks == 0
+        assert idle_cpu < 0.1  # < 5 % of a core (a tiny batch-8 step alone is ~20 ms of every 80)
+        row = loop.join("A", None)  # and a call that comes is served at once
+        deadline = time.monotonic() + 5
+        while loop.stats.ticks < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert loop.stats.ticks >= 3
+        loop.leave(row, "A")
+    finally:
+        loop.stop()
