@@ -138,15 +138,14 @@ class LocalCallSession:
             yield item  # type: ignore[misc]
 
     async def close(self) -> None:
+        """Leave the engine at once: the seat is free for the next caller before this returns. The
+        back-end finishes closing in the background (an STT job still running can take seconds)."""
         if self._closed:
             return
         self._closed = True
         self._engine._forget(self)
         if self.backend is not None:
-            try:
-                await self.backend.aclose()
-            except Exception:
-                log.exception("call %s: back-end close failed", self.call_id)
+            self._engine._close_in_background(self.call_id, self.backend)
         while not self._queue.empty():
             self._queue.get_nowait()
         self._queue.put_nowait(_CLOSED)
@@ -195,6 +194,7 @@ class LocalEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._frames: asyncio.Queue[BotFrames | None] = asyncio.Queue(maxsize=config.frames_queue_ticks)
         self._frames_dropped = 0
+        self._backend_closes: set[asyncio.Task[None]] = set()  # hung-up calls whose back-end is still closing
 
     @classmethod
     async def load(cls, config: EngineConfig, backend: BackendProvider | None = None) -> LocalEngine:
@@ -217,6 +217,8 @@ class LocalEngine:
         self._ready = False
         for session in list(self._sessions.values()):
             await session.close()
+        if self._backend_closes:
+            await asyncio.wait(set(self._backend_closes))
         await asyncio.to_thread(self.frame_loop.stop)
         self._put_frames(None)
         if self.backend is not None:
@@ -303,6 +305,17 @@ class LocalEngine:
                 log.exception("call %s: back-end failed to start; front-end only", call_id)
                 session.backend = None
         return session
+
+    def _close_in_background(self, call_id: str, backend: CallBackendHooks) -> None:
+        async def close() -> None:
+            try:
+                await backend.aclose()
+            except Exception:
+                log.exception("call %s: back-end close failed", call_id)
+
+        task = asyncio.create_task(close(), name=f"backend-close:{call_id}")
+        self._backend_closes.add(task)
+        task.add_done_callback(self._backend_closes.discard)
 
     def _forget(self, session: LocalCallSession) -> None:
         if self._sessions.get(session.call_id) is session:
