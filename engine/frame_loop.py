@@ -84,6 +84,13 @@ class Slot:
     release_at: int = -1
 
 
+# A node whose ticks miss their frame this often, over this window, is falling behind: every seated call
+# is getting less than real time, so it stops taking calls until it keeps time again.
+BEHIND_WINDOW_S = 2.0
+BEHIND_MIN_TICKS = 10
+BEHIND_LATE_SHARE = 0.2
+
+
 @dataclass
 class LoopStats:
     ticks: int = 0
@@ -92,16 +99,25 @@ class LoopStats:
     tick_s: deque[float] = field(default_factory=lambda: deque(maxlen=2048))
     underruns: int = 0  # all slots, since start
     overruns: int = 0
+    recent: deque[tuple[float, bool]] = field(default_factory=lambda: deque(maxlen=64))  # (finished at, late)
 
-    def record_tick(self, elapsed: float, late: bool) -> None:
+    def record_tick(self, elapsed: float, late: bool, now: float | None = None) -> None:
         """One tick's wall time, and whether it missed its 80 ms deadline, into the stats and metrics."""
         self.ticks += 1
         self.last_tick_s = elapsed
         self.tick_s.append(elapsed)
+        self.recent.append((time.monotonic() if now is None else now, late))
         metrics.ENGINE_TICK_SECONDS.observe(elapsed)
         if late:
             self.deadline_misses += 1
             metrics.ENGINE_DEADLINE_MISSES.inc()
+
+    def falling_behind(self, now: float | None = None) -> bool:
+        """More than a fifth of the last 2 s of ticks missed their frame. Time-based, so an engine that
+        went idle (idle ticks are not recorded) is not held to its last busy seconds."""
+        now = time.monotonic() if now is None else now
+        window = [late for at, late in list(self.recent) if now - at <= BEHIND_WINDOW_S]
+        return len(window) >= BEHIND_MIN_TICKS and sum(window) > BEHIND_LATE_SHARE * len(window)
 
 
 class FrameLoop:

@@ -106,6 +106,10 @@ class FrameLoopProcess:
             kind, *rest = ours.recv()
         except EOFError:
             raise EngineError(f"the engine process died while starting (exit code {self._process.exitcode})") from None
+        if kind == "failed" and rest[1]:  # a bad checkpoint: the same one clear line as in process
+            from .checkpoint import CheckpointError
+
+            raise CheckpointError(rest[0].removeprefix("CheckpointError: "))
         if kind != "ready":
             raise EngineError(f"the engine process failed to start: {rest[0] if rest else kind}")
         (self.sampling,) = rest
@@ -304,7 +308,7 @@ def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
         )
         loop.start(warmup_ticks)
     except Exception as e:
-        send(("failed", f"{type(e).__name__}: {e}"))
+        send(("failed", f"{type(e).__name__}: {e}", type(e).__name__ == "CheckpointError"))
         return
     # This process's heap is mostly torch and the model; a full collection over it stalls every call's tick.
     freeze_startup_heap()

@@ -19,6 +19,10 @@ ENGINE_DEADLINE_MISSES = Counter(
 )
 ENGINE_SLOTS_BUSY = Gauge("kame_engine_slots_busy", "Call slots in use.")
 ENGINE_SLOTS_TOTAL = Gauge("kame_engine_slots_total", "Call slots configured (--max-calls).")
+ENGINE_FALLING_BEHIND = Gauge(
+    "kame_engine_falling_behind",
+    "1 while over a fifth of the last 2 s of ticks missed their 80 ms frame (the node takes no new calls).",
+)
 ENGINE_UNDERRUNS = Counter(
     "kame_engine_underruns_total",
     "Slot-ticks where the caller's frame had not arrived in time and silence was fed instead.",

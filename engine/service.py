@@ -17,9 +17,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from . import metrics
 from .batch import KameBatch
 from .checkpoint import KameBundle, load_kame
-from .frame_loop import FrameLoop, SlotOutput
+from .frame_loop import BEHIND_LATE_SHARE, BEHIND_WINDOW_S, FrameLoop, SlotOutput
 from .frame_loop_process import ChildSpec, FrameLoopProcess
 from .interface import (
     BotFrames,
@@ -195,6 +196,7 @@ class LocalEngine:
         self._frames: asyncio.Queue[BotFrames | None] = asyncio.Queue(maxsize=config.frames_queue_ticks)
         self._frames_dropped = 0
         self._backend_closes: set[asyncio.Task[None]] = set()  # hung-up calls whose back-end is still closing
+        self._behind = False  # the frame loop was falling behind when last asked
 
     @classmethod
     async def load(cls, config: EngineConfig, backend: BackendProvider | None = None) -> LocalEngine:
@@ -265,12 +267,26 @@ class LocalEngine:
 
     @property
     def free_slots(self) -> int:
-        return 0 if self._closing else self.frame_loop.free_slots
+        return 0 if self._closing or self._falling_behind() else self.frame_loop.free_slots
 
     @property
     def ready(self) -> bool:
-        # An engine process that died takes its slots with it: not ready (readyz 503, no new calls).
-        return self._ready and self.frame_loop.alive
+        # An engine process that died takes its slots with it: not ready (readyz 503, no new calls). One
+        # that cannot keep its 80 ms ticks takes no more calls: another would degrade every seated one.
+        return self._ready and self.frame_loop.alive and not self._falling_behind()
+
+    def _falling_behind(self) -> bool:
+        behind = self.frame_loop.stats.falling_behind()
+        if behind != self._behind:
+            self._behind = behind
+            metrics.ENGINE_FALLING_BEHIND.set(int(behind))
+            if behind:
+                log.warning("engine falling behind: over %.0f%% of its ticks in the last %.0f s missed their "
+                            "80 ms frame; not ready, no new calls until it keeps time", 100 * BEHIND_LATE_SHARE,
+                            BEHIND_WINDOW_S)
+            else:
+                log.info("engine keeps time again: ready")
+        return behind
 
     @property
     def failed(self) -> bool:

@@ -43,7 +43,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--temp-text", type=_non_negative, default=None, help="text temperature")
     s.add_argument("--top-k", type=_positive_int, default=None, help="audio top-k")
     s.add_argument("--top-k-text", type=_positive_int, default=None, help="text top-k")
-    g.add_argument("--engine-process", action="store_true",
+    # On by default: in the service's process the STT and the phone edge starve the 80 ms loop (6 calls on
+    # 2 cores: 0.56 of real time in process, 0.98 in its own; docs/benchmarks.md, "The whole node").
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the model and its 80 ms loop in a child process (own GIL and clock; crash-isolated)")
     g.add_argument("--torch-threads", type=int, default=0, help="the model's intra-op CPU threads (0: torch's default)")
     b = parser.add_argument_group("back-end")

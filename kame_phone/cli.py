@@ -106,6 +106,14 @@ def _bench(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         return 0
+    if args.what == "node":
+        from .node_bench import run_node_bench
+
+        result = asyncio.run(run_node_bench(calls=args.calls, serve_args=args.serve_arg, checkpoint=args.checkpoint,
+                                            ttft_ms=args.llm_ttft_ms))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     from .media_bench import run_media_bench
 
     result = asyncio.run(
@@ -183,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
-    bench.add_argument("what", choices=["engine", "media", "oracle"])
+    bench.add_argument("what", choices=["engine", "media", "oracle", "node"])
     bench.add_argument("--size", choices=["tiny", "moshi-7b"], default="tiny")
     bench.add_argument("--batch", default="1,8,16,32,48,64", help="comma-separated batch sizes")
     bench.add_argument("--ticks", type=int, default=100)
@@ -202,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--edges", type=int, default=1,
                        help="media bench: this many edge processes on one engine process (implies --engine-link)")
     bench.add_argument("--torch-threads", type=int, default=0, help="oracle bench: the model's intra-op threads")
+    bench.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                       help="node bench: a flag for the service under test (repeat; e.g. --serve-arg=--engine-process)")
+    bench.add_argument("--checkpoint", default=None, help="node bench: the service's checkpoint (default: tiny)")
     bench.add_argument("--json", default=None, help="also write the figures here")
     bench.set_defaults(func=_bench)
 

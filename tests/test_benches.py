@@ -38,3 +38,16 @@ async def test_oracle_bench_measures_lag_against_ttft() -> None:
     assert result["oracle_lag_p50_ms"] >= result["llm_ttft_client_p50_ms"]
     # Matched to the server's own TTFT by request id: the client cannot see a token before it is sent.
     assert result["on_loop_p50_ms"] >= 0.0 and result["lag_minus_ttft_p50_ms"] >= result["on_loop_p50_ms"]
+
+
+def test_node_bench_runs_the_service_as_deployed(tmp_path) -> None:
+    """`serve` with its defaults in its own process, a local LLM, callers speaking flite: every figure the
+    fleet is sized with comes back, read from the service's own /metrics."""
+    out = tmp_path / "node.json"
+    assert main(["bench", "node", "--calls", "2", "--llm-ttft-ms", "100", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["calls"] == 2 and r["outcomes"] == ["completed", "completed"]
+    assert len(r["realtime_share"]) == 2 and all(0 < x <= 1.05 for x in r["realtime_share"])
+    assert r["first_audio"]["p50_ms"] is not None and 0 < r["tick_p50_ms"] <= r["tick_p99_ms"]
+    assert r["oracle_lag_p50_ms"] is not None  # the local LLM answered and its drafts reached the oracle
+    assert r["readyz_samples"] > 0 and r["deadline_misses"] >= 0

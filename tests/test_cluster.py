@@ -300,8 +300,8 @@ async def test_two_service_processes_share_one_redis(
     tiny_checkpoint: Path, question_wav: Path, prefix: str, raw: aioredis.Redis, tmp_path: Path
 ) -> None:
     token = uuid.uuid4().hex
-    a = start_node("node-a", 1, tiny_checkpoint, prefix, token, tmp_path)
-    b = start_node("node-b", 2, tiny_checkpoint, prefix, token, tmp_path, "--engine-process")  # both kinds of engine
+    a = start_node("node-a", 1, tiny_checkpoint, prefix, token, tmp_path, "--no-engine-process")  # both kinds
+    b = start_node("node-b", 2, tiny_checkpoint, prefix, token, tmp_path)  # of engine: serve's default, its own process
     sids: list[str] = []
     tasks: list[asyncio.Task[CallReport]] = []
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import aiohttp
@@ -277,3 +278,55 @@ async def test_an_engine_reset_clears_the_audio_queued_at_twilio(tiny_checkpoint
         await ws.send_str(tm.stop_msg("MZ1", 999, call_sid, "AC1"))
         await ws.close()
         await phone.settled()
+
+
+async def test_an_engine_falling_behind_takes_no_calls_until_it_keeps_time(
+    tiny_checkpoint: Path, question_wav: Path
+) -> None:
+    """A node that cannot keep its 80 ms ticks turns not-ready and answers busy, instead of seating another
+    call that would slow every seated one; the seated call goes on, and the node recovers by itself."""
+    async with running_phone(tiny_checkpoint, max_calls=2) as phone, aiohttp.ClientSession() as http:
+        first = asyncio.create_task(
+            simulate_call(phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base, hold_after=3.0)
+        )
+        async with asyncio.timeout(10):
+            while phone.engine.free_slots != 1:  # noqa: ASYNC110 - the seat is taken on the server side
+                await asyncio.sleep(0.02)
+        # The last 2 s as the ticker reports a starved loop: every tick past its frame.
+        stats, now = phone.engine.frame_loop.stats, time.monotonic()
+        for i in range(25):
+            stats.record_tick(0.12, True, now=now - 1.9 + i * 0.076)
+        async with http.get(phone.base + "/readyz") as r:
+            assert r.status == 503 and (await r.json())["checks"]["model_loaded"] is False
+        assert metric("kame_engine_falling_behind") == 1
+        busy = await simulate_call(phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base)
+        assert busy.outcome == "busy" and busy.stream_sid is None
+        # Its own ticks keep time: within the 2 s window the node is ready again.
+        async with asyncio.timeout(6):
+            while True:
+                async with http.get(phone.base + "/readyz") as r:
+                    if r.status == 200:
+                        break
+                await asyncio.sleep(0.1)
+        assert metric("kame_engine_falling_behind") == 0
+        _, params = await phone.answer(http)
+        assert "token" in params
+        report = await first
+        assert report.outcome == "completed" and report.bot_seconds_received > 0.9 * report.call_seconds
+
+
+def test_falling_behind_is_judged_on_the_last_two_seconds_of_ticks() -> None:
+    from engine.frame_loop import LoopStats
+
+    stats = LoopStats()
+    assert not stats.falling_behind(now=100.0)
+    for i in range(25):  # 2 s of ticks, 5 of them late: exactly a fifth is still keeping time
+        stats.record_tick(0.05, i % 5 == 0, now=98.0 + i * 0.08)
+    assert not stats.falling_behind(now=100.0)
+    stats.record_tick(0.2, True, now=100.0)
+    assert stats.falling_behind(now=100.0)
+    assert not stats.falling_behind(now=102.5)  # idle since (idle ticks are not recorded): not behind
+    fresh = LoopStats()
+    for i in range(5):  # too few ticks to judge
+        fresh.record_tick(0.2, True, now=100.0 + i * 0.08)
+    assert not fresh.falling_behind(now=100.4)

@@ -28,7 +28,7 @@ def _with_lm_gen_config(tiny_checkpoint: Path, tmp_path: Path, lm_gen_config: di
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
-    return parser.parse_args(["--device", "cpu", "--max-calls", "1", *argv])
+    return parser.parse_args(["--device", "cpu", "--max-calls", "1", "--no-engine-process", *argv])
 
 
 def test_checkpoint_values_then_command_line_overrides() -> None:
@@ -92,10 +92,18 @@ async def test_the_checkpoints_sampling_drives_the_model(
     assert "temp=0.6 top_k=1 (audio), temp_text=0.7 top_k_text=1 (text)" in line
 
 
-async def test_a_bad_lm_gen_config_stops_the_engine_with_one_line(tiny_checkpoint: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_a_bad_lm_gen_config_stops_serve_with_one_line(
+    tiny_checkpoint: Path, tmp_path: Path, engine_process: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kame_phone.cli import main
+
     ckpt = _with_lm_gen_config(tiny_checkpoint, tmp_path, {"temp": "hot"})
-    with pytest.raises(CheckpointError, match=r"lm_gen_config\.temp must be a number >= 0, not 'hot'"):
-        await LocalEngine.load(engine_config_from_args(_args("--checkpoint", str(ckpt))))
+    argv = ["serve", "--insecure-dev", "--port", "0", "--device", "cpu", "--checkpoint", str(ckpt),
+            "--stt", "none", "--llm", "none", "--engine-process" if engine_process else "--no-engine-process"]
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert line == "kame-phone: config.json lm_gen_config.temp must be a number >= 0, not 'hot'"
 
 
 def test_sampling_in_force_is_known_for_an_engine_process(tiny_checkpoint: Path, tmp_path: Path) -> None:

@@ -1,0 +1,230 @@
+"""`kame-phone bench node`: the whole service on this node, as deployed, under N simultaneous phone calls.
+
+    kame-phone bench node --calls 6 [--serve-arg=--engine-process ...] --json node.json
+
+Starts `kame-phone serve` in its own process with its defaults (the STT, engine layout and flags an
+operator gets; `--serve-arg` adds flags), the tiny checkpoint unless `--checkpoint` names another, and a
+local OpenAI-compatible LLM with a fixed TTFT (a process of its own, `--llm-ttft-ms`). N simulated Twilio
+callers in this process dial at once, each says a flite question and holds the line. Reported per call: the
+share of real time its bot audio kept (received / call length; 1.0 = every 80 ms frame in time), first
+audio and turn latency; from the service's own /metrics: engine tick p50/p99, deadline misses, input
+overruns, oracle lag; and /readyz as sampled every 0.5 s during the calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from telephony.sim_caller import CallReport, simulate_call
+
+from .media_bench import bucket_quantile
+from .oracle_bench import _serve_llm
+
+QUESTIONS = (
+    "Hello, what time does the store open on Monday?",
+    "I would like to check the status of my order please.",
+    "Can you tell me how much the delivery costs to Boston?",
+    "My card was charged twice this morning, can you help me?",
+)
+
+
+def _speak(text: str, out: Path) -> Path:
+    if shutil.which("flite") is None:
+        raise SystemExit("kame-phone bench node needs Debian's flite for the callers' voices: apt-get install flite")
+    subprocess.run(["flite", "-voice", "rms", "-t", text, "-o", str(out)], check=True)
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _scrape(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    """Counters as floats, histograms as [(le, cumulative count)], from a Prometheus text exposition."""
+    async with session.get(url) as resp:
+        text = await resp.text()
+    out: dict[str, Any] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type == "histogram":
+            out[family.name] = [(float(s.labels["le"]), s.value) for s in family.samples if s.name.endswith("_bucket")]
+        elif family.type == "counter":  # the parser names the family without its _total
+            out[family.name + "_total"] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+        elif family.type == "gauge":
+            out[family.name] = sum(s.value for s in family.samples)
+    return out
+
+
+@contextlib.asynccontextmanager
+async def _llm_server(ttft_ms: float) -> AsyncIterator[str]:
+    mp = multiprocessing.get_context("spawn")
+    port_in, port_out = mp.Pipe(duplex=False)
+    _requests_in, requests_out = mp.Pipe(duplex=False)
+    stop = mp.Event()
+    proc = mp.Process(target=_serve_llm, args=(ttft_ms / 1000, 0.0, port_out, stop, requests_out), daemon=True)
+    proc.start()
+    try:
+        if not await asyncio.to_thread(port_in.poll, 60):
+            raise RuntimeError("the LLM stand-in did not start")
+        yield f"http://127.0.0.1:{port_in.recv()}/v1"
+    finally:
+        stop.set()
+        await asyncio.to_thread(proc.join, 10)
+        if proc.is_alive():
+            proc.kill()
+
+
+@contextlib.asynccontextmanager
+async def _service(argv: list[str], env: dict[str, str], base: str, log_path: Path) -> AsyncIterator[None]:
+    """`kame-phone serve` in its own process, until its /readyz says 200."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kame_phone.cli", "serve", *argv, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    assert proc.stdout is not None
+    logged = asyncio.create_task(proc.stdout.read())  # drained all along: a full pipe would stall the service
+    try:
+        async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + 180
+            while True:
+                if proc.returncode is not None or logged.done():
+                    await proc.wait()
+                    raise RuntimeError(f"serve exited with {proc.returncode}: {(await logged).decode()[-2000:]}")
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(base + "/readyz") as resp:
+                        if resp.status == 200:
+                            break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("serve did not become ready in 180 s")
+                await asyncio.sleep(0.25)
+        yield
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        await asyncio.to_thread(log_path.write_bytes, await logged)
+
+
+async def _sample_readyz(session: aiohttp.ClientSession, base: str, statuses: list[int]) -> None:
+    while True:
+        try:
+            async with session.get(base + "/readyz") as resp:
+                statuses.append(resp.status)
+        except aiohttp.ClientError:
+            statuses.append(0)
+        await asyncio.sleep(0.5)
+
+
+def _pcts(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50_ms": None, "p99_ms": None}
+    return {"p50_ms": float(np.percentile(values, 50) * 1000), "p99_ms": float(np.percentile(values, 99) * 1000)}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+async def run_node_bench(
+    calls: int = 6,
+    serve_args: list[str] | None = None,
+    checkpoint: str | None = None,
+    ttft_ms: float = 300.0,
+    hold_s: float = 5.0,
+    log=print,  # type: ignore[no-untyped-def]
+) -> dict[str, Any]:
+    serve_args = list(serve_args or [])
+    with tempfile.TemporaryDirectory(prefix="kame-node-bench-") as tmp:
+        work = Path(tmp)
+        if checkpoint is None:
+            from engine.tiny_checkpoint import make_tiny_checkpoint
+
+            checkpoint = str(await asyncio.to_thread(make_tiny_checkpoint, work / "tiny"))
+        wavs = [await asyncio.to_thread(_speak, q, work / f"q{i}.wav") for i, q in enumerate(QUESTIONS)]
+        port = _free_port()
+        base = f"http://127.0.0.1:{port}"
+        argv = ["--host", "127.0.0.1", "--port", str(port), "--insecure-dev", "--checkpoint", checkpoint]
+        if calls > 8 and "--max-calls" not in serve_args:  # serve's default seats 8
+            argv += ["--max-calls", str(calls)]
+        argv += serve_args
+        async with _llm_server(ttft_ms) as llm_url:
+            env = dict(os.environ, OPENAI_BASE_URL=llm_url, OPENAI_API_KEY="none", KAME_LLM_MODEL="bench")
+            env.pop("TWILIO_AUTH_TOKEN", None)
+            log(f"serve {' '.join(argv)}")
+            async with _service(argv, env, base, work / "serve.log"), aiohttp.ClientSession() as session:
+                before = await _scrape(session, base + "/metrics")
+                ready: list[int] = []
+                sampler = asyncio.create_task(_sample_readyz(session, base, ready))
+                log(f"{calls} callers dialling at once ...")
+                reports: list[CallReport] = await asyncio.gather(*(
+                    simulate_call(base.replace("http://", "ws://") + "/twilio/media", wavs[i % len(wavs)],
+                                  auth_token=None, public_url=None, hold_after=hold_s)
+                    for i in range(calls)
+                ))
+                sampler.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sampler
+                await asyncio.sleep(0.5)  # the last calls' metrics
+                after = await _scrape(session, base + "/metrics")
+    return _summarise(calls, serve_args, reports, before, after, ready, log)
+
+
+def _summarise(calls, serve_args, reports, before, after, ready, log) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    def quantile(name: str, q: float) -> float | None:
+        if name not in after:
+            return None
+        return _ms(bucket_quantile(before.get(name, [(le, 0.0) for le, _ in after[name]]), after[name], q))
+
+    realtime = [r.bot_seconds_received / r.call_seconds if r.call_seconds else 0.0 for r in reports]
+    first = [r.first_audio_latency_s for r in reports if r.first_audio_latency_s is not None]
+    turn = [r.last_word_latency_s for r in reports if r.last_word_latency_s is not None]
+    result = {
+        "calls": calls,
+        "serve_args": serve_args,
+        "outcomes": [r.outcome for r in reports],
+        "realtime_share": [round(x, 3) for x in realtime],
+        "realtime_share_min": min(realtime) if realtime else None,
+        "first_audio": _pcts(first),
+        "turn_latency": _pcts(turn),
+        "tick_p50_ms": quantile("kame_engine_tick_seconds", 0.5),
+        "tick_p99_ms": quantile("kame_engine_tick_seconds", 0.99),
+        "deadline_misses": delta("kame_engine_deadline_misses_total"),
+        "input_overruns": delta("kame_engine_input_overruns_total"),
+        "oracle_lag_p50_ms": quantile("kame_oracle_lag_seconds", 0.5),
+        "oracle_lag_p99_ms": quantile("kame_oracle_lag_seconds", 0.99),
+        "readyz_not_ready": sum(s != 200 for s in ready),
+        "readyz_samples": len(ready),
+        "cores": os.cpu_count(),
+    }
+    log(f"real-time share of bot audio per call: {result['realtime_share']} (min {result['realtime_share_min']:.2f})")
+    log(f"first audio p50/p99 ms: {result['first_audio']}; turn latency: {result['turn_latency']}")
+    log(f"engine tick p50/p99 ms: {result['tick_p50_ms']}/{result['tick_p99_ms']}, deadline misses "
+        f"{result['deadline_misses']:.0f}, input overruns {result['input_overruns']:.0f}; oracle lag p50/p99 ms: "
+        f"{result['oracle_lag_p50_ms']}/{result['oracle_lag_p99_ms']}; /readyz not ready "
+        f"{result['readyz_not_ready']}/{result['readyz_samples']}")
+    return result
