@@ -196,7 +196,7 @@ async def handle_stream_status(request: web.Request) -> web.Response:
     if not ctx.webhook_ok(request, form, "stream_status"):
         return web.Response(status=403, text="invalid Twilio signature")
     event = str(form.get("StreamEvent", "unknown"))
-    if event not in ("stream-started", "stream-stopped", "stream-error"):
+    if event not in metrics.STREAM_EVENT_KINDS:
         event = "unknown"
     call_id_var.set(str(form.get("CallSid", "")) or None)
     metrics.STREAM_EVENTS.labels(event=event).inc()

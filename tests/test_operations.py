@@ -65,7 +65,7 @@ async def test_admin_api_health_and_metrics_after_a_call(tiny_checkpoint: Path, 
             _metric_value(before, "kame_call_duration_seconds_count") + 1
         assert _metric_value(after, "kame_engine_tick_seconds_count") > _metric_value(
             before, "kame_engine_tick_seconds_count")
-        assert _metric_value(after, "kame_engine_slots_total") == 2
+        assert _metric_value(after, "kame_engine_slots") == 2
 
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "admin-secret"}):
             async with http.get(phone.base + "/calls", headers=headers) as r:

@@ -240,7 +240,7 @@ def test_dashboard_covers_the_core_signals() -> None:
         "kame_calls_active",
         "kame_calls_total",
         "kame_engine_slots_busy",
-        "kame_engine_slots_total",
+        "kame_engine_slots",
         "kame_first_audio_seconds_bucket",
         "kame_turn_latency_seconds_bucket",
         "kame_turn_overlaps_total",
@@ -366,7 +366,7 @@ def test_alert_rules_are_well_formed() -> None:
         "kame_stt_errors_total",
         "kame_redis_errors_total",
         "kame_engine_slots_busy",
-        "kame_engine_slots_total",
+        "kame_engine_slots",
         "kame_media_outbound_dropped_frames_total",
         *LINK_METRICS,
     ):
@@ -471,8 +471,8 @@ ALERT_SCENARIOS = [
     ),
     pytest.param(
         [
-            _series("kame_engine_slots_total", {"instance": "a"}, "8x30"),
-            _series("kame_engine_slots_total", {"instance": "b"}, "8x30"),
+            _series("kame_engine_slots", {"instance": "a"}, "8x30"),
+            _series("kame_engine_slots", {"instance": "b"}, "8x30"),
             _series("kame_engine_slots_busy", {"instance": "a"}, "8x30"),
             _series("kame_engine_slots_busy", {"instance": "b"}, "7x30"),
         ],
@@ -481,7 +481,7 @@ ALERT_SCENARIOS = [
     ),
     pytest.param(
         [
-            _series("kame_engine_slots_total", {"instance": "a"}, "8x30"),
+            _series("kame_engine_slots", {"instance": "a"}, "8x30"),
             _series("kame_engine_slots_busy", {"instance": "a"}, "8x30"),
         ],
         [
@@ -548,10 +548,10 @@ ALERT_SCENARIOS = [
                 _series(name, {"job": "kame-engine", "instance": i}, values)
                 for i, edges, slots in [("e", "0x30", "8x30"), ("f", "2x30", "8x30"), ("g", "0x30", "0x30"),
                                         ("h", "0x5 1x25", "8x30")]
-                for name, values in [("kame_engine_link_edges", edges), ("kame_engine_slots_total", slots)]
+                for name, values in [("kame_engine_link_edges", edges), ("kame_engine_slots", slots)]
             ],
             _series("kame_engine_link_edges", {"instance": "n"}, "0x30"),
-            _series("kame_engine_slots_total", {"instance": "n"}, "8x30"),
+            _series("kame_engine_slots", {"instance": "n"}, "8x30"),
         ],
         [
             _alerts(
