@@ -13,12 +13,18 @@ class ConfigError(ValueError):
 
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+# `kame-phone serve`'s metrics port: 9090 is Prometheus' own and 9091 engine-serve's (both may share a host).
+DEFAULT_METRICS_PORT = 9092
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
     host: str = "127.0.0.1"
     port: int = 8080
+    # GET /metrics listens here, apart from the public port. None: nowhere (the service embedded in tests and
+    # benches); `kame-phone serve` defaults to 127.0.0.1:DEFAULT_METRICS_PORT; port 0: any free one.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
     public_url: str = ""  # how Twilio reaches us, e.g. https://voice.example.com (signatures use it)
     twilio_auth_token: str | None = field(default=None, repr=False)  # never printed
     admin_token: str | None = field(default=None, repr=False)
@@ -78,6 +84,8 @@ class ServiceConfig:
             parts = urlsplit(url)
             if url and (parts.scheme not in ("http", "https") or not parts.netloc):
                 raise ConfigError(f"{name} must look like https://host[:port], got {url!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"KAME_METRICS_PORT must be 0-65535 (0: any free port), got {self.metrics_port}")
         if not 0 < self.heartbeat_s < self.node_ttl_s:
             raise ConfigError(f"need 0 < heartbeat_s < node_ttl_s, got {self.heartbeat_s} and {self.node_ttl_s}")
         if not self.node_id:

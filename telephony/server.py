@@ -1,4 +1,5 @@
-"""The aiohttp service: Twilio webhooks, the Media Streams socket, health, metrics and the admin API."""
+"""The aiohttp service: Twilio webhooks, the Media Streams socket, health and the admin API (public), and
+/metrics on a listener of its own (`metrics_http`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from engine.interface import Engine
 
@@ -26,6 +26,7 @@ from .cluster import Cluster, LocalCluster, open_cluster
 from .config import ServiceConfig
 from .logs import call_id_var
 from .media_session import TOKEN_PARAMETER, MediaStreamSession
+from .metrics_http import MetricsListener
 from .signatures import (
     SIGNATURE_HEADER,
     public_url_for,
@@ -207,11 +208,6 @@ async def handle_stream_status(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
-async def handle_metrics(request: web.Request) -> web.Response:
-    body = await asyncio.to_thread(generate_latest, REGISTRY)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
 async def handle_healthz(request: web.Request) -> web.Response:
     engine = _ctx(request).engine
     if engine is not None and engine.failed:  # a dead engine process: only a restart brings it back
@@ -273,7 +269,6 @@ def build_app(ctx: ServerContext) -> web.Application:
     app.router.add_post(VOICE_PATH, handle_voice)
     app.router.add_get(MEDIA_PATH, handle_media)
     app.router.add_post(STATUS_PATH, handle_stream_status)
-    app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/healthz", handle_healthz)
     app.router.add_get("/readyz", handle_readyz)
     app.router.add_get("/calls", handle_calls)
@@ -282,14 +277,19 @@ def build_app(ctx: ServerContext) -> web.Application:
 
 
 class ServiceHandle:
-    """A running service on host:port (port 0 picks a free one, for tests)."""
+    """A running service on host:port (port 0 picks a free one, for tests), and its metrics listener when
+    the config names a metrics port."""
 
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
         self.runner = web.AppRunner(build_app(ctx), handle_signals=False)
         self.port = 0
+        self.metrics: MetricsListener | None = None
 
     async def start(self) -> ServiceHandle:
+        config = self.ctx.config
+        if config.metrics_port is not None:  # first: its port is the one most likely taken on a shared host
+            self.metrics = await MetricsListener(config.metrics_host, config.metrics_port).start()
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.ctx.config.host, self.ctx.config.port)
         await site.start()
@@ -321,9 +321,17 @@ class ServiceHandle:
         for session in list(self.ctx.streams.values()):
             await session.end("drain_timeout")
 
+    @property
+    def metrics_url(self) -> str | None:
+        if self.metrics is None:
+            return None
+        return f"http://{self.metrics.host}:{self.metrics.port}/metrics"
+
     async def aclose(self) -> None:
         await self.ctx.fanout.aclose()
         await self.runner.cleanup()
+        if self.metrics is not None:  # last: the drain and the shutdown stay visible to Prometheus
+            await self.metrics.aclose()
 
 
 def freeze_startup_heap() -> None:
