@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass, field
@@ -15,6 +16,18 @@ class ConfigError(ValueError):
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 # `kame-phone serve`'s metrics port: 9090 is Prometheus' own and 9091 engine-serve's (both may share a host).
 DEFAULT_METRICS_PORT = 9092
+
+
+def is_loopback(host: str | None) -> bool:
+    """`localhost` or a loopback IP address (127.0.0.0/8, ::1); an empty host binds every interface."""
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -80,10 +93,20 @@ class ServiceConfig:
             )
         if self.insecure_dev and self.host not in LOOPBACK:
             raise ConfigError(f"--insecure-dev binds to loopback only, not {self.host!r}")
+        if self.twilio_auth_token and not self.public_url and not is_loopback(self.host):
+            # The derived http://<host>:<port> is not the URL Twilio calls: every signature would fail (403).
+            raise ConfigError(
+                f"PUBLIC_URL is not set: bound to {self.host!r} with TWILIO_AUTH_TOKEN, Twilio's signatures can only "
+                "be checked against the https:// URL it calls. Set PUBLIC_URL=https://<your public host> "
+                "(or --public-url)."
+            )
         for name, url in (("PUBLIC_URL", self.public_url), ("KAME_NODE_URL", self.node_url)):
             parts = urlsplit(url)
             if url and (parts.scheme not in ("http", "https") or not parts.netloc):
                 raise ConfigError(f"{name} must look like https://host[:port], got {url!r}")
+            if url and parts.scheme == "http" and not is_loopback(parts.hostname):
+                # Twilio only calls https:// and only opens wss:// streams; http:// is for local tests.
+                raise ConfigError(f"{name} must be https:// (http:// only for a loopback host), got {url!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"KAME_METRICS_PORT must be 0-65535 (0: any free port), got {self.metrics_port}")
         if not 0 < self.heartbeat_s < self.node_ttl_s:

@@ -30,7 +30,7 @@ CALLS_ACTIVE = Gauge("kame_calls_active", "Calls with an open media stream.")
 # Every outcome a call can end with (the voice webhook's, then the stream's end reasons); tests scan the
 # telephony code for any other.
 CALL_OUTCOMES = (
-    "completed", "busy", "rejected", "engine_full", "oversize", "socket_error", "silent_socket",
+    "completed", "busy", "misconfigured", "rejected", "engine_full", "oversize", "socket_error", "silent_socket",
     "stalled_peer", "engine_lost", "replaced", "drain_timeout",
 )  # fmt: skip
 CALLS_TOTAL = zero_series(Counter("kame_calls_total", "Calls by outcome.", ["outcome"]), outcome=CALL_OUTCOMES)

@@ -43,6 +43,7 @@ MEDIA_PATH = "/twilio/media"
 STATUS_PATH = "/twilio/stream-status"
 _CALL_SID = re.compile(r"^CA[0-9a-fA-F]{32}$")
 BUSY_MESSAGE = "All our lines are busy right now. Please call again in a few minutes. Goodbye."
+UNAVAILABLE_MESSAGE = "Sorry, we cannot take your call right now. Please call again later. Goodbye."
 
 
 class ServerContext:
@@ -165,12 +166,22 @@ async def handle_voice(request: web.Request) -> web.Response:
         return web.Response(text=busy_twiml(BUSY_MESSAGE), content_type="text/xml")
     record.node = reservation.node_id
     await ctx.store.create(record)
-    twiml = connect_stream_twiml(
-        reservation.stream_url,
-        ctx.config.base_url + STATUS_PATH,
-        {TOKEN_PARAMETER: reservation.token},
-        allow_insecure_ws=ctx.config.insecure_dev,
-    )
+    try:
+        twiml = connect_stream_twiml(
+            reservation.stream_url,
+            ctx.config.base_url + STATUS_PATH,
+            {TOKEN_PARAMETER: reservation.token},
+            allow_insecure_ws=ctx.config.insecure_dev,
+        )
+    except ValueError as e:
+        # A stream URL Twilio cannot open (not wss://). Free the slot now: held until it expired, it would
+        # also hold up a drain. The caller hears why instead of Twilio's "application error".
+        await ctx.cluster.release(call_sid)
+        log.error("cannot send the stream to node %s (%s): check its PUBLIC_URL / KAME_NODE_URL",
+                  reservation.node_id, e)  # fmt: skip
+        metrics.CALLS_TOTAL.labels(outcome="misconfigured").inc()
+        await ctx.store.end(call_sid, "misconfigured")
+        return web.Response(text=busy_twiml(UNAVAILABLE_MESSAGE), content_type="text/xml")
     log.info("answering with a media stream on node %s", reservation.node_id)
     return web.Response(text=twiml, content_type="text/xml")
 

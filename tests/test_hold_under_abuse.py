@@ -1,6 +1,6 @@
-"""Holding under load and abuse: /metrics off the public port, deployment flags from the environment, and
-a clean Prometheus exposition (promtool) with every labelled series there from the start (a series born at
-its first event is invisible to rate() and increase())."""
+"""Holding under load and abuse: /metrics off the public port, start-up refusing configurations that cannot
+work, deployment flags from the environment, a webhook that cannot be answered freeing its slot, and a
+clean Prometheus exposition (promtool) with every labelled series there from the start."""
 
 from __future__ import annotations
 
@@ -19,14 +19,16 @@ import aiohttp
 import pytest
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
+from twilio.request_validator import RequestValidator
 
 import engine.metrics
 import telephony.metrics
 from engine.llm import ErrorKind
+from telephony.config import ConfigError, ServiceConfig
 from telephony.server import VOICE_PATH
 from telephony.twilio_messages import PROTOCOL_ERROR_KINDS
 
-from .phone_fixtures import new_call_sid, running_phone
+from .phone_fixtures import metric, new_call_sid, running_phone
 from .redis_support import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +64,7 @@ async def test_metrics_are_served_on_their_own_listener_not_the_public_port(tiny
             assert r.status in (404, 405)
 
 
-# --- D: deployment flags from the environment ---------------------------------------------------------
+# --- B: configurations that cannot work refuse to start ---------------------------------------------------
 
 
 @pytest.fixture
@@ -71,6 +73,44 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
         if name.startswith(("KAME_", "TWILIO_", "PUBLIC_URL", "REDIS_", "ADMIN_TOKEN")):
             monkeypatch.delenv(name)
     return monkeypatch
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "names"),
+    [
+        pytest.param({"TWILIO_AUTH_TOKEN": "t"}, ["--host", "0.0.0.0"], "PUBLIC_URL=https://", id="no-public-url"),
+        pytest.param({"TWILIO_AUTH_TOKEN": "t", "PUBLIC_URL": "http://voice.example.com"}, [],
+                     "PUBLIC_URL must be https://", id="http-public-url"),  # fmt: skip
+        pytest.param({"TWILIO_AUTH_TOKEN": "t", "PUBLIC_URL": "https://voice.example.com",
+                      "KAME_NODE_URL": "http://10.0.0.5:8080"}, ["--host", "0.0.0.0"],
+                     "KAME_NODE_URL must be https://", id="http-node-url"),  # fmt: skip
+        pytest.param({"KAME_MAX_CALLS": "lots"}, ["--insecure-dev"], "KAME_MAX_CALLS='lots'", id="max-calls"),
+        pytest.param({"KAME_STT": "whisper"}, ["--insecure-dev"], "KAME_STT='whisper'", id="stt"),
+        pytest.param({"KAME_LOG_JSON": "maybe"}, ["--insecure-dev"], "KAME_LOG_JSON='maybe'", id="log-json"),
+        pytest.param({"KAME_METRICS_PORT": "70000"}, ["--insecure-dev"], "KAME_METRICS_PORT", id="metrics-port"),
+    ],
+)
+def test_serve_refuses_a_configuration_that_cannot_work_in_one_line(
+    clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], env: dict[str, str], args: list[str],
+    names: str,
+) -> None:
+    from kame_phone.cli import main
+
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert names in err and "\n" not in err, err
+    assert err.startswith("kame-phone serve: ")
+
+
+def test_what_can_work_still_starts() -> None:
+    ServiceConfig(host="0.0.0.0", twilio_auth_token="t", public_url="https://voice.example.com").check()
+    ServiceConfig(host="127.0.0.1", twilio_auth_token="t").check()  # loopback: the derived URL is real
+    ServiceConfig(host="0.0.0.0", twilio_auth_token="t", public_url="http://127.0.0.1:8080").check()  # local tests
+    ServiceConfig(host="127.0.0.1", twilio_auth_token="t", public_url="http://localhost:8080").check()
+    with pytest.raises(ConfigError, match="PUBLIC_URL"):
+        ServiceConfig(host="10.0.0.5", twilio_auth_token="t").check()
 
 
 def test_flags_take_their_defaults_from_the_environment(clean_env: pytest.MonkeyPatch) -> None:
@@ -92,6 +132,27 @@ def test_flags_take_their_defaults_from_the_environment(clean_env: pytest.Monkey
     args = build_parser().parse_args(["serve"])
     resolve_env_defaults(args)
     assert (args.stt, args.max_calls, args.metrics_port, args.metrics_host) == ("pocketsphinx", 32, 0, "0.0.0.0")
+
+
+async def test_a_stream_url_twilio_cannot_open_frees_its_slot_at_once(tiny_checkpoint: Path) -> None:
+    """A webhook signed over a public URL whose stream would be ws:// off loopback (a configuration start-up
+    now refuses): the answer used to be a 500 with the slot still reserved, and a drain waited for it."""
+    public = "http://voice.example.com"
+    async with running_phone(tiny_checkpoint, public_url=public) as phone, aiohttp.ClientSession() as http:
+        before = metric("kame_calls_total", outcome="misconfigured")
+        call_sid = new_call_sid()
+        params = {"CallSid": call_sid, "AccountSid": "AC" + "0" * 32, "From": "+15550001", "To": "+15550002"}
+        signature = RequestValidator(phone.token).compute_signature(public + VOICE_PATH, params)
+        async with http.post(phone.base + VOICE_PATH, data=params, headers={"X-Twilio-Signature": signature}) as r:
+            assert r.status == 200, await r.text()
+            twiml = await r.text()
+        assert "<Hangup" in twiml and "<Stream" not in twiml
+        assert phone.ctx.cluster.reserved == 0 and phone.ctx.capacity_left == 2
+        assert metric("kame_calls_total", outcome="misconfigured") == before + 1
+        await phone.store.flush()
+        record = await phone.store.get(call_sid)
+        assert record is not None and record.end_reason == "misconfigured"
+        await asyncio.wait_for(phone.handle.drain(timeout_s=30, poll_s=0.05), 2)  # nothing left to wait for
 
 
 # --- C: metric hygiene -------------------------------------------------------------------------------------
@@ -123,7 +184,7 @@ def test_every_call_outcome_in_the_code_is_a_known_label_value() -> None:
     uses but the list lacks would again be a series born at its first call."""
     pattern = re.compile(r'(?:_end_reason = |\.end\(|outcome=|store\.end\(call_sid, )"([a-z_]+)"')
     used = {m for path in (ROOT / "telephony").glob("*.py") for m in pattern.findall(path.read_text())}
-    assert {"completed", "busy", "rejected", "drain_timeout"} <= used
+    assert {"completed", "busy", "rejected", "drain_timeout", "misconfigured"} <= used
     assert used <= set(telephony.metrics.CALL_OUTCOMES), sorted(used - set(telephony.metrics.CALL_OUTCOMES))
 
 
