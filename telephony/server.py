@@ -21,7 +21,7 @@ from engine.interface import Engine
 
 from . import metrics
 from .bot_audio import BotAudioFanout
-from .call_store import CallRecord, CallStore
+from .call_store import CallRecord, CallStore, CallStoreUnavailable
 from .cluster import Cluster, LocalCluster, open_cluster
 from .config import ServiceConfig
 from .logs import call_id_var
@@ -148,7 +148,7 @@ async def handle_voice(request: web.Request) -> web.Response:
     if not ctx.webhook_ok(request, form, "voice"):
         return web.Response(status=403, text="invalid Twilio signature")
     call_sid = str(form.get("CallSid", ""))
-    if not _CALL_SID.match(call_sid):
+    if not _CALL_SID.fullmatch(call_sid):
         return web.Response(status=400, text="CallSid missing or malformed")
     call_id_var.set(call_sid)
     record = CallRecord(
@@ -260,7 +260,10 @@ async def handle_calls(request: web.Request) -> web.Response:
         limit = max(1, min(int(request.query.get("limit", "50")), 500))
     except ValueError:
         return web.json_response({"error": "limit must be an integer"}, status=400)
-    records = await ctx.store.list_recent(limit)
+    try:
+        records = await ctx.store.list_recent(limit)
+    except CallStoreUnavailable:
+        return _store_unavailable()
     return web.json_response({"calls": [r.to_dict() for r in records]}, dumps=json.dumps)
 
 
@@ -268,10 +271,21 @@ async def handle_call(request: web.Request) -> web.Response:
     ctx = _ctx(request)
     if not _admin_ok(ctx, request):
         return _unauthorized()
-    record = await ctx.store.get(request.match_info["call_sid"])
+    call_sid = request.match_info["call_sid"]
+    # Only a well-formed CallSid reaches the store: `CA…:turns` would name one of a call's own Redis keys.
+    if not _CALL_SID.fullmatch(call_sid):
+        return web.json_response({"error": "no such call"}, status=404)
+    try:
+        record = await ctx.store.get(call_sid)
+    except CallStoreUnavailable:
+        return _store_unavailable()
     if record is None:
         return web.json_response({"error": "no such call"}, status=404)
     return web.json_response(record.to_dict())
+
+
+def _store_unavailable() -> web.Response:
+    return web.json_response({"error": "call store unavailable"}, status=503)
 
 
 def build_app(ctx: ServerContext) -> web.Application:

@@ -1,6 +1,6 @@
 """Holding under load and abuse: /metrics off the public port, start-up refusing configurations that cannot
-work, deployment flags from the environment, a webhook that cannot be answered freeing its slot, and a
-clean Prometheus exposition (promtool) with every labelled series there from the start."""
+work, a webhook that cannot be answered freeing its slot, admin paths that name no call, and a clean
+Prometheus exposition (promtool) with every labelled series there from the start."""
 
 from __future__ import annotations
 
@@ -24,12 +24,13 @@ from twilio.request_validator import RequestValidator
 import engine.metrics
 import telephony.metrics
 from engine.llm import ErrorKind
+from telephony.call_store import CallRecord, open_call_store
 from telephony.config import ConfigError, ServiceConfig
 from telephony.server import VOICE_PATH
 from telephony.twilio_messages import PROTOCOL_ERROR_KINDS
 
 from .phone_fixtures import metric, new_call_sid, running_phone
-from .redis_support import free_port
+from .redis_support import REDIS_URL, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMTOOL = shutil.which("promtool")
@@ -153,6 +154,29 @@ async def test_a_stream_url_twilio_cannot_open_frees_its_slot_at_once(tiny_check
         record = await phone.store.get(call_sid)
         assert record is not None and record.end_reason == "misconfigured"
         await asyncio.wait_for(phone.handle.drain(timeout_s=30, poll_s=0.05), 2)  # nothing left to wait for
+
+
+# --- C: admin paths that name no call ---------------------------------------------------------------------
+
+
+async def test_admin_paths_that_name_no_call_are_404(tiny_checkpoint: Path, prefix: str) -> None:
+    store = open_call_store(REDIS_URL, key_prefix=prefix)
+    try:
+        async with running_phone(tiny_checkpoint, store=store, admin_token="admin") as phone, \
+                aiohttp.ClientSession(headers={"Authorization": "Bearer admin"}) as http:  # fmt: skip
+            call_sid = new_call_sid()
+            await store.create(CallRecord(call_sid=call_sid))
+            await store.append_turn(call_sid, "caller", "hello")  # its turns list is a Redis key of its own
+            await store.flush()
+            async with http.get(f"{phone.base}/calls/{call_sid}") as r:
+                assert r.status == 200 and (await r.json())["turns"][0]["text"] == "hello"
+            for path in (f"{call_sid}:turns", f"{call_sid}:anything", f"{call_sid}%0A", call_sid.lower()[:-1],
+                         "CAnot-a-sid", f"{call_sid}%3Aturns"):  # fmt: skip
+                async with http.get(f"{phone.base}/calls/{path}") as r:
+                    assert r.status == 404, (path, r.status, await r.text())
+                    assert (await r.json()) == {"error": "no such call"}
+    finally:
+        await store.aclose()
 
 
 # --- C: metric hygiene -------------------------------------------------------------------------------------
