@@ -4,6 +4,7 @@
 #
 #   docker build -t kame-phone .
 #   docker run --gpus 1 -p 8080:8080 --env-file ops/.env -v kame-hf:/data kame-phone
+#   (/metrics is on 9092, unpublished here: add -p 127.0.0.1:9092:9092 to scrape it from the host)
 #
 # Base image: nvidia/cuda:<ver>-base-ubuntu24.04, on purpose not -cudnn-runtime nor pytorch/pytorch.
 #   * PyTorch's CUDA wheels bring their own CUDA runtime, cuBLAS, cuDNN and NCCL as nvidia-* pip packages
@@ -92,7 +93,8 @@ ENV PATH=/opt/venv/bin:$PATH \
 VOLUME ["/data"]
 USER kame
 WORKDIR /home/kame
-EXPOSE 8080
+# 8080: the public listener (Twilio's webhooks and media streams). 9092: /metrics, for Prometheus only.
+EXPOSE 8080 9092
 
 # On SIGTERM the service stops taking calls, lets running calls finish (minutes), then exits: give it
 # time (compose stop_grace_period / k8s terminationGracePeriodSeconds), never SIGKILL early.
@@ -106,4 +108,4 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=30m --retries=4 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('KAME_HEALTH_PORT', '8080'), timeout=4)"]
 
 ENTRYPOINT ["kame-phone"]
-CMD ["serve", "--host", "0.0.0.0", "--port", "8080"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8080", "--metrics-host", "0.0.0.0", "--metrics-port", "9092", "--stt", "kyutai"]

@@ -150,7 +150,7 @@ class FrameLoop:
         self.oracle_fed: deque[OracleFed] = deque(maxlen=10_000)
         self._vocab = tokenizer.vocab_size()
         self._silent_pieces = {batch.lm.text_padding_token_id, batch.lm.end_of_text_padding_id}
-        metrics.ENGINE_SLOTS_TOTAL.set(self.max_calls)
+        metrics.ENGINE_SLOTS.set(self.max_calls)
 
     @property
     def sampling(self) -> SamplingConfig:

@@ -84,7 +84,7 @@ class FrameLoopProcess:
         self.audio_shed = 0  # caller frames never sent because the child was that far behind
         self._max_audio_queued = 8 * spec.max_calls  # ~640 ms of every call's audio
         self._sender: threading.Thread | None = None
-        metrics.ENGINE_SLOTS_TOTAL.set(self.max_calls)
+        metrics.ENGINE_SLOTS.set(self.max_calls)
 
     # ---- lifecycle (blocking: call from a thread) ----
 

@@ -194,39 +194,46 @@ class LlmClient:
         streaming = False
         text = ""
         try:
-            # The raw response, not the client's parsed stream: its type-driven request transform and
-            # per-chunk model objects took 60% of the back-end's event loop at 32 calls (py-spy, bench
-            # oracle), which delays every other call's request and first draft. The client still does
-            # the connection, auth, timeouts and the HTTP status errors (classified below).
-            async with self._client.chat.completions.with_streaming_response.create(
-                model=cfg.model,
-                # In extra_body the conversation is sent as is; as `messages` it would be transformed.
-                messages=[],
-                extra_body={"messages": list(messages)},
-                stream=True,
-                extra_headers={"X-Request-Id": request_id} if request_id else None,
-                **extra,  # type: ignore[arg-type]
-            ) as response:
-                streaming = True
-                # Closed with the response, not left for the garbage collector to finalize.
-                async with contextlib.aclosing(_sse_data(response.iter_lines())) as events:
-                    async for data in events:
-                        if data == "[DONE]":
-                            break
-                        piece = _delta_content(json.loads(data))
-                        if not piece:
-                            continue
-                        if not text:
-                            metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
-                            piece = piece.lstrip()
+            # The client's timeouts are per read: a server that hangs after its headers, or drips keep-alives
+            # or empty chunks, would never time out. The first token has a deadline of its own; it is lifted
+            # once text flows (before the first yield, so it never fires while the consumer holds the draft).
+            async with asyncio.timeout(cfg.timeout_s) as first_token:
+                # The raw response, not the client's parsed stream: its type-driven request transform and
+                # per-chunk model objects took 60% of the back-end's event loop at 32 calls (py-spy, bench
+                # oracle), which delays every other call's request and first draft. The client still does
+                # the connection, auth, timeouts and the HTTP status errors (classified below).
+                async with self._client.chat.completions.with_streaming_response.create(
+                    model=cfg.model,
+                    # In extra_body the conversation is sent as is; as `messages` it would be transformed.
+                    messages=[],
+                    extra_body={"messages": list(messages)},
+                    stream=True,
+                    extra_headers={"X-Request-Id": request_id} if request_id else None,
+                    **extra,  # type: ignore[arg-type]
+                ) as response:
+                    streaming = True
+                    # Closed with the response, not left for the garbage collector to finalize.
+                    async with contextlib.aclosing(_sse_data(response.iter_lines())) as events:
+                        async for data in events:
+                            if data == "[DONE]":
+                                break
+                            piece = _delta_content(json.loads(data))
                             if not piece:
                                 continue
-                        text += piece
-                        yield text
+                            if not text:
+                                piece = piece.lstrip()
+                                if not piece:
+                                    continue
+                                metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
+                                first_token.reschedule(None)
+                            text += piece
+                            yield text
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             kind = classify_error(exc, streaming=streaming)
+            if isinstance(exc, TimeoutError) and not text:
+                exc = TimeoutError(f"no first token within {cfg.timeout_s:g}s")
             message = self._scrub(f"{type(exc).__name__}: {exc}")
             metrics.LLM_ERRORS.labels(kind=kind).inc()
             log.warning("call %s: LLM request failed (%s) after %d chars: %s", call_id, kind, len(text), message)

@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
+from typing import TypeVar
+
 from prometheus_client import Counter, Gauge, Histogram
+
+_Labelled = TypeVar("_Labelled", Counter, Gauge, Histogram)
+
+
+def zero_series(metric: _Labelled, **label_values: Iterable[str]) -> _Labelled:
+    """Create `metric`'s series for every combination of the given label values, at 0, and return it.
+
+    A labelled metric has no series until its first event, and rate()/increase() see no increase in a
+    series born at 1: the first error of a kind would never fire an alert. So every value a label can take
+    is listed where the metric is defined, and exported from the start."""
+    names = list(label_values)
+    for values in itertools.product(*label_values.values()):
+        metric.labels(**dict(zip(names, values, strict=True)))
+    return metric
+
 
 # Buckets sized around the 80 ms frame: a tick that passes 80 ms is a deadline miss.
 _TICK_BUCKETS_MS = (2, 5, 10, 15, 20, 30, 40, 50, 60, 70, 80, 100, 150, 250, 500, 1000)
@@ -18,7 +37,8 @@ ENGINE_DEADLINE_MISSES = Counter(
     "Ticks that started later than their 80 ms deadline (the loop fell behind real time).",
 )
 ENGINE_SLOTS_BUSY = Gauge("kame_engine_slots_busy", "Call slots in use.")
-ENGINE_SLOTS_TOTAL = Gauge("kame_engine_slots_total", "Call slots configured (--max-calls).")
+# A gauge: no `_total` suffix (Prometheus reserves it for counters; `promtool check metrics` refuses it).
+ENGINE_SLOTS = Gauge("kame_engine_slots", "Call slots configured (--max-calls).")
 ENGINE_FALLING_BEHIND = Gauge(
     "kame_engine_falling_behind",
     "1 while over a fifth of the last 2 s of ticks missed their 80 ms frame (the node takes no new calls).",
@@ -48,7 +68,11 @@ LLM_TTFT_SECONDS = Histogram(
     buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
 )
 LLM_REQUESTS = Counter("kame_llm_requests_total", "LLM draft requests started.")
-LLM_ERRORS = Counter("kame_llm_errors_total", "LLM request failures by kind.", ["kind"])
+# Every `kind` engine/llm.py's ErrorKind can take (tests check the two agree).
+LLM_ERROR_KINDS = ("timeout", "rate_limited", "server_error", "connection", "malformed", "other")
+LLM_ERRORS = zero_series(
+    Counter("kame_llm_errors_total", "LLM request failures by kind.", ["kind"]), kind=LLM_ERROR_KINDS
+)
 STT_ERRORS = Counter("kame_stt_errors_total", "Speech-to-text failures.")
 STT_DROPPED_FRAMES = Counter(
     "kame_stt_dropped_frames_total",
@@ -62,22 +86,21 @@ STT_PARTIAL_SECONDS = Histogram(
 
 # The engine link (engine/remote.py): edges served over a socket by `kame-phone engine-serve`.
 ENGINE_LINK_EDGES = Gauge("kame_engine_link_edges", "Edge processes connected to this engine server.")
-ENGINE_LINK_ERRORS = Counter(
-    "kame_engine_link_errors_total",
-    "Engine link failures: bad_hello, bad_token, bad_message (a peer dropped), bad_audio (a frame dropped), "
-    "lost (the edge lost its engine).",
-    ["kind"],
+ENGINE_LINK_ERRORS = zero_series(
+    Counter(
+        "kame_engine_link_errors_total",
+        "Engine link failures: bad_hello, bad_token, bad_message (a peer dropped), bad_audio (a frame dropped), "
+        "lost (the edge lost its engine).",
+        ["kind"],
+    ),
+    kind=("bad_hello", "bad_token", "bad_message", "bad_audio", "lost"),
 )
-ENGINE_LINK_DROPPED = Counter(
-    "kame_engine_link_dropped_total",
-    "Messages shed because the other side of the engine link was not reading: bot_frames (ticks, engine "
-    "side) or caller_audio (frames, edge side).",
-    ["what"],
+ENGINE_LINK_DROPPED = zero_series(
+    Counter(
+        "kame_engine_link_dropped_total",
+        "Messages shed because the other side of the engine link was not reading: bot_frames (ticks, engine "
+        "side) or caller_audio (frames, edge side).",
+        ["what"],
+    ),
+    what=("bot_frames", "caller_audio"),
 )
-
-# Every label value exists from the start, at 0, so the first event of a kind is an increase that rate()
-# and increase() can see (a series born at 1 looks like no change).
-for _kind in ("bad_hello", "bad_token", "bad_message", "bad_audio", "lost"):
-    ENGINE_LINK_ERRORS.labels(kind=_kind)
-for _what in ("bot_frames", "caller_audio"):
-    ENGINE_LINK_DROPPED.labels(what=_what)

@@ -12,6 +12,8 @@ from engine.remote import Address, LinkError, LinkRefused, RemoteEngine, edge_tl
 from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
 
+from .env_flags import env_flag, parse_float, parse_int
+
 log = logging.getLogger(__name__)
 
 
@@ -31,28 +33,31 @@ def _positive_int(text: str) -> int:
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--checkpoint", default="SakanaAI/kame",
-                   help="Hugging Face repo id, local checkpoint dir, or random:moshi-7b (random weights, load tests)")
-    g.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available)")
-    g.add_argument("--max-calls", type=int, default=8, help="call slots in the batch")
-    g.add_argument("--context", type=int, default=None, help="KV window in 80 ms frames (3000 = 4 min)")
-    g.add_argument("--forced-delay-ms", type=float, default=0.0, help="hold the reply until N ms after a turn")
+    env_flag(g, "--checkpoint", "KAME_CHECKPOINT", default="SakanaAI/kame",
+             help="Hugging Face repo id, local checkpoint dir, or random:moshi-7b (random weights, load tests)")
+    env_flag(g, "--device", "KAME_DEVICE", help="cuda, cuda:1 or cpu (default: cuda if available)")
+    env_flag(g, "--max-calls", "KAME_MAX_CALLS", default=8, parse=parse_int, help="call slots in the batch")
+    env_flag(g, "--context", "KAME_CONTEXT", parse=parse_int, help="KV window in 80 ms frames (3000 = 4 min)")
+    env_flag(g, "--forced-delay-ms", "KAME_FORCED_DELAY_MS", default=0.0, parse=parse_float,
+             help="hold the reply until N ms after a turn")
+    # On by default: in the service's process the STT and the phone edge starve the 80 ms loop (6 calls on
+    # 2 cores: 0.39-0.56 of real time in process, 0.97-0.98 in its own; docs/benchmarks.md section 4).
+    env_flag(g, "--engine-process", "KAME_ENGINE_PROCESS", switch=True, default=True,
+             help="run the model and its 80 ms loop in a child process (own GIL and clock; crash-isolated)")
+    env_flag(g, "--torch-threads", "KAME_TORCH_THREADS", default=0, parse=parse_int,
+             help="the model's intra-op CPU threads (0: torch's default)")
     s = parser.add_argument_group("sampling (default: the checkpoint's lm_gen_config, else moshi's 0.8/0.7/250/25)")
-    s.add_argument("--greedy", action="store_true", help="argmax instead of sampling (deterministic)")
+    env_flag(s, "--greedy", "KAME_GREEDY", switch=True, help="argmax instead of sampling (deterministic)")
     s.add_argument("--temp", type=_non_negative, default=None, help="audio temperature")
     s.add_argument("--temp-text", type=_non_negative, default=None, help="text temperature")
     s.add_argument("--top-k", type=_positive_int, default=None, help="audio top-k")
     s.add_argument("--top-k-text", type=_positive_int, default=None, help="text top-k")
-    # On by default: in the service's process the STT and the phone edge starve the 80 ms loop (6 calls on
-    # 2 cores: 0.56 of real time in process, 0.98 in its own; docs/benchmarks.md, "The whole node").
-    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the model and its 80 ms loop in a child process (own GIL and clock; crash-isolated)")
-    g.add_argument("--torch-threads", type=int, default=0, help="the model's intra-op CPU threads (0: torch's default)")
     b = parser.add_argument_group("back-end")
-    b.add_argument("--stt", choices=["pocketsphinx", "kyutai", "none"], default="pocketsphinx")
-    b.add_argument("--llm", choices=["openai", "none"], default="openai",
-                   help="'openai': any OpenAI-compatible endpoint (OPENAI_BASE_URL, OPENAI_API_KEY)")
-    b.add_argument("--llm-model", default=None, help="model name (default: $KAME_LLM_MODEL or gpt-4.1)")
+    env_flag(b, "--stt", "KAME_STT", default="pocketsphinx", choices=("pocketsphinx", "kyutai", "none"),
+             help="pocketsphinx: CPU, for development; kyutai: batched on the GPU")
+    env_flag(b, "--llm", "KAME_LLM", default="openai", choices=("openai", "none"),
+             help="'openai': any OpenAI-compatible endpoint (OPENAI_BASE_URL, OPENAI_API_KEY)")
+    env_flag(b, "--llm-model", "KAME_LLM_MODEL", help="model name (default: gpt-4.1)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -10,7 +10,10 @@ import os
 import sys
 from pathlib import Path
 
+from telephony.config import DEFAULT_METRICS_PORT
 from telephony.logs import setup_logging
+
+from .env_flags import EnvDefault, EnvError, env_flag, parse_float, parse_int, resolve_env_defaults
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -25,6 +28,8 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServiceConfig.from_env(
             host=args.host,
             port=args.port,
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
             public_url=args.public_url,
             insecure_dev=args.insecure_dev,
             store_transcripts=not args.no_transcripts,
@@ -147,19 +152,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="answer Twilio calls with KAME")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8080)
+    env_flag(serve, "--host", "KAME_HOST", default="127.0.0.1", help="the public listener's address")
+    env_flag(serve, "--port", "KAME_PORT", default=8080, parse=parse_int, help="the public listener's port")
+    env_flag(serve, "--metrics-host", "KAME_METRICS_HOST", default="127.0.0.1",
+             help="GET /metrics listens here, never on the public port (0.0.0.0 in a container or pod)")
+    env_flag(serve, "--metrics-port", "KAME_METRICS_PORT", default=DEFAULT_METRICS_PORT, parse=parse_int,
+             help=f"the metrics listener's port (default {DEFAULT_METRICS_PORT}; 0: any free one)")
     serve.add_argument("--public-url", default=None, help="how Twilio reaches this service (default: $PUBLIC_URL)")
     serve.add_argument("--insecure-dev", action="store_true",
                        help="no TWILIO_AUTH_TOKEN: skip signature checks, loopback only")
-    serve.add_argument("--no-transcripts", action="store_true", help="keep timings, not words, in call records")
-    serve.add_argument("--retention-hours", type=float, default=24.0, help="how long call records live")
-    serve.add_argument("--log-json", action="store_true", default=os.environ.get("KAME_LOG_JSON") == "1",
-                       help="JSON log lines (also KAME_LOG_JSON=1)")
-    serve.add_argument("--engine", default=os.environ.get("KAME_ENGINE_ADDRESS"), metavar="ADDRESS",
+    env_flag(serve, "--no-transcripts", "KAME_NO_TRANSCRIPTS", switch=True,
+             help="keep timings, not words, in call records")
+    env_flag(serve, "--retention-hours", "KAME_RETENTION_HOURS", default=24.0, parse=parse_float,
+             help="how long call records live")
+    env_flag(serve, "--log-json", "KAME_LOG_JSON", switch=True, help="JSON log lines")
+    serve.add_argument("--engine", default=EnvDefault("KAME_ENGINE_ADDRESS", None), metavar="ADDRESS",
                        help="use the engine of a `kame-phone engine-serve` at unix:/path, tcp://host:port or "
                             "tls://host:port (token in $KAME_ENGINE_TOKEN; for tls://, the CA in $KAME_ENGINE_CA) "
-                            "instead of loading one; --max-calls is the seats to ask for")
+                            "instead of loading one; --max-calls is the seats to ask for (env KAME_ENGINE_ADDRESS)")
     add_engine_arguments(serve)
     serve.set_defaults(func=_serve)
 
@@ -175,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine_serve.add_argument("--http-host", default="127.0.0.1")
     engine_serve.add_argument("--drain-timeout", type=float, default=600.0,
                               help="on SIGTERM, wait this long (s) for seated calls to end")
-    engine_serve.add_argument("--log-json", action="store_true", default=os.environ.get("KAME_LOG_JSON") == "1")
+    env_flag(engine_serve, "--log-json", "KAME_LOG_JSON", switch=True, help="JSON log lines")
     add_engine_arguments(engine_serve)
     engine_serve.set_defaults(func=_engine_serve)
 
@@ -225,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        resolve_env_defaults(args)
+    except EnvError as e:
+        print(f"kame-phone {args.command}: {e}", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

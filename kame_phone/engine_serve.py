@@ -23,7 +23,7 @@ from aiohttp import web
 
 from engine.heap import freeze_startup_heap
 from engine.remote import Address, EngineServer, server_tls
-from telephony.server import handle_metrics
+from telephony.metrics_http import METRICS_PATH, handle_metrics
 
 from .app import load_engine
 
@@ -48,7 +48,8 @@ def _http_app(state: dict[str, object]) -> web.Application:
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", handle_metrics)  # the same exposition as the phone edge's
+    # The same exposition as `serve`'s metrics listener; this whole port stays off the public network.
+    app.router.add_get(METRICS_PATH, handle_metrics)
     return app
 
 

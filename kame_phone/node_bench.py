@@ -7,8 +7,8 @@ operator gets; `--serve-arg` adds flags), the tiny checkpoint unless `--checkpoi
 local OpenAI-compatible LLM with a fixed TTFT (a process of its own, `--llm-ttft-ms`). N simulated Twilio
 callers in this process dial at once, each says a flite question and holds the line. Reported per call: the
 share of real time its bot audio kept (received / call length; 1.0 = every 80 ms frame in time), first
-audio and turn latency; from the service's own /metrics: engine tick p50/p99, deadline misses, input
-overruns, oracle lag; and /readyz as sampled every 0.5 s during the calls.
+audio and turn latency; from the service's own /metrics (its metrics listener): engine tick p50/p99,
+deadline misses, input overruns, oracle lag; and /readyz as sampled every 0.5 s during the calls.
 """
 
 from __future__ import annotations
@@ -163,9 +163,10 @@ async def run_node_bench(
 
             checkpoint = str(await asyncio.to_thread(make_tiny_checkpoint, work / "tiny"))
         wavs = [await asyncio.to_thread(_speak, q, work / f"q{i}.wav") for i, q in enumerate(QUESTIONS)]
-        port = _free_port()
-        base = f"http://127.0.0.1:{port}"
-        argv = ["--host", "127.0.0.1", "--port", str(port), "--insecure-dev", "--checkpoint", checkpoint]
+        port, metrics_port = _free_port(), _free_port()
+        base, metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
+        argv = ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port), "--insecure-dev",
+                "--checkpoint", checkpoint]
         if calls > 8 and "--max-calls" not in serve_args:  # serve's default seats 8
             argv += ["--max-calls", str(calls)]
         argv += serve_args
@@ -174,7 +175,7 @@ async def run_node_bench(
             env.pop("TWILIO_AUTH_TOKEN", None)
             log(f"serve {' '.join(argv)}")
             async with _service(argv, env, base, work / "serve.log"), aiohttp.ClientSession() as session:
-                before = await _scrape(session, base + "/metrics")
+                before = await _scrape(session, metrics_url)
                 ready: list[int] = []
                 sampler = asyncio.create_task(_sample_readyz(session, base, ready))
                 log(f"{calls} callers dialling at once ...")
@@ -187,7 +188,7 @@ async def run_node_bench(
                 with contextlib.suppress(asyncio.CancelledError):
                     await sampler
                 await asyncio.sleep(0.5)  # the last calls' metrics
-                after = await _scrape(session, base + "/metrics")
+                after = await _scrape(session, metrics_url)
     return _summarise(calls, serve_args, reports, before, after, ready, log)
 
 

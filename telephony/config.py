@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass, field
@@ -13,12 +14,30 @@ class ConfigError(ValueError):
 
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+# `kame-phone serve`'s metrics port: 9090 is Prometheus' own and 9091 engine-serve's (both may share a host).
+DEFAULT_METRICS_PORT = 9092
+
+
+def is_loopback(host: str | None) -> bool:
+    """`localhost` or a loopback IP address (127.0.0.0/8, ::1); an empty host binds every interface."""
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
     host: str = "127.0.0.1"
     port: int = 8080
+    # GET /metrics listens here, apart from the public port. None: nowhere (the service embedded in tests and
+    # benches); `kame-phone serve` defaults to 127.0.0.1:DEFAULT_METRICS_PORT; port 0: any free one.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
     public_url: str = ""  # how Twilio reaches us, e.g. https://voice.example.com (signatures use it)
     twilio_auth_token: str | None = field(default=None, repr=False)  # never printed
     admin_token: str | None = field(default=None, repr=False)
@@ -74,10 +93,22 @@ class ServiceConfig:
             )
         if self.insecure_dev and self.host not in LOOPBACK:
             raise ConfigError(f"--insecure-dev binds to loopback only, not {self.host!r}")
+        if self.twilio_auth_token and not self.public_url and not is_loopback(self.host):
+            # The derived http://<host>:<port> is not the URL Twilio calls: every signature would fail (403).
+            raise ConfigError(
+                f"PUBLIC_URL is not set: bound to {self.host!r} with TWILIO_AUTH_TOKEN, Twilio's signatures can only "
+                "be checked against the https:// URL it calls. Set PUBLIC_URL=https://<your public host> "
+                "(or --public-url)."
+            )
         for name, url in (("PUBLIC_URL", self.public_url), ("KAME_NODE_URL", self.node_url)):
             parts = urlsplit(url)
             if url and (parts.scheme not in ("http", "https") or not parts.netloc):
                 raise ConfigError(f"{name} must look like https://host[:port], got {url!r}")
+            if url and parts.scheme == "http" and not is_loopback(parts.hostname):
+                # Twilio only calls https:// and only opens wss:// streams; http:// is for local tests.
+                raise ConfigError(f"{name} must be https:// (http:// only for a loopback host), got {url!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"KAME_METRICS_PORT must be 0-65535 (0: any free port), got {self.metrics_port}")
         if not 0 < self.heartbeat_s < self.node_ttl_s:
             raise ConfigError(f"need 0 < heartbeat_s < node_ttl_s, got {self.heartbeat_s} and {self.node_ttl_s}")
         if not self.node_id:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from engine.metrics import zero_series
+
+from .twilio_messages import PROTOCOL_ERROR_KINDS
+
 _LATENCY_BUCKETS_MS = (20, 40, 80, 120, 160, 240, 320, 480, 640, 800, 1000, 1500, 2000, 3000, 5000)
 _MEDIA_BUCKETS_MS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 40, 50, 100)
 _CALL_DURATION_BUCKETS_S = (5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600)
@@ -23,22 +27,32 @@ TURN_OVERLAPS = Counter(
     "Turns where the bot started speaking before the caller's turn ended.",
 )
 CALLS_ACTIVE = Gauge("kame_calls_active", "Calls with an open media stream.")
-CALLS_TOTAL = Counter("kame_calls_total", "Calls by outcome.", ["outcome"])
+# Every outcome a call can end with (the voice webhook's, then the stream's end reasons); tests scan the
+# telephony code for any other.
+CALL_OUTCOMES = (
+    "completed", "busy", "misconfigured", "rejected", "engine_full", "oversize", "socket_error", "silent_socket",
+    "stalled_peer", "engine_lost", "replaced", "drain_timeout",
+)  # fmt: skip
+CALLS_TOTAL = zero_series(Counter("kame_calls_total", "Calls by outcome.", ["outcome"]), outcome=CALL_OUTCOMES)
 CALL_DURATION_SECONDS = Histogram(
     "kame_call_duration_seconds",
     "Streamed call length, from the stream's start to its end.",
     buckets=_CALL_DURATION_BUCKETS_S,
 )
-TWILIO_PROTOCOL_ERRORS = Counter(
-    "kame_twilio_protocol_errors_total",
-    "Bad or unexpected Media Streams input by kind.",
-    ["kind"],
+TWILIO_PROTOCOL_ERRORS = zero_series(
+    Counter("kame_twilio_protocol_errors_total", "Bad or unexpected Media Streams input by kind.", ["kind"]),
+    kind=sorted(PROTOCOL_ERROR_KINDS),
 )
-WEBHOOK_REJECTIONS = Counter(
-    "kame_webhook_rejections_total",
-    "HTTP webhooks and WebSocket upgrades refused, by reason.",
-    ["endpoint", "reason"],
+WEBHOOK_REJECTIONS = zero_series(
+    Counter(
+        "kame_webhook_rejections_total",
+        "HTTP webhooks and WebSocket upgrades refused, by reason.",
+        ["endpoint", "reason"],
+    ),
+    endpoint=("voice", "stream_status", "media"),
+    reason=("missing_signature", "bad_signature"),
 )
+zero_series(WEBHOOK_REJECTIONS, endpoint=("media",), reason=("bad_token",))  # a stream's start, not a signature
 REDIS_ERRORS = Counter("kame_redis_errors_total", "Failed writes or reads against Redis.")
 CALL_STORE_DROPPED_OPS = Counter(
     "kame_call_store_dropped_ops_total",
@@ -58,21 +72,28 @@ MEDIA_OUTBOUND_SECONDS = Histogram(
     "From engine output to the outbound media message being sent.",
     buckets=[b / 1000 for b in _MEDIA_BUCKETS_MS],
 )
-MEDIA_FANOUT_SECONDS = Histogram(
-    "kame_media_fanout_seconds",
-    "One engine tick on its way out of this edge, by phase: wait (engine output to the fan-out running),"
-    " resample (24 to 8 kHz, every call), encode (mu-law and levels), send (every call's message, back to"
-    " back). The last call of a tick waits for all four.",
-    ["phase"],
-    buckets=[b / 1000 for b in _MEDIA_BUCKETS_MS],
-)
 FANOUT_PHASES = ("wait", "resample", "encode", "send")
+MEDIA_FANOUT_SECONDS = zero_series(
+    Histogram(
+        "kame_media_fanout_seconds",
+        "One engine tick on its way out of this edge, by phase: wait (engine output to the fan-out running),"
+        " resample (24 to 8 kHz, every call), encode (mu-law and levels), send (every call's message, back to"
+        " back). The last call of a tick waits for all four.",
+        ["phase"],
+        buckets=[b / 1000 for b in _MEDIA_BUCKETS_MS],
+    ),
+    phase=FANOUT_PHASES,
+)
 MEDIA_OUTBOUND_DROPPED = Counter(
     "kame_media_outbound_dropped_frames_total",
     "Bot frames not sent because the peer was not reading its socket (its unsent backlog was full).",
 )
-STREAM_EVENTS = Counter(
-    "kame_twilio_stream_events_total",
-    "Media Stream status callbacks from Twilio by event (stream-started, stream-stopped, stream-error).",
-    ["event"],
+STREAM_EVENT_KINDS = ("stream-started", "stream-stopped", "stream-error", "unknown")  # anything else: unknown
+STREAM_EVENTS = zero_series(
+    Counter(
+        "kame_twilio_stream_events_total",
+        "Media Stream status callbacks from Twilio by event (stream-started, stream-stopped, stream-error).",
+        ["event"],
+    ),
+    event=STREAM_EVENT_KINDS,
 )

@@ -1,4 +1,5 @@
-"""The aiohttp service: Twilio webhooks, the Media Streams socket, health, metrics and the admin API."""
+"""The aiohttp service: Twilio webhooks, the Media Streams socket, health and the admin API (public), and
+/metrics on a listener of its own (`metrics_http`)."""
 
 from __future__ import annotations
 
@@ -15,17 +16,17 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from engine.interface import Engine
 
 from . import metrics
 from .bot_audio import BotAudioFanout
-from .call_store import CallRecord, CallStore
+from .call_store import CallRecord, CallStore, CallStoreUnavailable
 from .cluster import Cluster, LocalCluster, open_cluster
 from .config import ServiceConfig
 from .logs import call_id_var
 from .media_session import TOKEN_PARAMETER, MediaStreamSession
+from .metrics_http import MetricsListener
 from .signatures import (
     SIGNATURE_HEADER,
     public_url_for,
@@ -42,6 +43,7 @@ MEDIA_PATH = "/twilio/media"
 STATUS_PATH = "/twilio/stream-status"
 _CALL_SID = re.compile(r"^CA[0-9a-fA-F]{32}$")
 BUSY_MESSAGE = "All our lines are busy right now. Please call again in a few minutes. Goodbye."
+UNAVAILABLE_MESSAGE = "Sorry, we cannot take your call right now. Please call again later. Goodbye."
 
 
 class ServerContext:
@@ -146,7 +148,7 @@ async def handle_voice(request: web.Request) -> web.Response:
     if not ctx.webhook_ok(request, form, "voice"):
         return web.Response(status=403, text="invalid Twilio signature")
     call_sid = str(form.get("CallSid", ""))
-    if not _CALL_SID.match(call_sid):
+    if not _CALL_SID.fullmatch(call_sid):
         return web.Response(status=400, text="CallSid missing or malformed")
     call_id_var.set(call_sid)
     record = CallRecord(
@@ -164,12 +166,22 @@ async def handle_voice(request: web.Request) -> web.Response:
         return web.Response(text=busy_twiml(BUSY_MESSAGE), content_type="text/xml")
     record.node = reservation.node_id
     await ctx.store.create(record)
-    twiml = connect_stream_twiml(
-        reservation.stream_url,
-        ctx.config.base_url + STATUS_PATH,
-        {TOKEN_PARAMETER: reservation.token},
-        allow_insecure_ws=ctx.config.insecure_dev,
-    )
+    try:
+        twiml = connect_stream_twiml(
+            reservation.stream_url,
+            ctx.config.base_url + STATUS_PATH,
+            {TOKEN_PARAMETER: reservation.token},
+            allow_insecure_ws=ctx.config.insecure_dev,
+        )
+    except ValueError as e:
+        # A stream URL Twilio cannot open (not wss://). Free the slot now: held until it expired, it would
+        # also hold up a drain. The caller hears why instead of Twilio's "application error".
+        await ctx.cluster.release(call_sid)
+        log.error("cannot send the stream to node %s (%s): check its PUBLIC_URL / KAME_NODE_URL",
+                  reservation.node_id, e)  # fmt: skip
+        metrics.CALLS_TOTAL.labels(outcome="misconfigured").inc()
+        await ctx.store.end(call_sid, "misconfigured")
+        return web.Response(text=busy_twiml(UNAVAILABLE_MESSAGE), content_type="text/xml")
     log.info("answering with a media stream on node %s", reservation.node_id)
     return web.Response(text=twiml, content_type="text/xml")
 
@@ -196,7 +208,7 @@ async def handle_stream_status(request: web.Request) -> web.Response:
     if not ctx.webhook_ok(request, form, "stream_status"):
         return web.Response(status=403, text="invalid Twilio signature")
     event = str(form.get("StreamEvent", "unknown"))
-    if event not in ("stream-started", "stream-stopped", "stream-error"):
+    if event not in metrics.STREAM_EVENT_KINDS:
         event = "unknown"
     call_id_var.set(str(form.get("CallSid", "")) or None)
     metrics.STREAM_EVENTS.labels(event=event).inc()
@@ -205,11 +217,6 @@ async def handle_stream_status(request: web.Request) -> web.Response:
     else:
         log.info("Twilio stream status: %s", event)
     return web.Response(status=204)
-
-
-async def handle_metrics(request: web.Request) -> web.Response:
-    body = await asyncio.to_thread(generate_latest, REGISTRY)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def handle_healthz(request: web.Request) -> web.Response:
@@ -253,7 +260,10 @@ async def handle_calls(request: web.Request) -> web.Response:
         limit = max(1, min(int(request.query.get("limit", "50")), 500))
     except ValueError:
         return web.json_response({"error": "limit must be an integer"}, status=400)
-    records = await ctx.store.list_recent(limit)
+    try:
+        records = await ctx.store.list_recent(limit)
+    except CallStoreUnavailable:
+        return _store_unavailable()
     return web.json_response({"calls": [r.to_dict() for r in records]}, dumps=json.dumps)
 
 
@@ -261,10 +271,21 @@ async def handle_call(request: web.Request) -> web.Response:
     ctx = _ctx(request)
     if not _admin_ok(ctx, request):
         return _unauthorized()
-    record = await ctx.store.get(request.match_info["call_sid"])
+    call_sid = request.match_info["call_sid"]
+    # Only a well-formed CallSid reaches the store: `CA…:turns` would name one of a call's own Redis keys.
+    if not _CALL_SID.fullmatch(call_sid):
+        return web.json_response({"error": "no such call"}, status=404)
+    try:
+        record = await ctx.store.get(call_sid)
+    except CallStoreUnavailable:
+        return _store_unavailable()
     if record is None:
         return web.json_response({"error": "no such call"}, status=404)
     return web.json_response(record.to_dict())
+
+
+def _store_unavailable() -> web.Response:
+    return web.json_response({"error": "call store unavailable"}, status=503)
 
 
 def build_app(ctx: ServerContext) -> web.Application:
@@ -273,7 +294,6 @@ def build_app(ctx: ServerContext) -> web.Application:
     app.router.add_post(VOICE_PATH, handle_voice)
     app.router.add_get(MEDIA_PATH, handle_media)
     app.router.add_post(STATUS_PATH, handle_stream_status)
-    app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/healthz", handle_healthz)
     app.router.add_get("/readyz", handle_readyz)
     app.router.add_get("/calls", handle_calls)
@@ -282,14 +302,19 @@ def build_app(ctx: ServerContext) -> web.Application:
 
 
 class ServiceHandle:
-    """A running service on host:port (port 0 picks a free one, for tests)."""
+    """A running service on host:port (port 0 picks a free one, for tests), and its metrics listener when
+    the config names a metrics port."""
 
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
         self.runner = web.AppRunner(build_app(ctx), handle_signals=False)
         self.port = 0
+        self.metrics: MetricsListener | None = None
 
     async def start(self) -> ServiceHandle:
+        config = self.ctx.config
+        if config.metrics_port is not None:  # first: its port is the one most likely taken on a shared host
+            self.metrics = await MetricsListener(config.metrics_host, config.metrics_port).start()
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.ctx.config.host, self.ctx.config.port)
         await site.start()
@@ -321,9 +346,17 @@ class ServiceHandle:
         for session in list(self.ctx.streams.values()):
             await session.end("drain_timeout")
 
+    @property
+    def metrics_url(self) -> str | None:
+        if self.metrics is None:
+            return None
+        return f"http://{self.metrics.host}:{self.metrics.port}/metrics"
+
     async def aclose(self) -> None:
         await self.ctx.fanout.aclose()
         await self.runner.cleanup()
+        if self.metrics is not None:  # last: the drain and the shutdown stay visible to Prometheus
+            await self.metrics.aclose()
 
 
 def freeze_startup_heap() -> None:

@@ -23,7 +23,7 @@ def answer_for(messages: list[dict[str, str]]) -> str:
 
 @dataclass
 class FakeLlm:
-    mode: str = "ok"  # ok | status | malformed | broken | error_event
+    mode: str = "ok"  # ok | status | malformed | broken | error_event | hang | drip
     status: int = 500
     delay_s: float = 0.0  # before the response starts
     chunk_delay_s: float = 0.0  # between streamed chunks
@@ -49,6 +49,9 @@ class FakeLlm:
             return web.json_response({"error": {"message": f"boom (auth {auth})"}}, status=self.status)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if mode in ("hang", "drip"):
+            await self._stall(resp, body["model"], drip=mode == "drip")
+            return resp
         words = answer_for(body["messages"]).split(" ")
         chunk_delay_s = self.chunk_delay_s  # as it was when this request came in
         try:
@@ -76,6 +79,19 @@ class FakeLlm:
         except ConnectionError:
             self.disconnects += 1
         return resp
+
+    async def _stall(self, resp: web.StreamResponse, model: str, *, drip: bool) -> None:
+        """Headers sent, then no token, ever: silence (hang), or a keep-alive comment and a chunk without
+        text every 100 ms (drip: every read succeeds, so a per-read timeout never fires)."""
+        empty = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": model,
+                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}  # fmt: skip
+        try:
+            for _ in range(600):  # a minute at most
+                if drip:
+                    await resp.write(b": keep-alive\n\n" + f"data: {json.dumps(empty)}\n\n".encode())
+                await asyncio.sleep(0.1)
+        except ConnectionError:
+            self.disconnects += 1
 
 
 @contextlib.asynccontextmanager

@@ -350,6 +350,27 @@ async def test_stream_draft_timeouts(llm_server: FakeLlm) -> None:
     assert llm_errors("timeout") == before + 2
 
 
+@pytest.mark.parametrize("mode", ["hang", "drip"])
+async def test_a_server_that_never_sends_a_first_token_is_a_timeout(llm_server: FakeLlm, mode: str) -> None:
+    """Headers, then no token: silence (hang), or keep-alives and text-less chunks every 100 ms (drip: each
+    read succeeds, so the client's per-read timeout never fires). Either way an error, counted, at the
+    request's timeout; and the stream is closed, not left dripping."""
+    llm_server.mode = mode
+    llm = make_llm(llm_server, timeout_s=0.5)
+    before, requests_before = llm_errors("timeout"), llm_requests()
+    started = time.monotonic()
+    with pytest.raises(LlmError) as err:
+        async for _ in llm.stream_draft([{"role": "user", "content": "x"}]):
+            pass
+    elapsed = time.monotonic() - started
+    await llm.aclose()
+    assert err.value.kind == "timeout" and 0.4 < elapsed < 3.0
+    assert llm_errors("timeout") == before + 1 and llm_requests() == requests_before + 1
+    if mode == "drip":
+        assert "no first token within 0.5s" in str(err.value)
+        await wait_until(lambda: llm_server.disconnects == 1)
+
+
 async def test_stream_draft_slow_stream_within_timeout_completes(llm_server: FakeLlm) -> None:
     llm_server.chunk_delay_s = 0.05
     llm = make_llm(llm_server, timeout_s=2.0)

@@ -251,6 +251,7 @@ def start_node(
         "REDIS_URL": REDIS_URL,
         "KAME_REDIS_PREFIX": prefix,
         "KAME_NODE_ID": node_id,
+        "KAME_METRICS_PORT": "0",  # two nodes on one host: each its own metrics port
     }
     cmd = [sys.executable, "-m", "kame_phone.cli", "serve", "--port", str(port), "--checkpoint", str(checkpoint),
            "--device", "cpu", "--max-calls", str(max_calls), "--stt", "none", "--llm", "none", "--greedy", *extra_args]

@@ -240,7 +240,7 @@ def test_dashboard_covers_the_core_signals() -> None:
         "kame_calls_active",
         "kame_calls_total",
         "kame_engine_slots_busy",
-        "kame_engine_slots_total",
+        "kame_engine_slots",
         "kame_first_audio_seconds_bucket",
         "kame_turn_latency_seconds_bucket",
         "kame_turn_overlaps_total",
@@ -329,6 +329,37 @@ def test_prometheus_scrapes_kame_and_loads_the_rules() -> None:
 
 
 @needs_yaml
+@pytest.mark.parametrize("layout", [(COMPOSE,), (COMPOSE, COMPOSE_SPLIT)], ids=["all-in-one", "split"])
+def test_compose_serves_metrics_to_prometheus_only(layout: tuple[Path, ...]) -> None:
+    """/metrics is on its own port (never the public one, where a flood of scrapes slowed live calls):
+    on the compose network for Prometheus' "kame" job, not published on the host."""
+    from telephony.config import DEFAULT_METRICS_PORT
+
+    kame = load_compose(*layout)["services"]["kame"]
+    assert _flag(kame["command"], "--metrics-host") == "0.0.0.0", "loopback inside the container: unreachable"
+    port = _flag(kame["command"], "--metrics-port")
+    assert int(port) == DEFAULT_METRICS_PORT != int(_flag(kame["command"], "--port"))
+    assert not any(p.split(":")[-1] == port for p in kame["ports"]), "the metrics port must not be published"
+    (config,) = load_yaml_docs(PROM_CONFIG)
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "kame"]
+    assert [t for sc in job["static_configs"] for t in sc["targets"]] == [f"kame:{port}"]
+
+
+@needs_yaml
+def test_deployments_transcribe_on_the_gpu() -> None:
+    """pocketsphinx is the development STT (CPU, one decoder per call): every GPU deployment uses kyutai."""
+    commands = {
+        "compose": load_compose(COMPOSE)["services"]["kame"]["command"],
+        "compose split engine": load_compose(COMPOSE, COMPOSE_SPLIT)["services"]["engine"]["command"],
+        "k8s": _container(k8s_docs()[("Deployment", "kame-phone")], "kame-phone")["args"],
+        "k8s split engine": _container(split_docs()[("Deployment", "kame-engine")], "kame-engine")["args"],
+    }
+    for where, args in commands.items():
+        assert _flag(args, "--stt") == "kyutai", where
+    assert re.search(r'CMD \[.*"--stt", "kyutai"', "\n".join(dockerfile_instructions()))
+
+
+@needs_yaml
 def test_prometheus_scrapes_the_engine_server_by_dns() -> None:
     """The split layout's engine server has a job of its own ("kame-engine", which the engine alerts
     select) at the compose service's name and engine-serve's --http-port. DNS discovery, so the
@@ -366,7 +397,7 @@ def test_alert_rules_are_well_formed() -> None:
         "kame_stt_errors_total",
         "kame_redis_errors_total",
         "kame_engine_slots_busy",
-        "kame_engine_slots_total",
+        "kame_engine_slots",
         "kame_media_outbound_dropped_frames_total",
         *LINK_METRICS,
     ):
@@ -471,8 +502,8 @@ ALERT_SCENARIOS = [
     ),
     pytest.param(
         [
-            _series("kame_engine_slots_total", {"instance": "a"}, "8x30"),
-            _series("kame_engine_slots_total", {"instance": "b"}, "8x30"),
+            _series("kame_engine_slots", {"instance": "a"}, "8x30"),
+            _series("kame_engine_slots", {"instance": "b"}, "8x30"),
             _series("kame_engine_slots_busy", {"instance": "a"}, "8x30"),
             _series("kame_engine_slots_busy", {"instance": "b"}, "7x30"),
         ],
@@ -481,7 +512,7 @@ ALERT_SCENARIOS = [
     ),
     pytest.param(
         [
-            _series("kame_engine_slots_total", {"instance": "a"}, "8x30"),
+            _series("kame_engine_slots", {"instance": "a"}, "8x30"),
             _series("kame_engine_slots_busy", {"instance": "a"}, "8x30"),
         ],
         [
@@ -548,10 +579,10 @@ ALERT_SCENARIOS = [
                 _series(name, {"job": "kame-engine", "instance": i}, values)
                 for i, edges, slots in [("e", "0x30", "8x30"), ("f", "2x30", "8x30"), ("g", "0x30", "0x30"),
                                         ("h", "0x5 1x25", "8x30")]
-                for name, values in [("kame_engine_link_edges", edges), ("kame_engine_slots_total", slots)]
+                for name, values in [("kame_engine_link_edges", edges), ("kame_engine_slots", slots)]
             ],
             _series("kame_engine_link_edges", {"instance": "n"}, "0x30"),
-            _series("kame_engine_slots_total", {"instance": "n"}, "8x30"),
+            _series("kame_engine_slots", {"instance": "n"}, "8x30"),
         ],
         [
             _alerts(
@@ -851,6 +882,31 @@ def test_k8s_deployment() -> None:
             assert var in defined, f"args use $({var}), which no env source defines"
 
 
+@needs_yaml
+def test_k8s_metrics_are_on_their_own_port() -> None:
+    """The pod serves /metrics on a `metrics` port, on all its interfaces (Prometheus scrapes the pod IP);
+    the probes and the Ingress stay on `http`, and the split's edges keep the same flags."""
+    docs = k8s_docs()
+    deployment = docs[("Deployment", "kame-phone")]
+    container = _container(deployment, "kame-phone")
+    args = container["args"]
+    assert _flag(args, "--metrics-host") == "0.0.0.0"
+    port = int(_flag(args, "--metrics-port"))
+    assert _port_number(container, "metrics") == port != _port_number(container, "http")
+    assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["port"] == "http", probe
+    service_ports = {p["name"]: p for p in docs[("Service", "kame-phone")]["spec"]["ports"]}
+    assert service_ports["metrics"]["targetPort"] == "metrics"
+    (ingress,) = load_yaml_docs(K8S / "ingress.example.yaml")
+    backends = [path["backend"]["service"]["port"] for rule in ingress["spec"]["rules"]
+                for path in rule["http"]["paths"]]  # fmt: skip
+    assert backends and all(b == {"name": "http"} for b in backends), "the Ingress must not route to metrics"
+    edge_args = _container(split_docs()[("Deployment", "kame-phone")], "kame-phone")["args"]
+    for flag in ("--metrics-host", "--metrics-port"):  # the patch replaces the whole args list
+        assert _flag(edge_args, flag) == _flag(args, flag), flag
+
+
 # --- Kubernetes: the split overlay (ops/k8s-split) ----------------------------------------------------------
 
 
@@ -1093,7 +1149,8 @@ def test_dockerfile_runtime_contract() -> None:
     # one image, two servers: the check's port comes from KAME_HEALTH_PORT (engine-serve listens on 9091)
     assert any(i.startswith("HEALTHCHECK") and "KAME_HEALTH_PORT" in i and "8080" in i for i in instructions)
     assert 'ENTRYPOINT ["kame-phone"]' in text
-    assert "EXPOSE 8080" in text
+    assert "EXPOSE 8080 9092" in text  # the public port, and /metrics (`serve --metrics-port`)
+    assert re.search(r'CMD \[.*"--metrics-host", "0.0.0.0", "--metrics-port", "9092"', text)
     assert "STOPSIGNAL SIGTERM" in text
     users = [i.split()[1] for i in instructions if i.startswith("USER ")]
     assert users and users[-1] not in {"root", "0"}, "the service must not run as root"

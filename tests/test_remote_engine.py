@@ -393,7 +393,8 @@ async def test_engine_serve_and_an_edge_process_answer_calls_drain_and_notice_a_
     )
     edge_proc = _start(  # it does not wait for the engine: it retries until the engine listens
         ["serve", "--port", str(edge_port), "--engine", f"unix:{sock}", "--max-calls", "2"],
-        _env(TWILIO_AUTH_TOKEN=TOKEN, PUBLIC_URL=f"http://127.0.0.1:{edge_port}"), tmp_path / "edge.log",
+        _env(TWILIO_AUTH_TOKEN=TOKEN, PUBLIC_URL=f"http://127.0.0.1:{edge_port}", KAME_METRICS_PORT="0"),
+        tmp_path / "edge.log",
     )
     edge = f"http://127.0.0.1:{edge_port}"
     try:

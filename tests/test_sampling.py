@@ -14,6 +14,7 @@ from engine.checkpoint import CheckpointError
 from engine.sampling import SamplingConfig, SamplingOverrides
 from engine.service import LocalEngine
 from kame_phone.app import add_engine_arguments, engine_config_from_args
+from kame_phone.env_flags import resolve_env_defaults
 
 from .test_frame_loop import _caller_audio
 
@@ -28,7 +29,9 @@ def _with_lm_gen_config(tiny_checkpoint: Path, tmp_path: Path, lm_gen_config: di
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
-    return parser.parse_args(["--device", "cpu", "--max-calls", "1", "--no-engine-process", *argv])
+    args = parser.parse_args(["--device", "cpu", "--max-calls", "1", "--no-engine-process", *argv])
+    resolve_env_defaults(args)
+    return args
 
 
 def test_checkpoint_values_then_command_line_overrides() -> None:
