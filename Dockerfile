@@ -57,7 +57,7 @@ COPY . /src
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install -c /opt/torch-pin.txt /src \
  && pip install --no-deps "moshi==${MOSHI_VERSION}" \
- && python -c "import torch, moshi, engine, telephony, kame_phone; assert torch.version.cuda" \
+ && python -c "import torch, moshi, engine, knowledge, telephony, kame_phone; assert torch.version.cuda" \
  && kame-phone --help > /dev/null
 
 # ---------------------------------------------------------------------------------------------------

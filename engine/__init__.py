@@ -1,1 +1,1 @@
-"""KAME engine: the four-stream Moshi front-end, batched over call slots, plus its STT + LLM back-end."""
+"""KAME engine: the four-stream Moshi front-end, batched over call slots, and its real-time frame loop."""

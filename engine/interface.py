@@ -82,6 +82,16 @@ class EngineNotice:
     detail: str
 
 
+@dataclass(frozen=True)
+class CallSetup:
+    """What the phone edge knows of a call when it opens its seat: the agent that answers it (its
+    instructions and greeting live where the back-end runs) and the numbers."""
+
+    agent: str = "default"
+    to_number: str | None = None
+    from_number: str | None = None
+
+
 # What one call's `outputs()` yields; its audio comes in the engine-wide `BotFrames` instead.
 EngineOutput = CallerTranscript | OracleUpdate | EngineNotice
 
@@ -123,8 +133,8 @@ class Engine(Protocol):
         """The engine died and cannot serve again in this process (liveness should fail)."""
         ...
 
-    async def open_call(self, call_id: str) -> CallSession:
-        """Seat a call; raises EngineFull or EngineClosed."""
+    async def open_call(self, call_id: str, setup: CallSetup | None = None) -> CallSession:
+        """Seat a call (answered by `setup.agent`); raises EngineFull or EngineClosed."""
         ...
 
     def bot_frames(self) -> AsyncIterator[BotFrames]:

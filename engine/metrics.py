@@ -1,4 +1,4 @@
-"""Every Prometheus metric the engine exports, in one place. Call sites use the helpers below."""
+"""Every Prometheus metric the engine exports, in one place (the knowledge path's are in knowledge/metrics.py)."""
 
 from __future__ import annotations
 
@@ -62,38 +62,17 @@ ORACLE_SLOT_WAIT_SECONDS = Histogram(
     "feeds its boundary token (0-80 ms when ticks keep time; more means late ticks).",
     buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
 )
-LLM_TTFT_SECONDS = Histogram(
-    "kame_llm_ttft_seconds",
-    "LLM time to first streamed token.",
-    buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
-)
-LLM_REQUESTS = Counter("kame_llm_requests_total", "LLM draft requests started.")
-# Every `kind` engine/llm.py's ErrorKind can take (tests check the two agree).
-LLM_ERROR_KINDS = ("timeout", "rate_limited", "server_error", "connection", "malformed", "other")
-LLM_ERRORS = zero_series(
-    Counter("kame_llm_errors_total", "LLM request failures by kind.", ["kind"]), kind=LLM_ERROR_KINDS
-)
-STT_ERRORS = Counter("kame_stt_errors_total", "Speech-to-text failures.")
-STT_DROPPED_FRAMES = Counter(
-    "kame_stt_dropped_frames_total",
-    "Caller frames dropped because the STT fell behind real time.",
-)
-STT_PARTIAL_SECONDS = Histogram(
-    "kame_stt_partial_latency_seconds",
-    "From the end of a caller frame to the partial transcript that includes it.",
-    buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
-)
-
 # The engine link (engine/remote.py): edges served over a socket by `kame-phone engine-serve`.
 ENGINE_LINK_EDGES = Gauge("kame_engine_link_edges", "Edge processes connected to this engine server.")
 ENGINE_LINK_ERRORS = zero_series(
     Counter(
         "kame_engine_link_errors_total",
-        "Engine link failures: bad_hello, bad_token, bad_message (a peer dropped), bad_audio (a frame dropped), "
-        "lost (the edge lost its engine).",
+        "Engine link failures: bad_hello (none, too big or too slow), bad_token, bad_version (protocol mismatch), "
+        "unauthenticated_cap (too many peers before their hello), bad_message (a peer dropped), bad_audio (a "
+        "frame dropped), lost (the edge lost its engine).",
         ["kind"],
     ),
-    kind=("bad_hello", "bad_token", "bad_message", "bad_audio", "lost"),
+    kind=("bad_hello", "bad_token", "bad_version", "unauthenticated_cap", "bad_message", "bad_audio", "lost"),
 )
 ENGINE_LINK_DROPPED = zero_series(
     Counter(

@@ -16,9 +16,14 @@ is raw 16-bit PCM (little-endian, 24 kHz): half of float32's bytes, which matter
 line carries. Nothing is unpickled: a peer can send bad bytes, never code. Timestamps cross as ages
 (seconds before sending), as two nodes' monotonic clocks do not compare.
 
-  edge -> engine   H hello {token, seats, name}   O open {call_id}   C close {call_id}
+Before its hello a peer is nobody: the hello is capped at a few KB and 2 s, and only a few such peers are
+held at once, so a flood of connections costs the engine nothing. Once welcomed, an edge's call ids are its
+own: the engine seats them as "<call id>@e<edge number>", so an edge holding the shared token still cannot
+open, close or hear another edge's call. Both sides name their PROTOCOL_VERSION and refuse a mismatch.
+
+  edge -> engine   H hello {version, token, seats, name}   O open {call_id, setup}   C close {call_id}
                    A audio: u16 id length, call id, 1920 int16
-  engine -> edge   W welcome {seats} | {error}    R open result {call_id, ok, error}
+  engine -> edge   W welcome {version, seats} | {error, permanent}   R open result {call_id, ok, error}
                    E call event {call_id, type: transcript|oracle|notice|end, ...}
                    F bot frames: u32 header length, header {call_ids, texts, voiced, indices, fresh, age}, pcm
                    S status {draining}: the engine is going away; seated calls go on, no new ones
@@ -28,7 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
+import itertools
 import json
 import logging
 import socket
@@ -47,6 +54,7 @@ from .interface import (
     BotFrames,
     CallerTranscript,
     CallSession,
+    CallSetup,
     Engine,
     EngineClosed,
     EngineError,
@@ -61,7 +69,12 @@ log = logging.getLogger(__name__)
 _PREFIX = struct.Struct(">I")
 _U16 = struct.Struct(">H")
 MAX_MESSAGE_BYTES = 32 << 20  # a tick of 256 calls is 2 MB; anything far larger is a broken peer
-HELLO_TIMEOUT_S = 5.0
+# 2: hello/welcome carry "version"; call ids are per edge. A v1 peer sends no version and is refused.
+PROTOCOL_VERSION = 2
+HELLO_MAX_BYTES = 4096  # a hello is ~100 bytes; before it the peer is unauthenticated
+HELLO_TIMEOUT_S = 2.0  # from accept (after TLS) to a whole hello; TLS handshakes get the same
+MAX_UNAUTHENTICATED = 8  # peers between accept and welcome held at once; edges reconnect one at a time
+WELCOME_TIMEOUT_S = 5.0  # the edge's wait for the engine's answer
 _PCM = np.dtype("<i2")
 _FRAME_BYTES = FRAME_SAMPLES * _PCM.itemsize
 _SOCKET_BUFFER_BYTES = 1 << 20  # a whole tick in one send where the kernel allows (it caps at wmem_max)
@@ -102,13 +115,25 @@ def _json(kind: bytes, obj: dict[str, Any]) -> bytes:
     return _message(kind, json.dumps(obj, separators=(",", ":")).encode())
 
 
-async def _read_message(reader: asyncio.StreamReader) -> tuple[bytes, memoryview]:
+async def _read_message(reader: asyncio.StreamReader, limit: int = MAX_MESSAGE_BYTES) -> tuple[bytes, memoryview]:
     """(kind, body); raises IncompleteReadError at EOF and LinkError on a length no peer of ours sends."""
     (n,) = _PREFIX.unpack(await reader.readexactly(_PREFIX.size))
-    if not 1 <= n <= MAX_MESSAGE_BYTES:
+    if not 1 <= n <= limit:
         raise LinkError(f"message of {n} bytes")
     data = await reader.readexactly(n)
     return data[:1], memoryview(data)[1:]  # a view: a tick's audio is not copied once more
+
+
+def _setup_from_wire(raw: Any) -> CallSetup | None:
+    """An open's call setup, checked: strings of sane length only (an edge's bug must not reach a prompt)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError("call setup must be an object")
+    fields = {k: raw.get(k) for k in ("agent", "to_number", "from_number")}
+    if not all(v is None or (isinstance(v, str) and len(v) <= 100) for v in fields.values()):
+        raise ValueError("call setup fields must be short strings")
+    return CallSetup(**{k: v for k, v in fields.items() if v is not None})
 
 
 def audio_message(call_id: str, pcm: np.ndarray) -> bytes:
@@ -153,10 +178,11 @@ def parse_event(body: bytes | memoryview, now: float) -> tuple[str, EngineOutput
     raise ValueError(f"unknown event type {kind!r}")
 
 
-def frames_message(frames: BotFrames, rows: list[int], now: float) -> bytes:
+def frames_message(frames: BotFrames, rows: list[int], now: float, call_ids: list[str] | None = None) -> bytes:
+    """The tick's `rows`, named by `call_ids` (the receiving edge's own ids) or else by the tick's."""
     header = json.dumps(
         {
-            "call_ids": [frames.call_ids[i] for i in rows],
+            "call_ids": call_ids if call_ids is not None else [frames.call_ids[i] for i in rows],
             "texts": [frames.texts[i] for i in rows],
             "voiced": [frames.voiced[i] for i in rows],
             "indices": [frames.indices[i] for i in rows],
@@ -256,12 +282,17 @@ class _Edge:
     name: str
     writer: asyncio.StreamWriter
     seats: int
+    number: int  # this connection's, on this engine: the namespace of its call ids
     calls: dict[str, CallSession] = field(default_factory=dict)
     pumps: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     # Seating a call can take a while (its back-end starts: an STT decoder, an LLM client), so it runs beside
     # the edge's message loop, never in it: the edge's other calls keep streaming audio meanwhile.
     opening: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     frames_dropped: int = 0
+
+    def engine_id(self, call_id: str) -> str:
+        """The call's id on the engine: the edge's own id can clash with (or be chosen as) another edge's."""
+        return f"{call_id}@e{self.number}"
 
 
 class EngineServer:
@@ -277,15 +308,17 @@ class EngineServer:
         self.backlog_bytes = backlog_bytes  # unsent bytes to one edge beyond which its ticks are dropped
         self.socket_buffer_bytes = socket_buffer_bytes
         self._edges: set[_Edge] = set()
-        self._owner: dict[str, _Edge] = {}  # call id -> the edge whose caller it is
+        self._owner: dict[str, tuple[_Edge, str]] = {}  # engine call id -> (its edge, the edge's call id)
+        self._edge_numbers = itertools.count(1)
+        self._unauthenticated = 0  # connections accepted and not yet welcomed
         self._server: asyncio.Server | None = None
         self._fanout: asyncio.Task[None] | None = None
         self.draining = False
         self._no_calls = asyncio.Event()  # set while no call is seated: what a drain waits for
         self._no_calls.set()
 
-    def _disown(self, call_id: str) -> None:
-        del self._owner[call_id]
+    def _disown(self, edge: _Edge, call_id: str) -> None:
+        self._owner.pop(edge.engine_id(call_id), None)
         if not self._owner:
             self._no_calls.set()
 
@@ -302,7 +335,10 @@ class EngineServer:
             if address.tls and self.tls is None:
                 raise ValueError(f"{address} needs a certificate and key (engine-serve --tls-cert/--tls-key)")
             ssl_context = self.tls if address.tls else None
-            self._server = await asyncio.start_server(self._serve_edge, address.host, address.port, ssl=ssl_context)
+            self._server = await asyncio.start_server(
+                self._serve_edge, address.host, address.port, ssl=ssl_context,
+                ssl_handshake_timeout=HELLO_TIMEOUT_S if ssl_context else None,
+            )  # fmt: skip
             bound = Address(host=address.host, port=self._server.sockets[0].getsockname()[1], tls=address.tls)
         self._fanout = asyncio.create_task(self._fan_out_frames(), name="engine-link-frames")
         log.info("engine link listening on %s (%d seats)", bound, self.engine.max_calls)
@@ -338,20 +374,32 @@ class EngineServer:
 
     async def _serve_edge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername") or "unix socket"
-        _tune_socket(writer, self.socket_buffer_bytes)
         edge: _Edge | None = None
+        if self._unauthenticated >= MAX_UNAUTHENTICATED:  # a flood of connections: refuse before reading a byte
+            metrics.ENGINE_LINK_ERRORS.labels(kind="unauthenticated_cap").inc()
+            log.warning("engine link from %s: %d connections await their hello already; refused",
+                        peer, self._unauthenticated)  # fmt: skip
+            writer.write(_json(b"W", {"error": "too many connections awaiting their hello; retry"}))
+            writer.close()
+            return
         try:
-            edge = await self._welcome(reader, writer, peer)
+            self._unauthenticated += 1
+            try:
+                edge = await self._welcome(reader, writer, peer)
+            finally:
+                self._unauthenticated -= 1
             if edge is None:
                 return
+            _tune_socket(writer, self.socket_buffer_bytes)  # large buffers only for a welcomed edge
             while True:
                 kind, body = await _read_message(reader)
                 if kind == b"A":
                     self._on_audio(edge, body)
                 elif kind == b"O":
-                    call_id = str(json.loads(bytes(body))["call_id"])
+                    opened = json.loads(bytes(body))
+                    call_id, setup = str(opened["call_id"]), _setup_from_wire(opened.get("setup"))
                     if call_id not in edge.opening:
-                        edge.opening[call_id] = asyncio.create_task(self._on_open(edge, call_id))
+                        edge.opening[call_id] = asyncio.create_task(self._on_open(edge, call_id, setup))
                 elif kind == b"C":
                     call_id = str(json.loads(bytes(body))["call_id"])
                     asyncio.create_task(self._close_when_seated(edge, call_id))  # noqa: RUF006 - short, self-ending
@@ -369,9 +417,9 @@ class EngineServer:
 
     async def _welcome(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: object) -> _Edge | None:
         try:
-            kind, body = await asyncio.wait_for(_read_message(reader), HELLO_TIMEOUT_S)
+            kind, body = await asyncio.wait_for(_read_message(reader, HELLO_MAX_BYTES), HELLO_TIMEOUT_S)
             hello = json.loads(bytes(body)) if kind == b"H" else {}
-        except (asyncio.TimeoutError, LinkError, ValueError):
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, LinkError, ValueError):
             hello = {}
         if not hello or not isinstance(hello, dict):
             metrics.ENGINE_LINK_ERRORS.labels(kind="bad_hello").inc()
@@ -382,6 +430,14 @@ class EngineServer:
             metrics.ENGINE_LINK_ERRORS.labels(kind="bad_token").inc()
             log.warning("engine link from %s: wrong token; refused", peer)
             writer.write(_json(b"W", {"error": "wrong token", "permanent": True}))
+            return None
+        version = hello.get("version", 1)
+        if version != PROTOCOL_VERSION:
+            metrics.ENGINE_LINK_ERRORS.labels(kind="bad_version").inc()
+            why = (f"engine link protocol version mismatch: this engine speaks {PROTOCOL_VERSION}, the edge "
+                   f"{str(version)[:20]}; run the same kame-phone release on both")  # fmt: skip
+            log.warning("engine link from %s: %s; refused", peer, why)
+            writer.write(_json(b"W", {"error": why, "permanent": True, "version": PROTOCOL_VERSION}))
             return None
         name = str(hello.get("name", "edge"))[:100]
         free = self.engine.max_calls - self.seats_granted
@@ -395,12 +451,12 @@ class EngineServer:
             log.warning("engine link from %s (%s): refused, %s", peer, name, reason)
             writer.write(_json(b"W", {"error": reason}))
             return None
-        edge = _Edge(name, writer, seats)
+        edge = _Edge(name, writer, seats, next(self._edge_numbers))
         self._edges.add(edge)
         metrics.ENGINE_LINK_EDGES.set(len(self._edges))
-        writer.write(_json(b"W", {"seats": seats}))
-        log.info("edge %s (%s) joined with %d seats (%d of %d granted)",
-                 name, peer, seats, self.seats_granted, self.engine.max_calls)  # fmt: skip
+        writer.write(_json(b"W", {"version": PROTOCOL_VERSION, "seats": seats}))
+        log.info("edge %s (%s) joined as e%d with %d seats (%d of %d granted)",
+                 name, peer, edge.number, seats, self.seats_granted, self.engine.max_calls)  # fmt: skip
         return edge
 
     def _on_audio(self, edge: _Edge, body: bytes) -> None:
@@ -421,13 +477,13 @@ class EngineServer:
             await asyncio.wait({opening})
         await self._close_call(edge, call_id)
 
-    async def _on_open(self, edge: _Edge, call_id: str) -> None:
+    async def _on_open(self, edge: _Edge, call_id: str, setup: CallSetup | None) -> None:
         try:
-            await self._seat(edge, call_id)
+            await self._seat(edge, call_id, setup)
         finally:
             edge.opening.pop(call_id, None)
 
-    async def _seat(self, edge: _Edge, call_id: str) -> None:
+    async def _seat(self, edge: _Edge, call_id: str, setup: CallSetup | None) -> None:
         error = None
         others = (set(edge.calls) | set(edge.opening)) - {call_id}  # seated, or being seated beside this one
         if self.draining:
@@ -435,18 +491,18 @@ class EngineServer:
         elif call_id not in edge.calls and len(others) >= edge.seats:
             error = "full"
         else:
-            old_owner = self._owner.get(call_id)
-            if old_owner is not None:  # the call's stream moved (to this edge or another): its old seat goes
-                await self._close_call(old_owner, call_id)
+            engine_id = edge.engine_id(call_id)
+            if engine_id in self._owner:  # the edge opens the call again (its stream came back): the old seat goes
+                await self._close_call(edge, call_id)
             try:
-                session = await self.engine.open_call(call_id)
+                session = await self.engine.open_call(engine_id, setup)
             except EngineFull:
                 error = "full"
             except EngineError as e:
                 error = f"closed: {e}"
             else:
                 edge.calls[call_id] = session
-                self._owner[call_id] = edge
+                self._owner[engine_id] = (edge, call_id)
                 self._no_calls.clear()
                 edge.pumps[call_id] = asyncio.create_task(self._pump(edge, call_id, session), name=f"link-{call_id}")
         if not edge.writer.transport.is_closing():
@@ -458,8 +514,7 @@ class EngineServer:
                 edge.writer.write(event_message(call_id, output, time.monotonic()))
         if edge.calls.get(call_id) is session:  # the engine ended it (not the edge): tell the edge
             del edge.calls[call_id]
-            if self._owner.get(call_id) is edge:
-                self._disown(call_id)
+            self._disown(edge, call_id)
             edge.pumps.pop(call_id, None)
             if not edge.writer.transport.is_closing():
                 edge.writer.write(event_message(call_id, None, time.monotonic()))
@@ -467,8 +522,7 @@ class EngineServer:
     async def _close_call(self, edge: _Edge, call_id: str) -> None:
         session = edge.calls.pop(call_id, None)
         pump = edge.pumps.pop(call_id, None)
-        if self._owner.get(call_id) is edge:
-            self._disown(call_id)
+        self._disown(edge, call_id)
         if session is not None:
             await session.close()
         if pump is not None:
@@ -494,20 +548,22 @@ class EngineServer:
 
     def _send_tick(self, frames: BotFrames) -> None:
         """Each edge gets its own calls' rows of the tick, in one message."""
-        rows: dict[_Edge, list[int]] = {}
-        for i, call_id in enumerate(frames.call_ids):
-            edge = self._owner.get(call_id)
-            if edge is not None:
-                rows.setdefault(edge, []).append(i)
+        rows: dict[_Edge, tuple[list[int], list[str]]] = {}
+        for i, engine_id in enumerate(frames.call_ids):
+            owner = self._owner.get(engine_id)
+            if owner is not None:
+                mine, ids = rows.setdefault(owner[0], ([], []))
+                mine.append(i)
+                ids.append(owner[1])
         now = time.monotonic()
-        for edge, mine in rows.items():
+        for edge, (mine, ids) in rows.items():
             if _backlogged(edge.writer, self.backlog_bytes):  # an edge that stopped reading loses ticks
                 edge.frames_dropped += 1
                 metrics.ENGINE_LINK_DROPPED.labels(what="bot_frames").inc()
                 if edge.frames_dropped in (1, 100) or edge.frames_dropped % 1000 == 0:
                     log.warning("edge %s is not reading: %d ticks dropped", edge.name, edge.frames_dropped)
                 continue
-            edge.writer.write(frames_message(frames, mine, now))
+            edge.writer.write(frames_message(frames, mine, now, ids))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -590,9 +646,11 @@ class RemoteEngine:
                 ) from None
         else:
             reader, writer = await asyncio.open_connection(a.host, a.port)
-        writer.write(_json(b"H", {"token": self.token or "", "seats": self.requested_seats, "name": self.name}))
+        hello = {"version": PROTOCOL_VERSION, "token": self.token or "", "seats": self.requested_seats,
+                 "name": self.name}  # fmt: skip
+        writer.write(_json(b"H", hello))
         try:
-            kind, body = await asyncio.wait_for(_read_message(reader), HELLO_TIMEOUT_S)
+            kind, body = await asyncio.wait_for(_read_message(reader), WELCOME_TIMEOUT_S)
         except (asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
             writer.close()
             raise LinkError(f"engine at {a} did not welcome us") from e
@@ -601,6 +659,12 @@ class RemoteEngine:
             writer.close()
             error = LinkRefused if welcome.get("permanent") else LinkError
             raise error(f"engine at {a} refused us: {welcome['error']}")
+        if welcome.get("version", 1) != PROTOCOL_VERSION:  # an older engine ignores the hello's version
+            writer.close()
+            raise LinkRefused(
+                f"engine at {a}: engine link protocol version mismatch: this edge speaks {PROTOCOL_VERSION}, the "
+                f"engine {str(welcome.get('version', 1))[:20]}; run the same kame-phone release on both"
+            )
         self._seats = int(welcome["seats"])
         self._reader, self._writer = reader, writer
         _tune_socket(writer)
@@ -635,7 +699,7 @@ class RemoteEngine:
     def failed(self) -> bool:
         return self._failed
 
-    async def open_call(self, call_id: str) -> RemoteCallSession:
+    async def open_call(self, call_id: str, setup: CallSetup | None = None) -> RemoteCallSession:
         if self.draining:
             raise EngineClosed("the engine is draining")
         if not self.ready or self._writer is None:
@@ -649,7 +713,10 @@ class RemoteEngine:
         waiter: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._opening[call_id] = waiter
         try:
-            self._writer.write(_json(b"O", {"call_id": call_id}))
+            opened: dict[str, Any] = {"call_id": call_id}
+            if setup is not None:
+                opened["setup"] = dataclasses.asdict(setup)
+            self._writer.write(_json(b"O", opened))
             error = await waiter
         finally:
             self._opening.pop(call_id, None)

@@ -25,6 +25,7 @@ from .frame_loop_process import ChildSpec, FrameLoopProcess
 from .interface import (
     BotFrames,
     CallerTranscript,
+    CallSetup,
     EngineClosed,
     EngineNotice,
     EngineOutput,
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 class CallBackendHooks(Protocol):
-    """What the engine needs from one call's STT + LLM back-end (engine.backend.CallBackend)."""
+    """What the engine needs from one call's STT + LLM back-end (knowledge.backend.CallBackend)."""
 
     def feed_audio(self, pcm24k: np.ndarray) -> None: ...
     def feed_bot_text(self, piece: str) -> None: ...
@@ -45,7 +46,7 @@ class CallBackendHooks(Protocol):
 
 
 class BackendProvider(Protocol):
-    """Opens a back-end per call (engine.backend.BackendServices); shared by every call of the engine."""
+    """Opens a back-end per call (knowledge.backend.BackendServices); shared by every call of the engine."""
 
     def open_call(
         self,
@@ -53,6 +54,7 @@ class BackendProvider(Protocol):
         on_transcript: Callable[[str, bool, float], None],  # text, final, at (monotonic)
         on_oracle: Callable[[str, float, int, bool], None],  # whole draft text, triggered_at, candidate id, complete
         on_error: Callable[[str, str], None],  # kind, detail
+        setup: CallSetup | None = None,
     ) -> CallBackendHooks: ...
 
     async def aclose(self) -> None: ...
@@ -301,7 +303,7 @@ class LocalEngine:
         for session in list(self._sessions.values()):
             session._on_notice("engine_lost", "the engine process died; this call's model state is gone")
 
-    async def open_call(self, call_id: str) -> LocalCallSession:
+    async def open_call(self, call_id: str, setup: CallSetup | None = None) -> LocalCallSession:
         if self._closing or not self._ready:
             raise EngineClosed("engine is not serving")
         old = self._sessions.get(call_id)
@@ -313,7 +315,7 @@ class LocalEngine:
         if self.backend is not None:
             try:
                 session.backend = self.backend.open_call(
-                    call_id, session._on_transcript, session._on_oracle, session._on_notice
+                    call_id, session._on_transcript, session._on_oracle, session._on_notice, setup
                 )
                 await session.backend.start()
             except Exception:

@@ -7,10 +7,11 @@ import asyncio
 import logging
 import os
 
-from engine.backend import BackendConfig, BackendServices
 from engine.remote import Address, LinkError, LinkRefused, RemoteEngine, edge_tls
 from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
+from knowledge.agents import AgentDirectory
+from knowledge.backend import BackendConfig, BackendServices
 
 from .env_flags import env_flag, parse_float, parse_int
 
@@ -58,6 +59,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     env_flag(b, "--llm", "KAME_LLM", default="openai", choices=("openai", "none"),
              help="'openai': any OpenAI-compatible endpoint (OPENAI_BASE_URL, OPENAI_API_KEY)")
     env_flag(b, "--llm-model", "KAME_LLM_MODEL", help="model name (default: gpt-4.1)")
+    env_flag(b, "--agents", "KAME_AGENTS", help="agents file (TOML): instructions, greeting, numbers, busy "
+             "policy per agent; SIGHUP reloads it (README, 'Configure your agents')")  # fmt: skip
+
+
+def agents_from_args(args: argparse.Namespace) -> AgentDirectory:
+    """The process's agents, loaded once (the phone edge and the back-end share them); raises AgentsError
+    naming the file, the agent and the key when the file cannot be used."""
+    directory = getattr(args, "agent_directory", None)
+    if directory is None:
+        directory = args.agent_directory = AgentDirectory.from_file(args.agents)
+    return directory
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -83,7 +95,7 @@ def backend_from_args(args: argparse.Namespace) -> BackendServices | None:
     overrides: dict[str, object] = {"stt": args.stt, "llm_enabled": args.llm != "none"}
     if args.llm_model:
         overrides["llm_model"] = args.llm_model
-    return BackendServices(BackendConfig.from_env(**overrides))
+    return BackendServices(BackendConfig.from_env(**overrides), agents_from_args(args))
 
 
 async def load_engine(args: argparse.Namespace) -> LocalEngine:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -17,13 +17,19 @@ from .env_flags import EnvDefault, EnvError, env_flag, parse_float, parse_int, r
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from knowledge.agents import AgentsError
     from telephony.call_store import open_call_store
     from telephony.config import ConfigError, ServiceConfig
     from telephony.server import run_service
 
-    from .app import connect_engine, load_engine
+    from .app import agents_from_args, connect_engine, load_engine
 
     setup_logging(json_lines=args.log_json)
+    try:
+        agents = agents_from_args(args)
+    except AgentsError as e:
+        print(f"kame-phone serve: {e}", file=sys.stderr)
+        return 2
     try:
         config = ServiceConfig.from_env(
             host=args.host,
@@ -34,6 +40,9 @@ def _serve(args: argparse.Namespace) -> int:
             insecure_dev=args.insecure_dev,
             store_transcripts=not args.no_transcripts,
             retention_s=args.retention_hours * 3600,
+            max_unstarted_streams=args.max_unstarted_streams,
+            start_timeout_s=args.start_timeout,
+            max_idle_connections=args.max_idle_connections,
         )
     except ConfigError as e:
         print(f"kame-phone serve: {e}", file=sys.stderr)
@@ -54,7 +63,8 @@ def _serve(args: argparse.Namespace) -> int:
             ttl_s=config.retention_s,
             store_transcripts=config.store_transcripts,
         )
-        await run_service(config, store, lambda: connect_engine(args) if args.engine else load_engine(args))
+        await run_service(config, store, lambda: connect_engine(args) if args.engine else load_engine(args),
+                          agents=agents)  # fmt: skip
 
     asyncio.run(main())
     return 0
@@ -166,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--retention-hours", "KAME_RETENTION_HOURS", default=24.0, parse=parse_float,
              help="how long call records live")
     env_flag(serve, "--log-json", "KAME_LOG_JSON", switch=True, help="JSON log lines")
+    env_flag(serve, "--max-unstarted-streams", "KAME_MAX_UNSTARTED_STREAMS", default=16, parse=parse_int,
+             help="media sockets upgraded but not started, at most (503 beyond)")  # fmt: skip
+    env_flag(serve, "--start-timeout", "KAME_START_TIMEOUT", default=5.0, parse=parse_float,
+             help="seconds a media socket may wait for its stream's start")  # fmt: skip
+    env_flag(serve, "--max-idle-connections", "KAME_MAX_IDLE_CONNECTIONS", default=256, parse=parse_int,
+             help="public-port connections without a started call, at most (beyond: refused at once)")  # fmt: skip
     serve.add_argument("--engine", default=EnvDefault("KAME_ENGINE_ADDRESS", None), metavar="ADDRESS",
                        help="use the engine of a `kame-phone engine-serve` at unix:/path, tcp://host:port or "
                             "tls://host:port (token in $KAME_ENGINE_TOKEN; for tls://, the CA in $KAME_ENGINE_CA) "
@@ -174,17 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     engine_serve = sub.add_parser("engine-serve", help="run the engine alone, for `serve --engine` edges to share")
-    engine_serve.add_argument("--listen", required=True, metavar="ADDRESS",
-                              help="unix:/path/engine.sock, tcp://host:port or tls://host:port "
-                                   "(off loopback: needs $KAME_ENGINE_TOKEN)")
-    engine_serve.add_argument("--tls-cert", default=os.environ.get("KAME_ENGINE_TLS_CERT"), metavar="PEM",
-                              help="certificate chain for a tls:// address (also $KAME_ENGINE_TLS_CERT)")
-    engine_serve.add_argument("--tls-key", default=os.environ.get("KAME_ENGINE_TLS_KEY"), metavar="PEM",
-                              help="its private key (also $KAME_ENGINE_TLS_KEY)")
-    engine_serve.add_argument("--http-port", type=int, default=9091, help="/healthz, /readyz and /metrics")
-    engine_serve.add_argument("--http-host", default="127.0.0.1")
-    engine_serve.add_argument("--drain-timeout", type=float, default=600.0,
-                              help="on SIGTERM, wait this long (s) for seated calls to end")
+    env_flag(engine_serve, "--listen", "KAME_ENGINE_LISTEN",
+             help="unix:/path/engine.sock, tcp://host:port or tls://host:port (off loopback: needs "
+                  "$KAME_ENGINE_TOKEN); required")  # fmt: skip
+    env_flag(engine_serve, "--tls-cert", "KAME_ENGINE_TLS_CERT", help="certificate chain for a tls:// address")
+    env_flag(engine_serve, "--tls-key", "KAME_ENGINE_TLS_KEY", help="its private key")
+    env_flag(engine_serve, "--http-port", "KAME_ENGINE_HTTP_PORT", default=9091, parse=parse_int,
+             help="/healthz, /readyz and /metrics")  # fmt: skip
+    env_flag(engine_serve, "--http-host", "KAME_ENGINE_HTTP_HOST", default="127.0.0.1",
+             help="the health and metrics listener's address")  # fmt: skip
+    env_flag(engine_serve, "--drain-timeout", "KAME_ENGINE_DRAIN_TIMEOUT", default=600.0, parse=parse_float,
+             help="on SIGTERM, wait this long (s) for seated calls to end")  # fmt: skip
     env_flag(engine_serve, "--log-json", "KAME_LOG_JSON", switch=True, help="JSON log lines")
     add_engine_arguments(engine_serve)
     engine_serve.set_defaults(func=_engine_serve)
@@ -246,9 +262,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # one clear line for expected failures (bad checkpoint, missing tool)
         from engine.checkpoint import CheckpointError
+        from engine.remote import LinkRefused
 
-        if isinstance(e, CheckpointError):
+        if isinstance(e, (CheckpointError, LinkRefused)):  # a wrong token or protocol version: retry won't help
             print(f"kame-phone: {e}", file=sys.stderr)
+            return 2
+        if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:  # another process holds the port
+            print(f"kame-phone {args.command}: cannot listen: {e.strerror}", file=sys.stderr)
             return 2
         logging.getLogger("kame-phone").exception("failed")
         return 1

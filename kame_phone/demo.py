@@ -15,10 +15,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from engine.backend import BackendConfig, BackendServices
 from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
 from engine.tiny_checkpoint import make_tiny_checkpoint
+from knowledge.backend import BackendConfig, BackendServices
 from telephony.call_store import CallRecord, MemoryCallStore
 from telephony.config import ServiceConfig
 from telephony.server import MEDIA_PATH, ServerContext, ServiceHandle

@@ -23,9 +23,10 @@ from aiohttp import web
 
 from engine.heap import freeze_startup_heap
 from engine.remote import Address, EngineServer, server_tls
+from knowledge.agents import AgentsError
 from telephony.metrics_http import METRICS_PATH, handle_metrics
 
-from .app import load_engine
+from .app import agents_from_args, load_engine
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,17 @@ def _http_app(state: dict[str, object]) -> web.Application:
 
 
 async def run_engine_server(args: argparse.Namespace) -> int:
+    if not args.listen:
+        print("kame-phone engine-serve: --listen (or KAME_ENGINE_LISTEN) is required", file=sys.stderr)
+        return 2
     try:
         address = Address.parse(args.listen)
     except ValueError as e:
+        print(f"kame-phone engine-serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        agents = agents_from_args(args)  # the back-end's prompts and greetings
+    except AgentsError as e:
         print(f"kame-phone engine-serve: {e}", file=sys.stderr)
         return 2
     token = os.environ.get("KAME_ENGINE_TOKEN") or None
@@ -86,6 +95,7 @@ async def run_engine_server(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, agents.reload)  # new calls get the new agents, live ones keep theirs
     engine = server = None
     code = 0
     try:

@@ -112,6 +112,7 @@ class LoopbackEngine:
         self._on_count = on_count  # told the number of open calls whenever it changes
         self._sessions: dict[str, LoopbackSession] = {}
         self.timelines: dict[str, LoopbackSession] = {}  # every call ever seated, by call id (= CallSid)
+        self.setups: dict[str, object] = {}  # each call's CallSetup as it reached the engine
         self._ticker: asyncio.Task[None] | None = None
         self._stopped = False
         self.tick_late_s: list[float] = []  # how late each tick woke, against its deadline
@@ -137,12 +138,13 @@ class LoopbackEngine:
     def failed(self) -> bool:
         return False
 
-    async def open_call(self, call_id: str) -> LoopbackSession:
+    async def open_call(self, call_id: str, setup: object = None) -> LoopbackSession:
         if self._stopped:
             raise EngineClosed("loopback engine stopped")
         if len(self._sessions) >= self._max_calls:
             raise EngineFull(f"all {self._max_calls} slots taken")
         session = self._sessions[call_id] = self.timelines[call_id] = LoopbackSession(self, call_id)
+        self.setups[call_id] = setup
         self._count_changed()
         if self._ticker is None:
             self._ticker = asyncio.create_task(self._tick_forever(), name="loopback-ticker")
@@ -235,7 +237,8 @@ class EngineSideReport:
     @classmethod
     def of(cls, engine: LoopbackEngine, cpu_pct: float | None = None) -> EngineSideReport:
         return cls(
-            {cid: EngineTimeline(s.pushed_at, s.produced_at) for cid, s in engine.timelines.items()},
+            # Behind the engine link a call is "<CallSid>@e<edge>" (call ids are per edge): keyed by CallSid.
+            {cid.split("@")[0]: EngineTimeline(s.pushed_at, s.produced_at) for cid, s in engine.timelines.items()},
             engine.tick_late_s, engine.missed_ticks, engine.backlog_max, cpu_pct,
         )  # fmt: skip
 

@@ -36,16 +36,16 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from engine.backend import CallBackend
 from engine.checkpoint import RANDOM_PREFIX
 from engine.heap import freeze_startup_heap
 from engine.interface import FRAME_SAMPLES, FRAME_SECONDS
-from engine.llm import LlmClient, LlmConfig
-from engine.oracle_policy import OraclePolicyConfig
 from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
-from engine.stt import SttResult
 from engine.tiny_checkpoint import make_tiny_checkpoint
+from knowledge.backend import CallBackend
+from knowledge.llm import LlmClient, LlmConfig
+from knowledge.oracle_policy import OraclePolicyConfig
+from knowledge.stt import SttResult
 
 WORDS = "could you please tell me when the store opens on monday and whether you deliver".split()
 ANSWER = "The store opens at nine on Monday and yes we deliver every day of the week including Sundays."
@@ -125,7 +125,7 @@ class _Provider:
         self.first_draft: dict[tuple[str, int], tuple[float, float]] = {}  # (call, cand) -> (trigger, arrival)
         self._rng = random.Random(seed)
 
-    def open_call(self, call_id, on_transcript, on_oracle, on_error):  # type: ignore[no-untyped-def]
+    def open_call(self, call_id, on_transcript, on_oracle, on_error, setup=None):  # type: ignore[no-untyped-def]
         def tapped(text: str, triggered_at: float, candidate_id: int, complete: bool) -> None:
             self.first_draft.setdefault((call_id, candidate_id), (triggered_at, time.monotonic()))
             on_oracle(text, triggered_at, candidate_id, complete)

@@ -1,21 +1,26 @@
 """Which calls may open a media stream here: the per-call token the voice webhook hands out.
 
 `/twilio/voice` reserves a slot and issues a random token bound to the CallSid (sent back to us by
-Twilio as a `<Parameter>`). The stream's `start` must carry the same CallSid and token; the first use
-consumes the reservation. A reconnect of the same live call (Twilio sometimes opens a second socket for
-one call) presents the same pair and is accepted, replacing the first stream; the token is forgotten
-when the call ends. Reservations that never see their stream expire, freeing the slot.
+Twilio as a `<Parameter>`). The stream's `start` must carry the same CallSid and token, and the token is
+single-use: a second socket presenting it (a replayed webhook's answer, say) is refused and never replaces
+or hears the live call. Twilio's signatures carry no nonce, so a signed webhook can be replayed: a CallSid
+whose stream started (or whose reservation was released) is remembered as used up and gets no new token.
+A retried webhook before the stream starts gets the same token back. Reservations that never see their
+stream expire within seconds, freeing the slot.
 
 This is the in-process book keeping; `telephony.cluster` builds single- and multi-node admission on it.
 """
 
 from __future__ import annotations
 
+import collections
 import hmac
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+REMEMBERED_CALLS = 100_000  # used-up CallSids kept in memory (~10 MB); a multi-node store keeps them in Redis
 
 
 def new_token() -> str:
@@ -34,11 +39,26 @@ class _Grant:
     claimed: bool = False
 
 
+class CallSidUsed(Exception):
+    """The voice webhook for a CallSid whose stream already started (a replay): no new token."""
+
+
 class Admission:
-    def __init__(self, reservation_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, reservation_ttl_s: float = 8.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.reservation_ttl_s = reservation_ttl_s
         self.clock = clock
         self._grants: dict[str, _Grant] = {}
+        self._used: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def used(self, call_sid: str) -> bool:
+        """True once the call's stream started here (live or ended), or its reservation was released."""
+        return call_sid in self._used
+
+    def _use_up(self, call_sid: str) -> None:
+        self._used[call_sid] = None
+        self._used.move_to_end(call_sid)
+        if len(self._used) > REMEMBERED_CALLS:
+            self._used.popitem(last=False)
 
     def _expire(self) -> None:
         now = self.clock()
@@ -67,12 +87,15 @@ class Admission:
         return grant.token
 
     def claim(self, call_sid: str, token: str | None) -> bool:
+        """True once per grant: the first stream with the call's token. A second socket gets False."""
         self._expire()
         grant = self._grants.get(call_sid)
-        if grant is None or not tokens_match(grant.token, token):
+        if grant is None or grant.claimed or not tokens_match(grant.token, token):
             return False
         grant.claimed = True
+        self._use_up(call_sid)
         return True
 
     def release(self, call_sid: str) -> None:
-        self._grants.pop(call_sid, None)
+        if self._grants.pop(call_sid, None) is not None:
+            self._use_up(call_sid)

@@ -34,7 +34,13 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, ReadOnlyError, RedisError, ResponseError
 
-from telephony.metrics import CALL_STORE_DROPPED_OPS, CALL_STORE_PENDING_OPS, REDIS_ERRORS
+from telephony.metrics import (
+    CALL_STORE_DROPPED_OPS,
+    CALL_STORE_PENDING_OPS,
+    CALL_STORE_RESTORED_RECORDS,
+    CALL_STORE_UNAPPLIED_OPS,
+    REDIS_ERRORS,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +78,7 @@ class CallRecord:
     from_number: str | None = None
     to_number: str | None = None
     node: str | None = None  # the instance that holds the media stream
+    agent: str | None = None  # the agent that answered (knowledge/agents.py)
     state: CallState = "ringing"
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
@@ -102,7 +109,7 @@ class CallRecord:
 
 
 # Scalar fields `update` may set, by type. call_sid and created_at are fixed at create time.
-_STR_FIELDS = frozenset({"stream_sid", "from_number", "to_number", "node", "state", "end_reason"})
+_STR_FIELDS = frozenset({"stream_sid", "from_number", "to_number", "node", "state", "end_reason", "agent"})
 _FLOAT_FIELDS = frozenset({"started_at", "ended_at", "first_audio_s"})
 _UPDATABLE = _STR_FIELDS | _FLOAT_FIELDS
 _LIST_NAMES: tuple[_ListName, ...] = get_args(_ListName)
@@ -124,6 +131,7 @@ class CallStore(Protocol):
     async def end(self, call_sid: str, reason: str, at: float | None = None) -> None: ...
     async def get(self, call_sid: str) -> CallRecord | None: ...
     async def list_recent(self, limit: int = 50) -> list[CallRecord]: ...
+    async def adopt(self, call_sid: str) -> None: ...
     async def ping(self) -> bool: ...
     async def flush(self) -> None: ...
     async def aclose(self) -> None: ...
@@ -283,6 +291,9 @@ class MemoryCallStore(_OpStore):
         newest = itertools.islice(reversed(self._records.values()), limit)
         return [CallRecord.from_dict(record.to_dict()) for record, _ in newest]
 
+    async def adopt(self, call_sid: str) -> None:
+        return None  # nothing to lose: the records live here
+
     async def ping(self) -> bool:
         return True
 
@@ -307,7 +318,7 @@ if redis.call('EXISTS', h) == 1 then
     kind = 'noop'
   end
 elseif kind ~= 'create' then
-  return 0
+  return -1  -- an unknown call: expired, or lost with the data of a Redis that came back empty
 end
 if kind == 'push' then
   redis.call('RPUSH', KEYS[tonumber(ARGV[8])], ARGV[7])
@@ -323,8 +334,28 @@ for i = 1, 6 do redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
 return 1
 """
 
+# Writes a live call's whole record back, if Redis has none (it restarted empty, or lost it). Same KEYS.
+# ARGV: 1 writer seq field, 2 seq (the last op the record includes), 3 ttl ms, 4 call sid, 5 activity time,
+# 6 scalars (JSON object), 7 lists (JSON array of 4 arrays of encoded items, in KEYS 2-5 order).
+_RESTORE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+for f, v in pairs(cjson.decode(ARGV[6])) do
+  if v ~= cjson.null then redis.call('HSET', KEYS[1], f, v) end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+local lists = cjson.decode(ARGV[7])
+for i = 1, 4 do
+  redis.call('DEL', KEYS[i + 1])
+  for _, item in ipairs(lists[i]) do redis.call('RPUSH', KEYS[i + 1], item) end
+end
+redis.call('ZADD', KEYS[6], 'GT', ARGV[5], ARGV[4])
+for i = 1, 6 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+return 1
+"""
+
 _KEY_SUFFIXES = ("", ":turns", ":oracle", ":dtmf", ":turn_latencies")  # KEYS 1-5, see _APPLY_LUA
 _LIST_KEY_POS = {"turns": 2, "oracle": 3, "dtmf": 4, "turn_latencies_s": 5}
+_LIST_NAMES_BY_KEY = sorted(_LIST_KEY_POS, key=_LIST_KEY_POS.__getitem__)
 # Errors that mean "Redis is not usable right now", even when returned for a single op.
 _TRANSIENT_OP_ERRORS = (NoScriptError, ReadOnlyError)
 
@@ -344,6 +375,21 @@ def _log_writer_death(task: asyncio.Task[None]) -> None:
 
 def _encode_scalar(value: str | float | None) -> str | None:
     return None if value is None else (repr(value) if isinstance(value, float) else str(value))
+
+
+def _encode_item(item: Turn | OracleNote | str | float) -> str:
+    """A list item as Redis holds it (read back by `RedisCallStore._decode`)."""
+    if isinstance(item, Turn | OracleNote):
+        return json.dumps(dataclasses.asdict(item), separators=(",", ":"))
+    return _encode_scalar(item) or ""
+
+
+@dataclass(slots=True)
+class _Shadow:
+    """This store's own view of a live call it writes: what a Redis that lost the call is given back."""
+
+    record: CallRecord
+    seq: int  # the last of our ops the view includes: Redis skips those when they arrive after a restore
 
 
 # Every open RedisCallStore, for the CALL_STORE_PENDING_OPS gauge (the sum of their buffers). Weak, so
@@ -405,7 +451,16 @@ class RedisCallStore(_OpStore):
         self._script = client.register_script(_APPLY_LUA)
         # Each store instance writes its own `seq:<id>` field, so idempotency survives many writers.
         self._seq_field = f"seq:{uuid.uuid4().hex[:12]}"
+        # Ops in submission order. An op evicted from the middle (fair share, below) stays here as a
+        # tombstone (its seq in `_evicted`) until the writer passes it: a deque cannot drop from the middle.
         self._pending: collections.deque[_Op] = collections.deque()
+        self._evicted: set[int] = set()
+        self._by_call: dict[str, collections.deque[_Op]] = {}  # each call's live pending ops, in order
+        self._restore = client.register_script(_RESTORE_LUA)
+        # Live calls' records as written here, so a Redis that comes back empty gets them back whole.
+        self._shadows: collections.OrderedDict[str, _Shadow] = collections.OrderedDict()
+        self.max_shadows = DEFAULT_MAX_RECORDS
+        self.unapplied_ops = 0
         self._wakeup = asyncio.Event()
         self._progress = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
@@ -415,7 +470,7 @@ class RedisCallStore(_OpStore):
 
     @property
     def pending_ops(self) -> int:
-        return len(self._pending)
+        return len(self._pending) - len(self._evicted)
 
     def _call_keys(self, call_sid: str) -> list[str]:
         base = f"{self.key_prefix}call:{call_sid}"
@@ -432,12 +487,52 @@ class RedisCallStore(_OpStore):
             self._drop(len(ops), "store is closed")
             return
         for op in ops:
-            if len(self._pending) >= self.max_pending:
-                self._pending.popleft()  # drop the oldest: the newest state matters most mid-call
-                self._drop(1, f"buffer full ({self.max_pending} ops)")
+            self._shadow(op)
+            if self.pending_ops >= self.max_pending:
+                self._evict_from_largest()
             self._pending.append(op)
+            self._by_call.setdefault(op.call_sid, collections.deque()).append(op)
         self._wakeup.set()
         self._ensure_writer()
+
+    def _evict_from_largest(self) -> None:
+        """The buffer is full: the call holding the most ops loses its oldest (not a create or an end, if it
+        has another). One call flooding writes so pushes out its own, never another call's."""
+        sid, ops = max(self._by_call.items(), key=lambda kv: len(kv[1]))
+        victim = next((op for op in ops if op.kind not in ("create", "end")), ops[0])
+        ops.remove(victim)  # usually the head
+        if not ops:
+            del self._by_call[sid]
+        self._evicted.add(victim.seq)
+        self._drop(1, f"buffer full ({self.max_pending} ops); call {sid} holds the most")
+
+    def _shadow(self, op: _Op) -> None:
+        shadow = self._shadows.get(op.call_sid)
+        if shadow is None:
+            if op.kind != "create":
+                return
+            record = _apply(None, op)
+            assert record is not None
+            shadow = self._shadows[op.call_sid] = _Shadow(record, op.seq)
+            while len(self._shadows) > self.max_shadows:  # calls never ended (a bug elsewhere) stay bounded
+                self._shadows.popitem(last=False)
+        else:
+            _apply(shadow.record, op)
+            shadow.seq = op.seq
+        self._shadows.move_to_end(op.call_sid)
+
+    async def adopt(self, call_sid: str) -> None:
+        """Start a shadow of a call created elsewhere (another node took its webhook), before writing to it.
+        Without one, a Redis that loses the call mid-stream could not be given it back."""
+        if call_sid in self._shadows or call_sid in self._by_call:
+            return
+        try:
+            record = await self.get(call_sid)
+        except CallStoreUnavailable:
+            logger.warning("call store: cannot read call %s to keep a copy; it is lost if Redis loses it", call_sid)
+            return
+        if record is not None and call_sid not in self._shadows and call_sid not in self._by_call:
+            self._shadows[call_sid] = _Shadow(record, 0)
 
     def _ensure_writer(self) -> None:
         if self._writer is None or self._writer.done():
@@ -459,23 +554,41 @@ class RedisCallStore(_OpStore):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            batch = list(itertools.islice(self._pending, self._batch_size))
+            live = (op for op in self._pending if op.seq not in self._evicted)
+            batch = list(itertools.islice(live, self._batch_size))
+            if not batch:  # only tombstones left
+                self._pop_written(self._pending[-1].seq)
+                continue
             try:
                 await self._write_batch(batch)
             except (RedisError, OSError) as exc:  # OSError covers socket errors and TimeoutError
                 REDIS_ERRORS.inc()
                 msg = "call store: Redis write failed (%s: %s); %d ops buffered, retry in %.1fs"
-                logger.warning(msg, type(exc).__name__, exc, len(self._pending), delay)
+                logger.warning(msg, type(exc).__name__, exc, self.pending_ops, delay)
                 await asyncio.sleep(delay * random.uniform(0.8, 1.0))
                 delay = min(delay * 2, self._retry_max_s)
                 continue
             if delay != self._retry_initial_s:
-                logger.info("call store: Redis writes recovered; %d ops buffered", len(self._pending))
+                logger.info("call store: Redis writes recovered; %d ops buffered", self.pending_ops)
             delay = self._retry_initial_s
-            # Only the head can have been dropped meanwhile, so pop by seq, not by count.
-            while self._pending and self._pending[0].seq <= batch[-1].seq:
-                self._pending.popleft()
+            self._pop_written(batch[-1].seq)
             self._progress.set()
+
+    def _pop_written(self, upto: int) -> None:
+        """Ops up to seq `upto` are in Redis (or were evicted meanwhile): off the buffer; an ended call's
+        shadow goes with its end."""
+        while self._pending and self._pending[0].seq <= upto:
+            op = self._pending.popleft()
+            if op.seq in self._evicted:
+                self._evicted.discard(op.seq)
+                continue
+            ops = self._by_call.get(op.call_sid)
+            if ops and ops[0] is op:
+                ops.popleft()
+                if not ops:
+                    del self._by_call[op.call_sid]
+            if op.kind == "end":
+                self._shadows.pop(op.call_sid, None)
 
     async def _write_batch(self, batch: list[_Op]) -> None:
         # MULTI/EXEC: a batch lands whole or not at all, so per-call order survives a retry.
@@ -484,6 +597,7 @@ class RedisCallStore(_OpStore):
                 keys, args = self._encode(op)
                 await self._script(keys=keys, args=args, client=pipe)
             results = await pipe.execute(raise_on_error=False)
+        unknown: dict[str, list[_Op]] = {}
         for op, result in zip(batch, results, strict=True):
             if isinstance(result, _TRANSIENT_OP_ERRORS):
                 raise result
@@ -491,19 +605,40 @@ class RedisCallStore(_OpStore):
                 # A poison op (e.g. a foreign key of the wrong type) would block the queue forever.
                 REDIS_ERRORS.inc()
                 logger.error("call store: Redis rejected %s op for %s: %s", op.kind, op.call_sid, result)
+            elif result == -1:
+                unknown.setdefault(op.call_sid, []).append(op)
+        for sid, ops in unknown.items():
+            await self._restore_or_count(sid, ops)
+
+    async def _restore_or_count(self, call_sid: str, ops: list[_Op]) -> None:
+        """Redis does not have a call we wrote to: if it is one of our live calls, write its whole record back
+        (our later ops then apply on top; those it already includes are skipped by seq). Otherwise the ops
+        cannot be applied: counted and logged, never silent."""
+        shadow = self._shadows.get(call_sid)
+        if shadow is not None:
+            record = shadow.record
+            scalars = {f.name: _encode_scalar(getattr(record, f.name)) for f in dataclasses.fields(CallRecord)
+                       if f.name not in (*_LIST_NAMES, "call_sid")}  # fmt: skip
+            lists = [[_encode_item(item) for item in getattr(record, name)] for name in _LIST_NAMES_BY_KEY]
+            args = [self._seq_field, shadow.seq, max(1, round(self.ttl_s * 1000)), call_sid, repr(time.time()),
+                    json.dumps(scalars, separators=(",", ":")), json.dumps(lists, separators=(",", ":"))]  # fmt: skip
+            if await self._restore(keys=[*self._call_keys(call_sid), self._index_key], args=args) == 1:
+                CALL_STORE_RESTORED_RECORDS.inc()
+                logger.warning("call store: Redis had lost call %s (restarted empty?); its whole record is "
+                               "written back", call_sid)  # fmt: skip
+                return
+        self.unapplied_ops += len(ops)
+        CALL_STORE_UNAPPLIED_OPS.inc(len(ops))
+        logger.warning("call store: %d %s op(s) for call %s not applied: Redis has no such call (expired or "
+                       "lost) and this node holds no copy of it", len(ops), ops[0].kind, call_sid)  # fmt: skip
 
     def _encode(self, op: _Op) -> tuple[list[str], list[str | int | float]]:
         keys = [*self._call_keys(op.call_sid), self._index_key]
         args: list[str | int | float] = [op.kind, self._seq_field, op.seq, max(1, round(self.ttl_s * 1000))]
         args += [op.call_sid, repr(op.submitted)]
         if op.kind == "push":
-            item = op.item
-            if isinstance(item, Turn | OracleNote):
-                payload = json.dumps(dataclasses.asdict(item), separators=(",", ":"))
-            else:
-                payload = _encode_scalar(item) or ""
-            assert op.list_name is not None
-            args += [payload, _LIST_KEY_POS[op.list_name]]
+            assert op.list_name is not None and op.item is not None
+            args += [_encode_item(op.item), _LIST_KEY_POS[op.list_name]]
         else:
             fields = {k: _encode_scalar(v) for k, v in op.fields.items()}
             args.append(json.dumps(fields, separators=(",", ":")))
@@ -526,7 +661,7 @@ class RedisCallStore(_OpStore):
             async with asyncio.timeout(self.close_timeout_s):
                 await self.flush()
         except TimeoutError:
-            logger.warning("call store: closing with %d ops not written to Redis", len(self._pending))
+            logger.warning("call store: closing with %d ops not written to Redis", self.pending_ops)
         self._closed = True
         if self._writer is not None:
             self._writer.cancel()
@@ -539,7 +674,7 @@ class RedisCallStore(_OpStore):
     # ---- read side: Redis state plus this instance's unflushed ops ----
 
     async def get(self, call_sid: str) -> CallRecord | None:
-        pending = [op for op in self._pending if op.call_sid == call_sid]  # snapshot BEFORE the read
+        pending = list(self._by_call.get(call_sid, ()))  # snapshot BEFORE the read
         ((record, applied),) = await self._read([call_sid])
         return self._merge(record, applied, pending)
 
@@ -547,7 +682,8 @@ class RedisCallStore(_OpStore):
         """Live calls, most recently written first."""
         pending: dict[str, list[_Op]] = collections.defaultdict(list)
         for op in list(self._pending):
-            pending[op.call_sid].append(op)
+            if op.seq not in self._evicted:
+                pending[op.call_sid].append(op)
         # Calls with unflushed writes are the most recent; then the index, page by page.
         sids = sorted(pending, key=lambda sid: pending[sid][-1].seq, reverse=True)
         records: list[CallRecord] = []

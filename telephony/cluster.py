@@ -14,8 +14,8 @@ Redis layout (prefix `kame:` by default; all times are Redis's own clock, in ms,
   <p>nodes              sorted set: node id scored by its last heartbeat; stale ones are pruned
   <p>node:<id>          hash url (the node's wss media URL), free, draining, ts; expires after node_ttl_s
   <p>node:<id>:resv     sorted set: CallSids with an unclaimed reservation on the node, scored by expiry
-  <p>resv:<sid>         hash node, url, token, state (reserved|claimed); expires after reservation_ttl_s,
-                        or bound_ttl_s once claimed (a reconnect of the live call needs it), deleted at call end
+  <p>resv:<sid>         hash node, url, token, state (reserved|claimed|ended); expires after reservation_ttl_s,
+                        or bound_ttl_s once claimed or ended (a replayed webhook for it gets no new token)
 A node's room is `free - (live entries in its resv set)`. `free` counts engine seats not held by a
 stream; a claim moves a call from the resv set into `free` at once (HINCRBY -1), and the node's next
 heartbeat publishes the real figure.
@@ -35,7 +35,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from .admission import Admission, new_token, tokens_match
+from .admission import Admission, CallSidUsed, new_token, tokens_match
 from .call_store import _safe_url
 from .config import ServiceConfig
 from .metrics import REDIS_ERRORS
@@ -76,14 +76,15 @@ class Cluster(Protocol):
 
     async def reserve(self, call_sid: str) -> Reservation | None:
         """Hold a slot for `call_sid` on a node with room; None when every node is full.
-        A retried webhook (same CallSid) gets the same reservation back."""
+        A retried webhook (same CallSid) gets the same reservation back until its stream starts; after
+        that (or after a release) raises `CallSidUsed`: a replayed webhook gets no new token."""
         ...
 
     async def claim(self, call_sid: str, token: str | None) -> bool:
-        """On the node the stream reached: True if the call was reserved HERE with this token. The first
-        claim consumes the reservation; the call stays bound, so a reconnect with the same token passes.
-        After True, the caller counts the stream in `capacity_fn` before it next awaits (as
-        `ServerContext.replace_stream` does), so the seat is never seen free in between."""
+        """On the node the stream reached: True if the call was reserved HERE with this token, once: the
+        token is single-use, so a second socket with it gets False. After True, the caller counts the
+        stream in `capacity_fn` before it next awaits (as `ServerContext.add_stream` does), so the seat is
+        never seen free in between."""
         ...
 
     async def release(self, call_sid: str) -> None:
@@ -99,7 +100,7 @@ class LocalCluster:
         node_id: str,
         stream_url: str | Callable[[], str],
         capacity_fn: CapacityFn,
-        reservation_ttl_s: float = 30.0,
+        reservation_ttl_s: float = 8.0,
     ) -> None:
         self.node_id = node_id
         self._stream_url = stream_url  # a callable when the port is only known once listening
@@ -128,6 +129,8 @@ class LocalCluster:
         return None
 
     async def reserve(self, call_sid: str) -> Reservation | None:
+        if self.admission.used(call_sid):
+            raise CallSidUsed(call_sid)
         token = self.admission.token_for(call_sid)
         if token is None:
             if self.draining or self.capacity_fn() - self.admission.reserved <= 0:
@@ -161,8 +164,11 @@ return redis.call('ZCARD', KEYS[3])
 # 6 node ttl ms, 7 local node draining (0/1), 8 local node's free slots now (fresher than its heartbeat).
 # Returns {node, url, token, reservations on that node} or nil.
 _RESERVE_LUA = _NOW_MS_LUA + """
-local held = redis.call('HMGET', KEYS[2], 'node', 'url', 'token')
-if held[1] then return {held[1], held[2], held[3], -1} end
+local held = redis.call('HMGET', KEYS[2], 'node', 'url', 'token', 'state')
+if held[1] then
+  if held[4] ~= 'reserved' then return 'used' end  -- its stream started (or ended): a replayed webhook
+  return {held[1], held[2], held[3], -1}
+end
 local p, me = ARGV[1], ARGV[3]
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - tonumber(ARGV[6])))
 local best, best_url, best_room = nil, nil, 0
@@ -197,20 +203,21 @@ return {best, best_url, ARGV[4], redis.call('ZCARD', rz)}
 # Returns the node's reservation count, or -1 when the reservation is gone or not this node's.
 _CLAIM_LUA = """
 local held = redis.call('HMGET', KEYS[1], 'node', 'token', 'state')
-if held[1] ~= ARGV[2] or held[2] ~= ARGV[3] then return -1 end
-if held[3] == 'reserved' then
-  redis.call('HSET', KEYS[1], 'state', 'claimed')
-  redis.call('PEXPIRE', KEYS[1], ARGV[4])
-  if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 and redis.call('EXISTS', KEYS[3]) == 1 then
-    redis.call('HINCRBY', KEYS[3], 'free', -1)  -- the stream now holds the seat; the heartbeat catches up
-  end
+if held[1] ~= ARGV[2] or held[2] ~= ARGV[3] or held[3] ~= 'reserved' then return -1 end  -- single-use
+redis.call('HSET', KEYS[1], 'state', 'claimed')
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 and redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('HINCRBY', KEYS[3], 'free', -1)  -- the stream now holds the seat; the heartbeat catches up
 end
 return redis.call('ZCARD', KEYS[2])
 """
 
-# KEYS 1 resv:<sid>, 2 node resv zset. ARGV 1 call sid, 2 node id.
+# KEYS 1 resv:<sid>, 2 node resv zset. ARGV 1 call sid, 2 node id, 3 ms to remember the CallSid as used up.
 _RELEASE_LUA = """
-if redis.call('HGET', KEYS[1], 'node') == ARGV[2] then redis.call('DEL', KEYS[1]) end
+if redis.call('HGET', KEYS[1], 'node') == ARGV[2] then
+  redis.call('HSET', KEYS[1], 'state', 'ended')  -- kept, token and all, so a replayed webhook is known
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
 redis.call('ZREM', KEYS[2], ARGV[1])
 return 1
 """
@@ -230,7 +237,7 @@ class RedisCluster:
         *,
         heartbeat_s: float = 1.0,
         node_ttl_s: float = 3.0,
-        reservation_ttl_s: float = 30.0,
+        reservation_ttl_s: float = 8.0,
         bound_ttl_s: float = 12 * 3600.0,
         key_prefix: str = "kame:",
     ) -> None:
@@ -356,6 +363,8 @@ class RedisCluster:
     # ---- calls ----
 
     async def reserve(self, call_sid: str) -> Reservation | None:
+        if self._fallback.used(call_sid) or self._mine.used(call_sid):
+            raise CallSidUsed(call_sid)
         if (token := self._fallback.token_for(call_sid)) is not None:  # a retry of a fallback reservation
             return Reservation(self.node_id, self.stream_url, token)
         keys = [self._nodes_key, self._resv_key(call_sid)]
@@ -370,6 +379,8 @@ class RedisCluster:
         self._succeeded()
         if got is None:
             return None
+        if got == "used":
+            raise CallSidUsed(call_sid)
         node_id, url, token, count = got
         if node_id == self.node_id:
             self._mine.issue(call_sid, token)
@@ -410,7 +421,7 @@ class RedisCluster:
         self._mine.release(call_sid)
         keys = [self._resv_key(call_sid), self._node_key(self.node_id) + ":resv"]
         try:
-            await self._release_script(keys=keys, args=[call_sid, self.node_id])
+            await self._release_script(keys=keys, args=[call_sid, self.node_id, _ms(self.bound_ttl_s)])
         except _REDIS_FAILURES as exc:  # the binding expires after bound_ttl_s
             self._failed("release", exc)
         self._poke.set()  # publish the freed seat now

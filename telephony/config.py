@@ -52,8 +52,17 @@ class ServiceConfig:
     node_ttl_s: float = 3.0  # a node silent for this long gets no more calls
     store_transcripts: bool = True
     retention_s: float = 24 * 3600.0
-    reservation_ttl_s: float = 30.0  # a webhook's slot reservation that never got its stream
+    # A webhook's slot reservation that never got its stream. Twilio opens the stream within a second or
+    # two; replayed or abandoned webhooks must not hold a node's seats for long.
+    reservation_ttl_s: float = 8.0
     silent_socket_s: float = 10.0  # no message from Twilio for this long: the stream is dead
+    # Upgraded media sockets without a `start` yet: at most this many per node (503 beyond), each closed
+    # after start_timeout_s. Twilio sends `start` right after the upgrade.
+    max_unstarted_streams: int = 16
+    start_timeout_s: float = 5.0
+    # Connections on the public port that carry no started call (webhooks in flight, idle keep-alives,
+    # unstarted sockets): beyond this many, new ones are refused at once.
+    max_idle_connections: int = 256
     max_message_bytes: int = 64 * 1024
     flood_burst_packets: int = 50  # inbound packets allowed ahead of real time (1 s)
     mark_every_frames: int = 6  # one playout mark per 480 ms of bot audio

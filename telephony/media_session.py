@@ -22,20 +22,24 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from engine.interface import (
     CallerTranscript,
     CallSession,
+    CallSetup,
     EngineError,
     EngineNotice,
     OracleUpdate,
 )
+from knowledge.agents import Agent
 
 from . import metrics
 from .framing import InboundFramer
 from .logs import call_id_var
+from .stream_limits import StreamLimits
 from .turns import TurnTracker
 from .twilio_messages import (
     BINARY_FRAME,
     DUPLICATE_START,
     FLOODING,
     MEDIA_BEFORE_START,
+    NO_START,
     OVERSIZE,
     SILENT_SOCKET,
     WRONG_STREAM_SID,
@@ -51,6 +55,7 @@ from .twilio_messages import (
     mark_message,
     parse_twilio_message,
 )
+from .twilio_rest import TwilioRestError
 
 if TYPE_CHECKING:
     from .server import ServerContext
@@ -58,6 +63,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TOKEN_PARAMETER = "token"  # the <Parameter> carrying the call's admission token
+AGENT_PARAMETER = "agent"  # the agent chosen at the webhook (with "to" and "from": the call's setup)
 
 
 @dataclass
@@ -66,6 +72,7 @@ class StreamState:
 
     call_sid: str | None = None
     stream_sid: str | None = None
+    agent: str = "default"
     started_at: float | None = None  # monotonic, at the `start` event
     first_media_at: float | None = None
     inbound_packets: int = 0
@@ -105,6 +112,21 @@ class MediaStreamSession:
         self._oracle_draft: tuple[int, str, float] | None = None  # (candidate, latest text, started)
         self._ended = False
         self._end_reason = "completed"
+        self._agent: Agent | None = None  # set at `start`
+        self._transferring = False
+        self.limits = StreamLimits()
+        # Upgraded (the signature was good) but not started: such sockets are capped per node and closed
+        # after the start timeout, however often they send `connected`.
+        self._opened_at = time.monotonic()
+        self._unstarted = True
+        ctx.unstarted_sockets += 1
+        metrics.MEDIA_UNSTARTED_SOCKETS.set(ctx.unstarted_sockets)
+
+    def _started(self) -> None:
+        if self._unstarted:
+            self._unstarted = False
+            self.ctx.unstarted_sockets -= 1
+            metrics.MEDIA_UNSTARTED_SOCKETS.set(self.ctx.unstarted_sockets)
 
     # ---- errors ----
 
@@ -145,9 +167,14 @@ class MediaStreamSession:
     async def _watch_for_silence(self) -> None:
         """Close a stream Twilio stopped talking on. One check a second per call, rather than a timer
         armed and cancelled for every one of its 50 messages a second."""
-        limit = self.ctx.config.silent_socket_s
+        limit, start_limit = self.ctx.config.silent_socket_s, self.ctx.config.start_timeout_s
         while not self.ws.closed:
-            await asyncio.sleep(min(1.0, limit / 2))
+            await asyncio.sleep(min(1.0, limit / 2, start_limit / 2))
+            if self._unstarted and time.monotonic() - self._opened_at > start_limit:
+                self._protocol_error(NO_START, f"no stream start within {start_limit:.0f}s of the upgrade")
+                self._end_reason = "no_start"
+                await self.ws.close()
+                return
             if time.monotonic() - self._last_message_at > limit:
                 self._protocol_error(SILENT_SOCKET, f"no message for {limit:.0f}s")
                 self._end_reason = "silent_socket"
@@ -159,9 +186,12 @@ class MediaStreamSession:
             message = parse_twilio_message(raw)
         except ProtocolError as e:
             self._protocol_error(e.kind, e.detail)
+            await self._limit("invalid")
             return
-        if isinstance(message, MediaMessage):  # the hot path first
+        if isinstance(message, MediaMessage):  # the hot path first (it has its own real-time guard)
             self._on_media(message)
+        elif not await self._limit(message.event):
+            return
         elif isinstance(message, StartMessage):
             await self._on_start(message)
         elif isinstance(message, MarkMessage):
@@ -172,10 +202,21 @@ class MediaStreamSession:
                 await self._on_dtmf(message.dtmf.digit)
         elif isinstance(message, StopMessage):
             if self._check_sid(message.stream_sid):
-                self._end_reason = "completed"
+                if self._end_reason != "transferred":  # Twilio stops the stream of a call it transferred
+                    self._end_reason = "completed"
                 await self.ws.close()
         elif isinstance(message, ConnectedMessage):
             log.debug("stream connected from %s (protocol %s)", self.peer, message.protocol)
+
+    async def _limit(self, kind: str) -> bool:
+        """The message kind's rate limit; a stream far past its limits is ended as `flooding`."""
+        if self.limits.allow(kind):
+            return True
+        if self.limits.flooding and self._end_reason != "flooding":
+            log.warning("stream from %s ended: %d messages over their rate limits", self.peer, self.limits.dropped)
+            self._end_reason = "flooding"
+            await self.ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"flooding")
+        return False
 
     def _check_sid(self, stream_sid: str) -> bool:
         if self.state.stream_sid is None:
@@ -195,18 +236,26 @@ class MediaStreamSession:
         call_id_var.set(call_sid)
         token = start.custom_parameters.get(TOKEN_PARAMETER)
         if not await self.ctx.cluster.claim(call_sid, token):
-            metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason="bad_token").inc()
-            log.warning("stream for %s rejected: no matching admission token", call_sid)
-            metrics.CALLS_TOTAL.labels(outcome="rejected").inc()
+            # The token is single-use: a second socket for a live call here is refused, never swapped in.
+            reason = "second_stream" if call_sid in self.ctx.streams else "bad_token"
+            metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason=reason).inc()
+            log.warning("stream for %s rejected (%s)", call_sid, reason)
+            metrics.CALLS_TOTAL.labels(outcome="rejected", agent="default").inc()  # its agent is not ours to trust
             self._end_reason = "rejected"
             await self.ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"not admitted")
             return
-        await self.ctx.replace_stream(call_sid, self)
+        self.ctx.add_stream(call_sid, self)
+        self._started()
+        params = start.custom_parameters  # set by our own webhook's TwiML (the token proved it)
+        self._agent = self.ctx.agents.agents.get(params.get(AGENT_PARAMETER))  # kept for the call (reloads)
+        self.state.agent = self._agent.name
+        setup = CallSetup(agent=self.state.agent, to_number=params.get("to"), from_number=params.get("from"))
+        log.info("call answered by agent %s", self.state.agent)
         try:
-            self.engine_call = await self.ctx.engine.open_call(call_sid)
+            self.engine_call = await self.ctx.engine.open_call(call_sid, setup)
         except EngineError as e:
             log.error("engine refused the call: %s", e)
-            metrics.CALLS_TOTAL.labels(outcome="engine_full").inc()
+            metrics.CALLS_TOTAL.labels(outcome="engine_full", agent=self.state.agent).inc()
             await self.ctx.forget_stream(call_sid, self)
             self._end_reason = "engine_full"
             await self.ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"engine busy")
@@ -217,6 +266,7 @@ class MediaStreamSession:
         self._media = MediaMessageTemplate(message.stream_sid)
         metrics.CALLS_ACTIVE.inc()
         log.info("stream %s started (tracks %s)", message.stream_sid, ",".join(start.tracks))
+        await self.ctx.store.adopt(call_sid)  # a copy of the record, should Redis lose it mid-call
         await self.ctx.store.update(
             call_sid,
             stream_sid=message.stream_sid,
@@ -258,9 +308,33 @@ class MediaStreamSession:
         self.state.last_mark_played = name
 
     async def _on_dtmf(self, digit: str) -> None:
-        log.info("dtmf received")  # the digit itself may be a PIN: not logged
+        log.debug("dtmf received")  # one line per key would let a flood flood the logs; the digit may be a PIN
         assert self.state.call_sid is not None
         await self.ctx.store.append_dtmf(self.state.call_sid, digit)
+        agent = self._agent
+        if agent is not None and agent.transfer_to and digit == agent.dtmf_transfer and not self._transferring:
+            self._transferring = True
+            self.ctx.spawn(self._transfer(agent.transfer_to, "dtmf"))
+
+    async def _transfer(self, target: str, trigger: str) -> None:
+        """Hand the caller to a person: Twilio replaces the call's TwiML with a <Dial>, and our stream ends."""
+        rest = self.ctx.twilio_rest
+        if rest is None:
+            metrics.TRANSFERS.labels(trigger=trigger, result="unavailable").inc()
+            log.warning("transfer asked (%s) but there are no Twilio REST credentials", trigger)
+            self._transferring = False
+            return
+        assert self.state.call_sid is not None
+        try:
+            await rest.transfer(self.state.call_sid, target)
+        except TwilioRestError as e:
+            metrics.TRANSFERS.labels(trigger=trigger, result="error").inc()
+            log.error("transfer (%s) failed: %s", trigger, e)
+            self._transferring = False
+            return
+        metrics.TRANSFERS.labels(trigger=trigger, result="ok").inc()
+        log.info("call transferred (%s)", trigger)
+        self._end_reason = "transferred"
 
     # ---- engine -> Twilio: audio (from the server's BotAudioFanout) ----
 
@@ -396,8 +470,8 @@ class MediaStreamSession:
         if self._ended:
             return
         self._ended = True
-        # A stream refused before its start has no length; a replaced one is counted by its successor.
-        if self.state.started_at is not None and reason != "replaced":
+        self._started()  # no longer an unstarted socket, whatever happened
+        if self.state.started_at is not None:  # a stream refused before its start has no length
             metrics.CALL_DURATION_SECONDS.observe(time.monotonic() - self.state.started_at)
         self.ctx.fanout.forget(self)
         if self._pump is not None:
@@ -409,12 +483,11 @@ class MediaStreamSession:
         call_sid = self.state.call_sid
         if call_sid is not None:
             metrics.CALLS_ACTIVE.dec()
-            metrics.CALLS_TOTAL.labels(outcome=reason).inc()
+            metrics.CALLS_TOTAL.labels(outcome=reason, agent=self.state.agent).inc()
             self._flush_bot_turn()
             await self._record_oracle()
-            if reason != "replaced":
-                await self.ctx.forget_stream(call_sid, self)
-                await self.ctx.store.end(call_sid, reason)
+            await self.ctx.forget_stream(call_sid, self)
+            await self.ctx.store.end(call_sid, reason)
             log.info(
                 "stream ended (%s): %d packets in, %d frames out, %d/%d marks played",
                 reason,
@@ -426,7 +499,3 @@ class MediaStreamSession:
         if not self.ws.closed:
             await self.ws.close()
 
-    async def replace(self) -> None:
-        """A newer stream for the same call takes over: stop playing and step aside."""
-        await self.clear()
-        await self.end("replaced")

@@ -31,9 +31,12 @@ CALLS_ACTIVE = Gauge("kame_calls_active", "Calls with an open media stream.")
 # telephony code for any other.
 CALL_OUTCOMES = (
     "completed", "busy", "misconfigured", "rejected", "engine_full", "oversize", "socket_error", "silent_socket",
-    "stalled_peer", "engine_lost", "replaced", "drain_timeout",
+    "stalled_peer", "engine_lost", "flooding", "no_start", "drain_timeout", "transferred",
 )  # fmt: skip
-CALLS_TOTAL = zero_series(Counter("kame_calls_total", "Calls by outcome.", ["outcome"]), outcome=CALL_OUTCOMES)
+CALLS_TOTAL = zero_series(
+    Counter("kame_calls_total", "Calls by outcome and by the agent that answered.", ["outcome", "agent"]),
+    outcome=CALL_OUTCOMES, agent=("default",),
+)  # fmt: skip
 CALL_DURATION_SECONDS = Histogram(
     "kame_call_duration_seconds",
     "Streamed call length, from the stream's start to its end.",
@@ -49,14 +52,60 @@ WEBHOOK_REJECTIONS = zero_series(
         "HTTP webhooks and WebSocket upgrades refused, by reason.",
         ["endpoint", "reason"],
     ),
-    endpoint=("voice", "stream_status", "media"),
+    endpoint=("voice", "stream_status", "media", "connect_action"),
     reason=("missing_signature", "bad_signature"),
 )
-zero_series(WEBHOOK_REJECTIONS, endpoint=("media",), reason=("bad_token",))  # a stream's start, not a signature
+zero_series(WEBHOOK_REJECTIONS, endpoint=("voice",), reason=("replayed",))  # signatures carry no nonce
+# A stream's start (not a signature): a token that is not the call's, or a second socket for a live call.
+zero_series(WEBHOOK_REJECTIONS, endpoint=("media",), reason=("bad_token", "second_stream", "unstarted_cap"))
+STREAM_MESSAGES_DROPPED = zero_series(
+    Counter(
+        "kame_stream_messages_dropped_total",
+        "Media Streams control messages dropped over their per-stream rate limit (telephony/stream_limits.py).",
+        ["event"],
+    ),
+    event=("connected", "start", "stop", "mark", "dtmf", "invalid"),
+)
+MEDIA_UNSTARTED_SOCKETS = Gauge(
+    "kame_media_unstarted_sockets",
+    "Media sockets upgraded (signature checked) whose stream has not started: capped, and closed after "
+    "the start timeout.",
+)
+CALL_FALLBACKS = zero_series(
+    Counter(
+        "kame_call_fallbacks_total",
+        "Streams that ended with the caller still on the line (engine lost, drain timeout, ...), by what the "
+        "caller got instead: dial (the agent's transfer_to) or apology.",
+        ["action"],
+    ),
+    action=("dial", "apology"),
+)
+TRANSFERS = zero_series(
+    Counter(
+        "kame_transfers_total",
+        "Calls handed to a person through Twilio's REST API, by trigger (dtmf: the agent's dtmf_transfer key) "
+        "and result (ok, error, unavailable: no REST credentials).",
+        ["trigger", "result"],
+    ),
+    trigger=("dtmf",), result=("ok", "error", "unavailable"),
+)  # fmt: skip
+HTTP_CONNECTIONS_REFUSED = Counter(
+    "kame_http_connections_refused_total",
+    "Connections to the public port aborted at once: too many already open without a call on them.",
+)
 REDIS_ERRORS = Counter("kame_redis_errors_total", "Failed writes or reads against Redis.")
 CALL_STORE_DROPPED_OPS = Counter(
     "kame_call_store_dropped_ops_total",
     "Call-store writes lost: the write-behind buffer was full (Redis down or slow), or the store was closed.",
+)
+CALL_STORE_UNAPPLIED_OPS = Counter(
+    "kame_call_store_unapplied_ops_total",
+    "Call-store writes Redis could not apply: their call is not there (expired, or lost with a Redis that "
+    "came back empty) and this node holds no copy of it to write back.",
+)
+CALL_STORE_RESTORED_RECORDS = Counter(
+    "kame_call_store_restored_records_total",
+    "Live calls' whole records written back to a Redis that had lost them (restarted without persistence).",
 )
 CALL_STORE_PENDING_OPS = Gauge(
     "kame_call_store_pending_ops",

@@ -14,18 +14,23 @@ import signal
 import socket
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
+from urllib.parse import urlencode
 
 from aiohttp import web
+from twilio.twiml.voice_response import VoiceResponse
 
 from engine.interface import Engine
+from knowledge.agents import AgentDirectory, Agents
 
 from . import metrics
+from .admission import CallSidUsed
 from .bot_audio import BotAudioFanout
 from .call_store import CallRecord, CallStore, CallStoreUnavailable
 from .cluster import Cluster, LocalCluster, open_cluster
 from .config import ServiceConfig
+from .connection_cap import cap_connections
 from .logs import call_id_var
-from .media_session import TOKEN_PARAMETER, MediaStreamSession
+from .media_session import AGENT_PARAMETER, TOKEN_PARAMETER, MediaStreamSession
 from .metrics_http import MetricsListener
 from .signatures import (
     SIGNATURE_HEADER,
@@ -34,11 +39,14 @@ from .signatures import (
     validate_websocket,
     websocket_signature_url,
 )
-from .twiml import busy_twiml, connect_stream_twiml
+from .twilio_rest import TwilioRest
+from .twiml import at_capacity_twiml, busy_twiml, connect_stream_twiml, fallback_twiml, hangup_twiml
 
 log = logging.getLogger(__name__)
 
 VOICE_PATH = "/twilio/voice"
+CONNECT_ACTION_PATH = "/twilio/connect-action"  # Twilio's request once a call's stream has ended
+APOLOGY_MESSAGE = "Sorry, we have lost the line on our side. Please call again in a moment. Goodbye."
 MEDIA_PATH = "/twilio/media"
 STATUS_PATH = "/twilio/stream-status"
 _CALL_SID = re.compile(r"^CA[0-9a-fA-F]{32}$")
@@ -52,10 +60,14 @@ class ServerContext:
     Without a `cluster`, calls are admitted on this node only (`LocalCluster`)."""
 
     def __init__(
-        self, config: ServiceConfig, store: CallStore, engine: Engine | None = None, cluster: Cluster | None = None
-    ) -> None:
+        self, config: ServiceConfig, store: CallStore, engine: Engine | None = None, cluster: Cluster | None = None,
+        agents: AgentDirectory | None = None, twilio_rest: TwilioRest | None = None,
+    ) -> None:  # fmt: skip
         self.config = config
         self.store = store
+        # Which agent answers which number, and what it does at capacity (shared with the back-end in serve).
+        self.agents = agents or AgentDirectory(Agents.builtin())
+        self.twilio_rest = twilio_rest  # transfers; None without REST credentials
         self.engine: Engine | None = engine
         self.cluster: Cluster = cluster or LocalCluster(
             config.node_id,
@@ -67,6 +79,7 @@ class ServerContext:
         self.no_streams = asyncio.Event()  # set whenever no call is streaming (drain waits on it)
         self.no_streams.set()
         self.draining = False
+        self.unstarted_sockets = 0  # media sockets upgraded, no `start` yet (MediaStreamSession counts them)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.fanout = BotAudioFanout(self.streams)
 
@@ -94,13 +107,10 @@ class ServerContext:
         """Calls this node can still take: free seats less the reservations waiting for their stream."""
         return self.free_slots() - self.cluster.reserved
 
-    async def replace_stream(self, call_sid: str, session: MediaStreamSession) -> None:
-        old = self.streams.get(call_sid)
+    def add_stream(self, call_sid: str, session: MediaStreamSession) -> None:
+        """A claimed call's stream (its token is single-use: never a second one for the same call)."""
         self.streams[call_sid] = session
         self.no_streams.clear()
-        if old is not None and old is not session:
-            log.warning("a second stream for this call replaces the first")
-            await old.replace()
 
     async def forget_stream(self, call_sid: str, session: MediaStreamSession) -> None:
         if self.streams.get(call_sid) is session:
@@ -151,27 +161,35 @@ async def handle_voice(request: web.Request) -> web.Response:
     if not _CALL_SID.fullmatch(call_sid):
         return web.Response(status=400, text="CallSid missing or malformed")
     call_id_var.set(call_sid)
-    record = CallRecord(
-        call_sid=call_sid,
-        from_number=str(form.get("From") or "") or None,
-        to_number=str(form.get("To") or "") or None,
-        node=ctx.config.node_id,
-    )
-    reservation = await ctx.cluster.reserve(call_sid)
+    to_number, from_number = str(form.get("To") or "") or None, str(form.get("From") or "") or None
+    # `?agent=NAME` on the webhook URL (signed with it) picks the agent of an outbound call.
+    agent = ctx.agents.agents.for_call(to_number, request.query.get("agent"))
+    record = CallRecord(call_sid=call_sid, from_number=from_number, to_number=to_number, node=ctx.config.node_id,
+                        agent=agent.name)  # fmt: skip
+    try:
+        reservation = await ctx.cluster.reserve(call_sid)
+    except CallSidUsed:  # a replay (signatures have no nonce): never a second token, never a new record
+        metrics.WEBHOOK_REJECTIONS.labels(endpoint="voice", reason="replayed").inc()
+        log.warning("voice webhook replayed for a call whose stream already started; hanging up")
+        return web.Response(text=hangup_twiml(), content_type="text/xml")
     if reservation is None:
-        log.warning("no capacity on any node (draining=%s): answering busy", ctx.draining)
-        metrics.CALLS_TOTAL.labels(outcome="busy").inc()
+        log.warning("no capacity on any node (draining=%s): busy policy %r of agent %s", ctx.draining, agent.busy,
+                    agent.name)  # fmt: skip
+        metrics.CALLS_TOTAL.labels(outcome="busy", agent=agent.name).inc()
         await ctx.store.create(record)
         await ctx.store.end(call_sid, "busy")
-        return web.Response(text=busy_twiml(BUSY_MESSAGE), content_type="text/xml")
+        twiml = at_capacity_twiml(agent.busy, BUSY_MESSAGE, agent.transfer_to)
+        return web.Response(text=twiml, content_type="text/xml")
     record.node = reservation.node_id
     await ctx.store.create(record)
     try:
         twiml = connect_stream_twiml(
             reservation.stream_url,
             ctx.config.base_url + STATUS_PATH,
-            {TOKEN_PARAMETER: reservation.token},
+            {TOKEN_PARAMETER: reservation.token, AGENT_PARAMETER: agent.name,
+             **{k: v for k, v in (("to", to_number), ("from", from_number)) if v}},  # fmt: skip
             allow_insecure_ws=ctx.config.insecure_dev,
+            action_url=f"{ctx.config.base_url}{CONNECT_ACTION_PATH}?{urlencode({'agent': agent.name})}",
         )
     except ValueError as e:
         # A stream URL Twilio cannot open (not wss://). Free the slot now: held until it expired, it would
@@ -179,10 +197,10 @@ async def handle_voice(request: web.Request) -> web.Response:
         await ctx.cluster.release(call_sid)
         log.error("cannot send the stream to node %s (%s): check its PUBLIC_URL / KAME_NODE_URL",
                   reservation.node_id, e)  # fmt: skip
-        metrics.CALLS_TOTAL.labels(outcome="misconfigured").inc()
+        metrics.CALLS_TOTAL.labels(outcome="misconfigured", agent=agent.name).inc()
         await ctx.store.end(call_sid, "misconfigured")
         return web.Response(text=busy_twiml(UNAVAILABLE_MESSAGE), content_type="text/xml")
-    log.info("answering with a media stream on node %s", reservation.node_id)
+    log.info("answering with a media stream on node %s (agent %s)", reservation.node_id, agent.name)
     return web.Response(text=twiml, content_type="text/xml")
 
 
@@ -192,14 +210,38 @@ async def handle_media(request: web.Request) -> web.StreamResponse:
         return web.Response(status=403, text="invalid Twilio signature")
     if ctx.engine is None or not ctx.engine.ready:
         return web.Response(status=503, text="engine not ready")
+    if ctx.unstarted_sockets >= ctx.config.max_unstarted_streams:  # refused before the upgrade costs anything
+        metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason="unstarted_cap").inc()
+        log.warning("media upgrade from %s refused: %d sockets await their start", request.remote,
+                    ctx.unstarted_sockets)  # fmt: skip
+        return web.Response(status=503, text="too many streams awaiting their start")
     # No permessage-deflate: Twilio does not ask for it, and it costs CPU on every 20 ms message.
-    ws = web.WebSocketResponse(max_msg_size=ctx.config.max_message_bytes, autoping=True, compress=False)
+    # A peer that does not answer our close (a hostile one) is dropped after 2 s, not aiohttp's 10.
+    ws = web.WebSocketResponse(max_msg_size=ctx.config.max_message_bytes, autoping=True, compress=False,
+                               timeout=2.0)  # fmt: skip
     await ws.prepare(request)
     sock = request.transport.get_extra_info("socket") if request.transport is not None else None
     if sock is not None and ctx.config.media_send_buffer_bytes > 0:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, ctx.config.media_send_buffer_bytes)
     await MediaStreamSession(ws, ctx, peer=str(request.remote), transport=request.transport).run()
     return ws
+
+
+async def handle_connect_action(request: web.Request) -> web.Response:
+    """The call's <Connect> ended: Twilio asks what next. Signed and checked like the voice webhook.
+    A caller still on the line gets the agent's fallback (a person, or an apology): never dead air."""
+    ctx = _ctx(request)
+    form = await request.post()
+    if not ctx.webhook_ok(request, form, "connect_action"):
+        return web.Response(status=403, text="invalid Twilio signature")
+    call_id_var.set(str(form.get("CallSid", "")) or None)
+    if str(form.get("CallStatus", "in-progress")) not in ("in-progress", "ringing"):
+        return web.Response(text=VoiceResponse().to_xml(), content_type="text/xml")  # the caller is gone
+    agent = ctx.agents.agents.get(request.query.get("agent"))
+    action = "dial" if agent.transfer_to else "apology"
+    metrics.CALL_FALLBACKS.labels(action=action).inc()
+    log.warning("the stream ended with the caller on the line: fallback %s (agent %s)", action, agent.name)
+    return web.Response(text=fallback_twiml(agent.transfer_to, APOLOGY_MESSAGE), content_type="text/xml")
 
 
 async def handle_stream_status(request: web.Request) -> web.Response:
@@ -288,16 +330,28 @@ def _store_unavailable() -> web.Response:
     return web.json_response({"error": "call store unavailable"}, status=503)
 
 
+async def handle_agents(request: web.Request) -> web.Response:
+    """The agents in force and the numbers they answer (bearer ADMIN_TOKEN)."""
+    ctx = _ctx(request)
+    if not _admin_ok(ctx, request):
+        return _unauthorized()
+    agents = ctx.agents.agents
+    return web.json_response({"source": str(agents.source) if agents.source else None, "agents": agents.describe()})
+
+
 def build_app(ctx: ServerContext) -> web.Application:
-    app = web.Application(client_max_size=256 * 1024)
+    # Twilio's webhooks are 1-3 KB of form; a larger body is refused (413) before it is read or parsed.
+    app = web.Application(client_max_size=32 * 1024)
     app[CONTEXT] = ctx
     app.router.add_post(VOICE_PATH, handle_voice)
+    app.router.add_post(CONNECT_ACTION_PATH, handle_connect_action)
     app.router.add_get(MEDIA_PATH, handle_media)
     app.router.add_post(STATUS_PATH, handle_stream_status)
     app.router.add_get("/healthz", handle_healthz)
     app.router.add_get("/readyz", handle_readyz)
     app.router.add_get("/calls", handle_calls)
     app.router.add_get("/calls/{call_sid}", handle_call)
+    app.router.add_get("/agents", handle_agents)
     return app
 
 
@@ -316,6 +370,8 @@ class ServiceHandle:
         if config.metrics_port is not None:  # first: its port is the one most likely taken on a shared host
             self.metrics = await MetricsListener(config.metrics_host, config.metrics_port).start()
         await self.runner.setup()
+        assert self.runner.server is not None
+        cap_connections(self.runner.server, config.max_idle_connections, lambda: len(self.ctx.streams))
         site = web.TCPSite(self.runner, self.ctx.config.host, self.ctx.config.port)
         await site.start()
         self.port = self.runner.addresses[0][1]
@@ -371,12 +427,16 @@ async def run_service(
     config: ServiceConfig,
     store: CallStore,
     load_engine: Callable[[], Awaitable[Any]],
+    *,
+    agents: AgentDirectory | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT, then drain: no new calls, finish the current ones, exit.
 
     HTTP comes up first so /healthz answers while the model loads; /readyz turns 200 once it has.
     """
-    ctx = ServerContext(config, store)
+    ctx = ServerContext(config, store, agents=agents, twilio_rest=TwilioRest.from_env())
+    if ctx.twilio_rest is None and any(a.dtmf_transfer for a in ctx.agents.agents.by_name.values()):
+        log.warning("agents have dtmf_transfer but there are no Twilio REST credentials: those keys do nothing")
     handle = await ServiceHandle(ctx).start()
     ctx.cluster = open_cluster(ctx.config, ctx.free_slots, ctx.config.ws_base_url + MEDIA_PATH)
     await ctx.cluster.start()
@@ -387,6 +447,7 @@ async def run_service(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, ctx.agents.reload)  # new calls get the new agents, live ones keep theirs
     engine = None
     try:
         loading = asyncio.create_task(load_engine())
@@ -408,5 +469,7 @@ async def run_service(
         if engine is not None:
             await engine.stop()
         await store.aclose()
+        if ctx.twilio_rest is not None:
+            await ctx.twilio_rest.aclose()
         await handle.aclose()
         log.info("stopped")

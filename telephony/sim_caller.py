@@ -340,6 +340,8 @@ async def simulate_call(
         )
         if stream is not None:
             await _stream(session, report, ws_url, stream, base, auth_token, packets, events, hold_after, out_wav)
+            if report.server_hung_up and stream.action:  # as Twilio does: the caller is still on the line
+                await _follow_action(session, report, stream.action, ws_url, base, auth_token)
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
         report.outcome = "error"
         report.errors.append(f"{type(exc).__name__}: {exc}")
@@ -347,6 +349,24 @@ async def simulate_call(
         if own_session:
             await session.close()
     return report
+
+
+async def _follow_action(
+    session: aiohttp.ClientSession, report: CallReport, action: str, ws_url: str, public_base: str, token: str | None
+) -> None:
+    """POST the <Connect action> URL like Twilio when a stream ends with the caller still there."""
+    params = {"AccountSid": report.account_sid, "CallSid": report.call_sid, "CallStatus": "in-progress"}
+    # The action URL is public; we reach the server where the stream socket is.
+    url = _http_base(ws_url) + _path_qs(action)
+    headers: dict[str, str] = {}
+    if token:
+        headers[SIGNATURE_HEADER] = RequestValidator(token).compute_signature(
+            public_url_for(_path_qs(action), public_base), params
+        )
+    async with session.post(url, data=params, headers=headers, timeout=_HTTP_TIMEOUT) as resp:
+        report.fallback_twiml = await resp.text() if resp.status == 200 else None
+        if resp.status != 200:
+            report.errors.append(f"<Connect action> answered HTTP {resp.status}")
 
 
 async def _stream(

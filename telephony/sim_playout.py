@@ -151,6 +151,7 @@ class CallReport:
     last_word_at_s: float | None = None  # when the caller's last voiced packet was sent
     last_word_latency_s: float | None = None  # from then to the first non-silent bot audio played
     server_hung_up: bool = False  # the server closed the socket before the caller was done
+    fallback_twiml: str | None = None  # what the <Connect action> answered after the server hung up
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 

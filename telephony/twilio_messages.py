@@ -40,6 +40,7 @@ WRONG_STREAM_SID: Final = "wrong_stream_sid"
 FLOODING: Final = "flooding"
 SILENT_SOCKET: Final = "silent_socket"
 DUPLICATE_START: Final = "duplicate_start"
+NO_START: Final = "no_start"
 
 PROTOCOL_ERROR_KINDS: Final = frozenset(
     {
@@ -54,6 +55,7 @@ PROTOCOL_ERROR_KINDS: Final = frozenset(
         FLOODING,
         SILENT_SOCKET,
         DUPLICATE_START,
+        NO_START,
     }
 )
 

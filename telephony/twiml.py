@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from twilio.twiml.voice_response import Connect, Stream, VoiceResponse
+from twilio.twiml.voice_response import Connect, Dial, Stream, VoiceResponse
 
 # Twilio: each <Parameter>'s name and value together must be under 500 characters.
 MAX_PARAMETER_CHARS = 500
@@ -57,6 +57,7 @@ def connect_stream_twiml(
     parameters: Mapping[str, str],
     *,
     allow_insecure_ws: bool = False,
+    action_url: str | None = None,
 ) -> str:
     """`<Response><Connect><Stream url statusCallback statusCallbackMethod="POST"><Parameter/>…` as XML.
 
@@ -73,7 +74,9 @@ def connect_stream_twiml(
             raise ValueError(f"parameter {name!r}: name + value must be under {MAX_PARAMETER_CHARS} chars")
         _check_text(f"parameter {name!r}", name + value)
         stream.parameter(name=name, value=value)
-    connect = Connect()
+    # Twilio requests `action_url` when the stream ends while the caller is still on the line (our engine
+    # was lost, a drain ran out, ...): what it answers is what the caller hears next, not dead air.
+    connect = Connect(action=action_url, method="POST") if action_url else Connect()
     connect.append(stream)
     response = VoiceResponse()
     response.append(connect)
@@ -92,10 +95,61 @@ def busy_twiml(message: str) -> str:
     return response.to_xml()
 
 
+def hangup_twiml() -> str:
+    """Hang up at once, saying nothing: the answer to a replayed webhook (the caller, if any, is on the call
+    whose stream already runs; a replayer learns nothing)."""
+    response = VoiceResponse()
+    response.hangup()
+    return response.to_xml()
+
+
+def at_capacity_twiml(policy: str, message: str, transfer_to: str | None = None) -> str:
+    """The answer when no stream can be opened, by the agent's busy policy: `reject` (a busy signal,
+    the call is never answered or billed), `say` (the message, then hang up), `dial` (to `transfer_to`),
+    `enqueue:NAME` (a Twilio queue)."""
+    response = VoiceResponse()
+    if policy == "reject":
+        response.reject(reason="busy")
+    elif policy == "say":
+        _check_text("message", message)
+        response.say(message)
+        response.hangup()
+    elif policy == "dial" and transfer_to:
+        response.append(dial_twiml_verb(transfer_to))
+    elif policy.startswith("enqueue:"):
+        response.enqueue(policy.removeprefix("enqueue:"))
+    else:
+        raise ValueError(f"busy policy {policy!r}")
+    return response.to_xml()
+
+
+def dial_twiml_verb(target: str) -> Dial:
+    """`<Dial>` to an E.164 number or a sip: URI (the agent's `transfer_to`)."""
+    dial = Dial()
+    if target.startswith(("sip:", "sips:")):
+        dial.sip(target)
+    else:
+        dial.number(target)
+    return dial
+
+
+def fallback_twiml(transfer_to: str | None, apology: str) -> str:
+    """What a caller whose stream ended hears: a `<Dial>` to the agent's `transfer_to`, else an apology."""
+    response = VoiceResponse()
+    if transfer_to:
+        response.append(dial_twiml_verb(transfer_to))
+    else:
+        _check_text("apology", apology)
+        response.say(apology)
+        response.hangup()
+    return response.to_xml()
+
+
 class ConnectStream(NamedTuple):
     url: str
     status_callback: str | None
     parameters: dict[str, str]
+    action: str | None = None  # <Connect action>: requested when the stream ends
 
 
 def parse_connect_stream(twiml: str) -> ConnectStream:
@@ -118,4 +172,6 @@ def parse_connect_stream(twiml: str) -> ConnectStream:
         if name is None or value is None:
             raise ValueError("<Parameter> needs name and value")
         parameters[name] = value
-    return ConnectStream(url, stream.get("statusCallback"), parameters)
+    connect = root.find("./Connect")
+    action = connect.get("action") if connect is not None else None
+    return ConnectStream(url, stream.get("statusCallback"), parameters, action)

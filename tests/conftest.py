@@ -14,6 +14,14 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-kame"))
 
 
+@pytest.fixture(scope="session")
+def question_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A caller's question in real speech (flite), for tests that need a good call beside an attack."""
+    from .phone_fixtures import flite_wav
+
+    return flite_wav("Hello, what time does the store open on Monday?", tmp_path_factory.mktemp("speech") / "q.wav")
+
+
 @pytest.fixture
 def tiny_bundle(tiny_checkpoint: Path):
     """A freshly loaded tiny model (moshi keeps streaming state on the modules: one load per user)."""
@@ -51,3 +59,12 @@ async def prefix():
     if keys:
         await client.delete(*keys)
     await client.aclose()
+
+
+@pytest.fixture
+async def engine_server(tmp_path: Path):
+    """Start echoing engines behind real engine-link servers: `server, address = await engine_server(seats)`."""
+    from .link_fixtures import engine_servers
+
+    async for start in engine_servers(tmp_path):
+        yield start

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from .loopback_http import serve_on_loopback
+
 
 # --- a real OpenAI-compatible streaming server ------------------------------------------------------
 def answer_for(messages: list[dict[str, str]]) -> str:
@@ -100,10 +102,6 @@ async def serve_fake_llm() -> AsyncIterator[FakeLlm]:
     server = FakeLlm()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", server.handle)
-    runner = web.AppRunner(app, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    server.base_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
-    yield server
-    await runner.cleanup()
+    async with serve_on_loopback(app) as base_url:
+        server.base_url = f"{base_url}/v1"
+        yield server

@@ -17,16 +17,26 @@ import numpy as np
 from prometheus_client import REGISTRY
 from twilio.request_validator import RequestValidator
 
+import knowledge.metrics  # noqa: F401 - serve's wiring (kame_phone/app.py) always exports the back-end's metrics
 from engine.sampling import SamplingOverrides
 from engine.service import BackendProvider, EngineConfig, LocalEngine
+from knowledge.agents import AgentDirectory
 from telephony.call_store import CallStore, MemoryCallStore
 from telephony.config import ServiceConfig
 from telephony.server import MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
+from telephony.twilio_rest import TwilioRest
 from telephony.twiml import parse_connect_stream
 
 
 def metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels or None) or 0.0
+    """A sample's value, summed over the series whose labels include `labels` (so a label added later,
+    like kame_calls_total's agent, does not turn a test's reading into 0)."""
+    total = 0.0
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
 
 
 def dominant_hz(path: Path) -> float:
@@ -85,7 +95,9 @@ class Phone:
         url = self.base + VOICE_PATH
         async with http.post(url, data=params, headers={"X-Twilio-Signature": self.sign(url, params)}) as r:
             assert r.status == 200, await r.text()
-            stream = parse_connect_stream(await r.text())
+            twiml = await r.text()
+            assert "<Connect" in twiml, twiml
+            stream = parse_connect_stream(twiml)
         return call_sid, dict(stream.parameters)
 
     async def open_stream(self, http: aiohttp.ClientSession) -> aiohttp.ClientWebSocketResponse:
@@ -100,6 +112,8 @@ async def running_phone(
     max_calls: int = 2,
     store: CallStore | None = None,
     backend: BackendProvider | None = None,
+    agents: AgentDirectory | None = None,
+    twilio_rest: TwilioRest | None = None,
     **config: object,
 ) -> AsyncIterator[Phone]:
     token = secrets.token_hex(16)
@@ -111,7 +125,7 @@ async def running_phone(
     await engine.start()
     store = store or MemoryCallStore()
     cfg = ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token, **config)  # type: ignore[arg-type]
-    handle = await ServiceHandle(ServerContext(cfg, store, engine)).start()
+    handle = await ServiceHandle(ServerContext(cfg, store, engine, agents=agents, twilio_rest=twilio_rest)).start()
     try:
         yield Phone(handle, engine, store, token)
     finally:

@@ -58,3 +58,10 @@ class RedisServer:
         if self.proc is not None and self.proc.returncode is None:
             self.proc.kill()
             await self.proc.wait()
+
+    async def restart_empty(self) -> None:
+        """Kill it and start it again with nothing on disk: a Redis run without persistence that restarted."""
+        await self.kill()
+        shutil.rmtree(self.dir)
+        self.dir.mkdir()
+        await self.start()

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from engine.backend import BackendConfig, BackendServices, CallBackend
-from engine.conversation import Conversation
 from engine.interface import FRAME_SAMPLES
-from engine.llm import LlmClient, LlmConfig, LlmError
-from engine.oracle_policy import OraclePolicyConfig
-from engine.stt import (
+from knowledge.backend import BackendConfig, BackendServices, CallBackend
+from knowledge.conversation import Conversation
+from knowledge.llm import LlmClient, LlmConfig, LlmError
+from knowledge.oracle_policy import OraclePolicyConfig
+from knowledge.stt import (
     TELEPHONE_CMN,
     DecoderPool,
     NullSTT,
@@ -491,7 +491,7 @@ async def test_llm_failure_is_counted_the_call_goes_on_and_retries(
     # No growth trigger: after the first request, only a final or a retry can ask again.
     finals_only = replace(FAST_POLICY, min_word_delta=100)
     backend = backend_for(rec, executor, stt_factory=lambda: PocketsphinxSTT(pool=pool), llm=llm, policy=finals_only)
-    caplog.set_level(logging.DEBUG, logger="engine.backend")  # the request log names its trigger
+    caplog.set_level(logging.DEBUG, logger="knowledge.backend")  # the request log names its trigger
     before = llm_errors(kind)
     await backend.start()
     # The whole utterance at once (as after a stall): the STT decodes it in one batch and reports only its
@@ -529,7 +529,7 @@ async def test_a_final_is_answered_at_once_not_at_the_next_poll(
     frames = frames_of(speech(tmp_path, "What time do you open?"))
     llm = make_llm(llm_server)
     pool = DecoderPool()
-    caplog.set_level(logging.DEBUG, logger="engine.backend")  # the request log names its trigger
+    caplog.set_level(logging.DEBUG, logger="knowledge.backend")  # the request log names its trigger
     rec = Recorder()
     slow_poll = OraclePolicyConfig(poll_interval_s=30.0)  # the periodic poll alone would wait 30 s
     backend = backend_for(rec, executor, stt_factory=lambda: PocketsphinxSTT(pool=pool), llm=llm, policy=slow_poll)
@@ -759,7 +759,7 @@ async def test_services_wire_config_into_calls(tmp_path: Path, llm_server: FakeL
 
 
 async def test_services_warm_up_prebuilds_pooled_decoders() -> None:
-    from engine.stt import DECODER_POOL
+    from knowledge.stt import DECODER_POOL
 
     services = BackendServices(BackendConfig(stt="pocketsphinx", llm_enabled=False))
     await services.warm_up(2)
@@ -769,7 +769,7 @@ async def test_services_warm_up_prebuilds_pooled_decoders() -> None:
 
 async def test_sse_events_are_parsed_as_the_spec_says() -> None:
     """Data lines join with newlines, comments are skipped, and an error event ends the stream."""
-    from engine.llm import LlmStreamError, _sse_data
+    from knowledge.llm import LlmStreamError, _sse_data
 
     async def lines(*items: str):  # type: ignore[no-untyped-def]
         for item in items:

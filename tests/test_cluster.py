@@ -21,6 +21,7 @@ import pytest
 import redis.asyncio as aioredis
 from twilio.request_validator import RequestValidator
 
+from telephony.admission import CallSidUsed
 from telephony.cluster import LocalCluster, RedisCluster, Reservation, open_cluster
 from telephony.config import ServiceConfig
 from telephony.server import MEDIA_PATH, VOICE_PATH
@@ -112,9 +113,12 @@ async def test_claim_needs_this_node_and_the_token(prefix: str, raw: aioredis.Re
         assert b.reserved == 0
         # The claim moved the seat from "reserved" to "taken" in b's published record at once.
         assert await raw.hget(f"{prefix}node:b", "free") == "0"
-        assert await b.claim(sid, r.token)  # Twilio reconnecting the same live call
+        assert not await b.claim(sid, r.token)  # single-use: a second socket with it is refused
         await b.release(sid)
         assert not await b.claim(sid, r.token)  # the call is over: its token is dead
+        for node in (a, b):  # a replayed webhook (signatures carry no nonce) gets no new token, on any node
+            with pytest.raises(CallSidUsed):
+                await node.reserve(sid)
 
 
 async def test_a_reservation_without_a_stream_expires(prefix: str) -> None:
@@ -286,7 +290,7 @@ async def answer(http: aiohttp.ClientSession, node: Node, token: str, call_sid: 
     async with http.post(url, data=params, headers=headers) as r:
         assert r.status == 200, await r.text()
         twiml = await r.text()
-    if "<Hangup" in twiml:
+    if "<Reject" in twiml:  # busy everywhere
         return None, ""
     stream = parse_connect_stream(twiml)
     return stream.url, stream.parameters["token"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.backend import BackendConfig, BackendServices
+from knowledge.backend import BackendConfig, BackendServices
 from telephony.sim_caller import simulate_call
 
 from .llm_server import FakeLlm

@@ -57,8 +57,9 @@ async def test_admin_api_health_and_metrics_after_a_call(tiny_checkpoint: Path, 
             after = await r.text()
         for name in ISSUE_METRICS:
             assert f"# TYPE {name.removesuffix('_total')}" in after, name
-        assert _metric_value(after, "kame_calls_total", '{outcome="completed"}') == \
-            _metric_value(before, "kame_calls_total", '{outcome="completed"}') + 1
+        completed = '{agent="default",outcome="completed"}'
+        calls = "kame_calls_total"
+        assert _metric_value(after, calls, completed) == _metric_value(before, calls, completed) + 1
         assert _metric_value(after, "kame_first_audio_seconds_count") == \
             _metric_value(before, "kame_first_audio_seconds_count") + 1
         assert _metric_value(after, "kame_call_duration_seconds_count") == \

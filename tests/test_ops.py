@@ -1,8 +1,8 @@
 """Checks on the deployment files: Dockerfile, ops/ (compose, Prometheus, Grafana, Kubernetes).
 
 The main guard: every `kame_*` metric named in the alert rules or the dashboard must be one the service
-really exports (engine/metrics.py, telephony/metrics.py), so a renamed metric breaks this test and not a
-silent panel or an alert that can never fire.
+really exports (engine/metrics.py, knowledge/metrics.py, telephony/metrics.py), so a renamed metric breaks
+this test and not a silent panel or an alert that can never fire.
 
 promtool checks run when `promtool` is on PATH (Debian: `apt-get install prometheus`) and are skipped
 otherwise; YAML checks need PyYAML and are skipped without it; rendering the Kubernetes overlay needs
@@ -73,6 +73,7 @@ def _metric_families() -> list[Any]:
     from prometheus_client import REGISTRY
 
     import engine.metrics  # noqa: F401  (importing registers the metrics)
+    import knowledge.metrics  # noqa: F401
     import telephony.metrics  # noqa: F401
 
     return [f for f in REGISTRY.collect() if f.name.startswith("kame_")]
@@ -196,7 +197,7 @@ def test_every_metric_queried_is_exported(path: Path, queries: Any) -> None:
     unknown = sorted(used - exported_metric_names())
     assert not unknown, (
         f"{path.relative_to(ROOT)} queries metrics the service does not export: {unknown}. "
-        "Metric names are defined in engine/metrics.py and telephony/metrics.py."
+        "Metric names are defined in engine/metrics.py, knowledge/metrics.py and telephony/metrics.py."
     )
 
 

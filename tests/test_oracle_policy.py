@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.oracle_policy import OraclePolicy, OraclePolicyConfig, TriggerReason
+from knowledge.oracle_policy import OraclePolicy, OraclePolicyConfig, TriggerReason
 
 CFG = OraclePolicyConfig()  # the paper's knobs: 250 ms polls, +2 words, 5 per sliding 2 s
 STEP = CFG.poll_interval_s

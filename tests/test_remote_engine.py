@@ -11,9 +11,8 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import numpy as np
@@ -30,7 +29,6 @@ from engine.interface import (
 )
 from engine.remote import (
     Address,
-    EngineServer,
     LinkError,
     LinkRefused,
     RemoteEngine,
@@ -41,21 +39,15 @@ from engine.remote import (
     parse_audio,
     parse_event,
     parse_frames,
-    server_tls,
 )
-from kame_phone.media_bench import LoopbackEngine
-from telephony.call_store import MemoryCallStore
-from telephony.config import ServiceConfig
-from telephony.server import MEDIA_PATH, ServerContext, ServiceHandle
+from telephony.server import MEDIA_PATH
 from telephony.sim_caller import simulate_call
 
+from .link_fixtures import TLS_CERT, TOKEN, edge_service, tone
 from .phone_fixtures import dominant_hz, metric
 from .redis_support import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "e" * 32
-# A self-signed certificate for localhost/127.0.0.1 and its key, made for these tests only (valid to 2126).
-TLS_CERT, TLS_KEY = ROOT / "tests/data/engine-link-cert.pem", ROOT / "tests/data/engine-link-key.pem"
 
 
 def _body(message: bytes) -> bytes:
@@ -118,55 +110,18 @@ def test_serve_refuses_a_malformed_engine_address_with_one_line(capsys: pytest.C
     assert "--engine: engine address 'nowhere'" in capsys.readouterr().err
 
 
-def _tone(hz: float, seconds: float) -> np.ndarray:
-    t = np.arange(int(seconds * 8000)) / 8000
-    return (0.3 * np.sin(2 * np.pi * hz * t)).astype(np.float32)
-
-
-async def _edge(engine: RemoteEngine) -> ServiceHandle:
-    config = ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=TOKEN)
-    return await ServiceHandle(ServerContext(config, MemoryCallStore(), engine)).start()
-
-
-@pytest.fixture
-async def engine_server(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[tuple[EngineServer, Address]]]]:
-    """Starts a loopback engine behind an `EngineServer` (a Unix socket, or loopback TCP); both stop after
-    the test."""
-    started: list[tuple[LoopbackEngine, EngineServer]] = []
-
-    async def start(
-        max_calls: int, *, tcp: bool = False, tls: bool = False, **kwargs: Any
-    ) -> tuple[EngineServer, Address]:
-        engine = LoopbackEngine(max_calls=max_calls)
-        server = EngineServer(engine, **{"token": None, **kwargs})
-        started.append((engine, server))
-        if tls:
-            server.tls = server_tls(str(TLS_CERT), str(TLS_KEY))
-        where = (
-            Address(host="127.0.0.1", port=0, tls=tls)
-            if tcp or tls
-            else Address(unix_path=str(tmp_path / "engine.sock"))
-        )
-        return server, await server.listen(where)
-
-    yield start
-    for engine, server in started:
-        await server.aclose()
-        await engine.stop()
-
-
 async def test_two_edges_share_one_engine_and_each_call_hears_its_own_row(tmp_path: Path, engine_server) -> None:
     """An echoing engine behind the link, two edge services on it: three calls, three tones, none mixed up."""
     server, address = await engine_server(4)
     edges = [await RemoteEngine.connect(address, token=None, seats=2, name=f"edge-{k}") for k in range(2)]
-    handles = [await _edge(e) for e in edges]
+    handles = [await edge_service(e) for e in edges]
     assert [e.max_calls for e in edges] == [2, 2] and server.seats_granted == 4
     plan = [(handles[0], 400.0), (handles[1], 1000.0), (handles[1], 2200.0)]  # edge 1 gets two calls
     try:
         reports = await asyncio.gather(
             *(
                 simulate_call(
-                    h.http_url.replace("http://", "ws://") + MEDIA_PATH, _tone(hz, 3.0), auth_token=TOKEN,
+                    h.http_url.replace("http://", "ws://") + MEDIA_PATH, tone(hz, 3.0), auth_token=TOKEN,
                     public_url=None, out_wav=tmp_path / f"{hz:.0f}.wav", hold_after=0.5,
                 )
                 for h, hz in plan
@@ -228,9 +183,10 @@ async def test_a_broken_peer_is_dropped_and_the_other_edge_keeps_its_calls(tmp_p
         ticks = aiter(good.bot_frames())
         # A peer with seats that sends one malformed audio frame (dropped), then a length no peer sends.
         reader, writer = await asyncio.open_unix_connection(address.unix_path)
-        hello = b'{"token":"","seats":1,"name":"junk"}'
+        hello = b'{"version":2,"token":"","seats":1,"name":"junk"}'
         writer.write(struct.pack(">I", len(hello) + 1) + b"H" + hello)
-        await reader.readexactly(5 + len(b'{"seats":1}'))  # welcome
+        (n,) = struct.unpack(">I", await reader.readexactly(4))
+        assert b'"seats":1' in await reader.readexactly(n)  # welcome
         writer.write(audio_message("CA-x", np.zeros(10, np.float32)))
         writer.write(b"\xff\xff\xff\xffA")
         await writer.drain()
@@ -301,7 +257,7 @@ async def test_an_edge_that_stops_reading_loses_its_ticks_not_the_others(tmp_pat
                 data += await loop.sock_recv(deaf, 1)
             return data[4:]
 
-        hello, opened = b'{"token":"","seats":1,"name":"deaf"}', b'{"call_id":"CA-deaf"}'
+        hello, opened = b'{"version":2,"token":"","seats":1,"name":"deaf"}', b'{"call_id":"CA-deaf"}'
         await loop.sock_sendall(deaf, struct.pack(">I", len(hello) + 1) + b"H" + hello)
         assert (await recv_message()).startswith(b"W")
         await loop.sock_sendall(deaf, struct.pack(">I", len(opened) + 1) + b"O" + opened)
@@ -404,7 +360,7 @@ async def test_engine_serve_and_an_edge_process_answer_calls_drain_and_notice_a_
                 return (engine_ready, await _status(http, edge + "/readyz")) == (200, 200)
 
             await _until(both_ready, "engine and edge ready", 90)
-            report = await simulate_call(edge.replace("http://", "ws://") + MEDIA_PATH, _tone(300, 2.0),
+            report = await simulate_call(edge.replace("http://", "ws://") + MEDIA_PATH, tone(300, 2.0),
                                          auth_token=TOKEN, public_url=None, hold_after=0.5)  # fmt: skip
             assert report.outcome == "completed", report.errors
             assert report.bot_seconds_received > 1.5
@@ -429,7 +385,7 @@ async def test_engine_serve_and_an_edge_process_answer_calls_drain_and_notice_a_
             killer = asyncio.create_task(drain_then_kill_engine())
             started = time.monotonic()
             report = await asyncio.wait_for(
-                simulate_call(edge.replace("http://", "ws://") + MEDIA_PATH, _tone(300, 20.0), auth_token=TOKEN,
+                simulate_call(edge.replace("http://", "ws://") + MEDIA_PATH, tone(300, 20.0), auth_token=TOKEN,
                               public_url=None, hold_after=0.5),
                 30,
             )  # fmt: skip

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.backend import BackendConfig, BackendServices
 from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
+from knowledge.backend import BackendConfig, BackendServices
 
 from .test_backend import frames_of, speech, wait_until
 

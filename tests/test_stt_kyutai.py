@@ -15,8 +15,8 @@ import pytest
 
 from engine.checkpoint import CheckpointError
 from engine.interface import FRAME_SAMPLES
-from engine.stt import SttResult, make_stt
-from engine.stt_kyutai import (
+from knowledge.stt import SttResult, make_stt
+from knowledge.stt_kyutai import (
     UNGENERATED,
     KyutaiStreamingSTT,
     KyutaiSttEngine,
@@ -24,7 +24,7 @@ from engine.stt_kyutai import (
     SttCapacityError,
     TranscriptAssembler,
 )
-from engine.tiny_stt_checkpoint import TINY_STT_CONFIG, make_tiny_stt_checkpoint
+from knowledge.tiny_stt_checkpoint import TINY_STT_CONFIG, make_tiny_stt_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +225,7 @@ def test_streaming_stt_contract_with_the_engine_thread(make_engine) -> None:
 
 
 def test_make_stt_kyutai_binds_a_process_wide_engine(stt_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.stt_kyutai as mod
+    import knowledge.stt_kyutai as mod
 
     monkeypatch.setenv("KAME_STT_CHECKPOINT", str(stt_checkpoint))
     monkeypatch.setenv("KAME_STT_DEVICE", "cpu")

@@ -238,6 +238,7 @@ def test_protocol_error_kinds_are_fixed() -> None:
         "flooding",
         "silent_socket",
         "duplicate_start",
+        "no_start",
     }
     err = tm.ProtocolError(tm.WRONG_STREAM_SID, "MZa != MZb")
     assert (err.kind, err.detail) == ("wrong_stream_sid", "MZa != MZb")
@@ -284,10 +285,13 @@ def test_connect_stream_twiml_golden() -> None:
 def test_connect_stream_parse_round_trip() -> None:
     params = {"tenant": "acme", "session": "9f3c&<\"'", "empty": "", "ünï": "cödé\nline"}
     parsed = parse_connect_stream(connect_stream_twiml(STREAM_URL, STATUS_URL, params))
-    assert parsed == (STREAM_URL, STATUS_URL, params)
+    assert parsed == (STREAM_URL, STATUS_URL, params, None)
     assert list(parsed.parameters) == list(params)  # order kept
-    url, status, got = parsed  # plain tuple unpacking works too
-    assert (url, status, got) == (STREAM_URL, STATUS_URL, params)
+    url, status, got, action = parsed  # plain tuple unpacking works too
+    assert (url, status, got, action) == (STREAM_URL, STATUS_URL, params, None)
+    action_url = "https://voice.example.com/twilio/connect-action?agent=sales"
+    with_action = connect_stream_twiml(STREAM_URL, STATUS_URL, params, action_url=action_url)
+    assert parse_connect_stream(with_action).action == action_url
 
 
 def test_parameter_length_rule() -> None:

@@ -1,4 +1,4 @@
-"""A random-weight Kyutai-STT-style checkpoint in the real layout, for CPU tests of `engine.stt_kyutai`.
+"""A random-weight Kyutai-STT-style checkpoint in the real layout, for CPU tests of `knowledge.stt_kyutai`.
 
 Layout as published Kyutai STT repos are read by moshi's `CheckpointInfo`: `config.json` whose non-file
 keys are `LMModel` kwargs, with `model_type: "stt"`, `stt_config` and `lm_gen_config`; an LM with no
@@ -18,8 +18,8 @@ import torch
 from moshi.models import loaders
 from safetensors.torch import save_file
 
-from .presets import TINY_TEXT_CARD, tiny_mimi_config
-from .tiny_checkpoint import train_tiny_tokenizer
+from engine.presets import TINY_TEXT_CARD, tiny_mimi_config
+from engine.tiny_checkpoint import train_tiny_tokenizer
 
 STT_N_Q = 32  # Kyutai STT reads every Mimi codebook
 

@@ -31,9 +31,11 @@ from typing import Literal, TypeVar
 
 import numpy as np
 
+from engine.interface import FRAME_SECONDS, CallSetup
+
 from . import metrics
+from .agents import AgentDirectory, Agents
 from .conversation import DEFAULT_SYSTEM_PROMPT, Conversation, word_count
-from .interface import FRAME_SECONDS
 from .llm import LlmClient, LlmConfig, LlmError
 from .oracle_policy import OraclePolicy, OraclePolicyConfig, TriggerReason
 from .stt import DECODER_POOL, StreamingSTT, SttResult, make_stt
@@ -91,8 +93,9 @@ class BackendConfig:
 class BackendServices:
     """What all calls of a process share: the STT factory and thread pool, and the LLM client."""
 
-    def __init__(self, config: BackendConfig) -> None:
+    def __init__(self, config: BackendConfig, agents: AgentDirectory | None = None) -> None:
         self.config = config
+        self.agents = agents or AgentDirectory(Agents.builtin())
         self.stt_factory = make_stt(config.stt)
         self.executor = ThreadPoolExecutor(max_workers=config.stt_threads, thread_name_prefix="kame-stt")
         self.llm = LlmClient(config.llm_config()) if config.llm_enabled else None
@@ -103,8 +106,11 @@ class BackendServices:
         on_transcript: TranscriptCallback,
         on_oracle: OracleCallback,
         on_error: ErrorCallback | None = None,
+        setup: CallSetup | None = None,
     ) -> CallBackend:
-        """A started-by-the-caller `CallBackend` (call `await start()`, later `await aclose()`)."""
+        """A started-by-the-caller `CallBackend` (call `await start()`, later `await aclose()`), prompted
+        as the call's agent (the one the edge chose; the agents in force now: a reload changes new calls)."""
+        agent = self.agents.agents.get(setup.agent if setup is not None else None)
         return CallBackend(
             call_id,
             stt_factory=self.stt_factory,
@@ -114,7 +120,9 @@ class BackendServices:
             on_oracle=on_oracle,
             on_error=on_error,
             policy=self.config.policy,
-            system_prompt=self.config.system_prompt,
+            system_prompt=agent.system_prompt(self.config.system_prompt),
+            greeting=agent.greeting,
+            llm_model=agent.llm_model,
             max_pending_audio_s=self.config.max_pending_audio_s,
             stt_restart_backoff_s=self.config.stt_restart_backoff_s,
         )
@@ -151,6 +159,8 @@ class CallBackend:
         on_error: ErrorCallback | None = None,
         policy: OraclePolicyConfig | None = None,
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        greeting: str | None = None,
+        llm_model: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_pending_audio_s: float = 10.0,
         stt_restart_backoff_s: float = 1.0,
@@ -166,6 +176,8 @@ class CallBackend:
         self._restart_backoff_s = stt_restart_backoff_s
         self._stt_failures = 0  # consecutive
         self.conversation = Conversation(system_prompt=system_prompt)
+        self._greeting = greeting
+        self._llm_model = llm_model
         self.policy = OraclePolicy(policy)
         self._audio: deque[tuple[np.ndarray, float]] = deque()  # (frame, enqueued at)
         self._max_pending_frames = max(1, round(max_pending_audio_s / FRAME_SECONDS))
@@ -186,6 +198,12 @@ class CallBackend:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._audio_ready = asyncio.Event()
+        if self._greeting:
+            # The call's first oracle candidate: the front-end says it at once, in its own voice; the LLM
+            # sees it as the assistant's first turn.
+            self._candidate_id += 1
+            self.conversation.greet(self._greeting)
+            self._deliver_draft(self._greeting, self._clock(), self._candidate_id, complete=True)
         self._spawn(self._stt_pump(), "stt")
         if self._audio:  # fed before start()
             self._audio_ready.set()
@@ -374,7 +392,8 @@ class CallBackend:
         latest: str | None = None  # the newest draft (it may be held back until a frame has passed)
         try:
             request_id = f"{self.call_id}-{candidate_id}"
-            drafts_stream = self._llm.stream_draft(messages, call_id=self.call_id, request_id=request_id)
+            drafts_stream = self._llm.stream_draft(messages, call_id=self.call_id, request_id=request_id,
+                                                   model=self._llm_model)  # fmt: skip
             async with contextlib.aclosing(drafts_stream) as drafts:
                 async for text in drafts:
                     if candidate_id != self._candidate_id:

@@ -57,11 +57,12 @@ from moshi.models.lm import LMGen
 from moshi.utils import compile as moshi_compile
 from safetensors import SafetensorError
 
+from engine.checkpoint import CheckpointError, resolve_checkpoint
+from engine.interface import FRAME_SAMPLES, FRAME_SECONDS
+from engine.ticker import FrameTicker
+
 from . import metrics
-from .checkpoint import CheckpointError, resolve_checkpoint
-from .interface import FRAME_SAMPLES, FRAME_SECONDS
 from .stt import SttResult
-from .ticker import FrameTicker
 
 log = logging.getLogger(__name__)
 

@@ -172,7 +172,8 @@ class LlmClient:
         await self._client.close()
 
     async def stream_draft(
-        self, messages: Sequence[dict[str, str]], *, call_id: str = "-", request_id: str | None = None
+        self, messages: Sequence[dict[str, str]], *, call_id: str = "-", request_id: str | None = None,
+        model: str | None = None,
     ) -> AsyncIterator[str]:
         """Yield the cumulative draft text after each streamed chunk that adds text.
 
@@ -203,7 +204,7 @@ class LlmClient:
                 # oracle), which delays every other call's request and first draft. The client still does
                 # the connection, auth, timeouts and the HTTP status errors (classified below).
                 async with self._client.chat.completions.with_streaming_response.create(
-                    model=cfg.model,
+                    model=model or cfg.model,  # an agent's own model, else the service's
                     # In extra_body the conversation is sent as is; as `messages` it would be transformed.
                     messages=[],
                     extra_body={"messages": list(messages)},

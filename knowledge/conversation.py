@@ -51,10 +51,20 @@ class Conversation:
     committed_words: int = 0  # words in the caller's finals
     # The assistant turn whose last word may still continue with a piece that has no '▁'.
     _bot_word_turn: Turn | None = field(default=None, init=False, repr=False)
+    # While the front-end speaks the greeting (until the caller first speaks), its pieces are the greeting
+    # again: the greeting turn stands for them.
+    _greeting_spoken: bool = field(default=False, init=False, repr=False)
+
+    def greet(self, greeting: str) -> None:
+        """The agent's greeting as the first assistant turn."""
+        self.turns.insert(0, Turn("assistant", _clean(greeting)))
+        self._greeting_spoken = True
 
     # --- caller ------------------------------------------------------------------------------------
     def caller_partial(self, text: str) -> None:
         self.partial = _clean(text)
+        if self.partial:
+            self._greeting_spoken = False
 
     def caller_final(self, text: str) -> None:
         """Close the caller's utterance. An empty final only drops the partial."""
@@ -62,6 +72,7 @@ class Conversation:
         self.partial = ""
         if not text:
             return
+        self._greeting_spoken = False
         self.committed_words += word_count(text)
         last = self.turns[-1] if self.turns else None
         if last is not None and last.role == "user":
@@ -76,7 +87,7 @@ class Conversation:
     # --- bot ---------------------------------------------------------------------------------------
     def bot_piece(self, piece: str) -> None:
         """Add one SentencePiece piece the bot emitted. '' (padding) and '<...>' controls are ignored."""
-        if not piece or (piece.startswith("<") and piece.endswith(">")):
+        if not piece or (piece.startswith("<") and piece.endswith(">")) or self._greeting_spoken:
             return
         starts_word = piece.startswith(WORD_START)
         text = piece.replace(WORD_START, " ")

@@ -1,0 +1,1 @@
+"""The knowledge path: STT, oracle policy, conversation and LLM client that write each call's oracle."""

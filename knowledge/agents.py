@@ -1,0 +1,251 @@
+"""Agents: what the bot is for, per called number. A TOML file (`--agents FILE`, KAME_AGENTS):
+
+    [agents.default]                  # answers every number no other agent claims
+    instructions = "You answer for Acme Dental ..."
+    greeting = "Thanks for calling Acme Dental, how can I help?"
+
+    [agents.sales]
+    numbers = ["+15550002222"]        # Twilio `To` numbers, E.164
+    instructions = "..."
+    transfer_to = "+15550009999"      # E.164 or sip:
+    busy = "reject"                   # reject | say | dial | enqueue:NAME
+    llm_model = "gpt-4.1"
+
+A bad file is refused whole, in one line naming the file, the agent and the key; a reload (SIGHUP) that
+fails keeps the agents in force. Without a file there is one agent, `default`, with the built-in prompt.
+The agent's instructions go before the built-in phone rules in the LLM's system message; its greeting
+is the call's first oracle candidate (the front-end says it at once, in its own voice).
+
+Pure configuration: the phone edge reads it to route and to answer at capacity, the back-end to prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from prometheus_client import Counter
+
+from engine.metrics import zero_series
+
+log = logging.getLogger(__name__)
+
+DEFAULT_AGENT = "default"
+E164 = re.compile(r"\+[1-9]\d{6,14}")
+_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+BUSY_POLICIES = ("reject", "say", "dial")  # or enqueue:NAME
+_KEYS = {"numbers", "instructions", "greeting", "transfer_to", "dtmf_transfer", "busy", "llm_model", "tools"}
+_TOOL_KEYS = {"name", "description", "url", "parameters"}
+_MAX_TEXT = 20_000  # instructions; a prompt far larger is a mistake (and a cost on every request)
+
+AGENT_RELOADS = zero_series(
+    Counter("kame_agents_reloads_total", "Agents file reloads (SIGHUP) by outcome.", ["outcome"]),
+    outcome=("ok", "refused"),
+)
+
+
+class AgentsError(ValueError):
+    """The agents file cannot be used: the message names the file, the agent and the key."""
+
+
+@dataclass(frozen=True)
+class HttpTool:
+    """An agent's own tool: the LLM calls it by name; its JSON arguments are POSTed to `url`."""
+
+    name: str
+    description: str
+    url: str
+    parameters: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Agent:
+    name: str
+    instructions: str | None = None  # None: the built-in prompt alone
+    greeting: str | None = None
+    numbers: tuple[str, ...] = ()
+    transfer_to: str | None = None
+    dtmf_transfer: str | None = None
+    busy: str = "reject"
+    llm_model: str | None = None
+    tools: tuple[HttpTool, ...] = ()
+
+    def system_prompt(self, builtin: str) -> str:
+        """The agent's instructions, then the built-in phone-style rules."""
+        return builtin if not self.instructions else f"{self.instructions.strip()}\n\n{builtin}"
+
+
+@dataclass(frozen=True)
+class Agents:
+    by_name: dict[str, Agent]
+    by_number: dict[str, str] = field(default_factory=dict)
+    source: Path | None = None
+
+    @classmethod
+    def builtin(cls) -> Agents:
+        return cls({DEFAULT_AGENT: Agent(DEFAULT_AGENT)})
+
+    def for_call(self, to_number: str | None, requested: str | None = None) -> Agent:
+        """The agent a call gets: one named on the webhook URL (`?agent=`, outbound calls), else the one
+        claiming the called number, else `default`."""
+        if requested and requested in self.by_name:
+            return self.by_name[requested]
+        name = self.by_number.get(to_number or "", DEFAULT_AGENT)
+        return self.by_name.get(name) or self.by_name[DEFAULT_AGENT]
+
+    def get(self, name: str | None) -> Agent:
+        return self.by_name.get(name or DEFAULT_AGENT) or self.by_name[DEFAULT_AGENT]
+
+    def describe(self) -> list[dict[str, Any]]:
+        """For `GET /agents`: names, numbers and policies; not the instructions (they may be long)."""
+        return [
+            {"name": a.name, "numbers": list(a.numbers), "greeting": a.greeting, "transfer_to": a.transfer_to,
+             "busy": a.busy, "llm_model": a.llm_model, "tools": [t.name for t in a.tools]}
+            for a in self.by_name.values()
+        ]  # fmt: skip
+
+    @classmethod
+    def load(cls, path: str | Path) -> Agents:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, UnicodeDecodeError) as e:
+            raise AgentsError(f"agents file {path}: cannot read it ({e})") from None
+        except tomllib.TOMLDecodeError as e:
+            raise AgentsError(f"agents file {path}: not TOML ({e})") from None
+        unknown = set(data) - {"agents"}
+        if unknown or not isinstance(data.get("agents"), dict) or not data["agents"]:
+            raise AgentsError(f"agents file {path}: wants [agents.NAME] tables only, got {sorted(data) or 'none'}")
+        by_name: dict[str, Agent] = {}
+        by_number: dict[str, str] = {}
+        for name, table in data["agents"].items():
+            agent = _agent(path, name, table)
+            for number in agent.numbers:
+                if number in by_number:
+                    raise AgentsError(f"agents file {path}: agent {name!r}: key 'numbers': {number} is also "
+                                      f"claimed by agent {by_number[number]!r}")  # fmt: skip
+                by_number[number] = name
+            by_name[name] = agent
+        by_name.setdefault(DEFAULT_AGENT, Agent(DEFAULT_AGENT))  # numbers no agent claims
+        return cls(by_name, by_number, path)
+
+
+def _agent(path: Path, name: str, table: Any) -> Agent:
+    def bad(key: str, why: str) -> AgentsError:
+        return AgentsError(f"agents file {path}: agent {name!r}: key {key!r}: {why}")
+
+    if not _NAME.fullmatch(name):
+        raise AgentsError(f"agents file {path}: agent {name!r}: name must be lowercase letters, digits, - or _")
+    if not isinstance(table, dict):
+        raise AgentsError(f"agents file {path}: agent {name!r}: must be a table")
+    for key in sorted(set(table) - _KEYS):
+        raise bad(key, f"unknown key (known: {', '.join(sorted(_KEYS))})")
+    instructions = table.get("instructions")
+    if not isinstance(instructions, str) or not instructions.strip():
+        raise bad("instructions", "every agent needs instructions (a non-empty string)")
+    if len(instructions) > _MAX_TEXT:
+        raise bad("instructions", f"{len(instructions)} characters, at most {_MAX_TEXT}")
+    greeting = _optional_text(table, "greeting", bad, limit=500)
+    numbers = table.get("numbers", [])
+    if not isinstance(numbers, list) or not all(isinstance(n, str) and E164.fullmatch(n) for n in numbers):
+        raise bad("numbers", "a list of E.164 numbers like \"+15550002222\"")
+    transfer_to = _optional_text(table, "transfer_to", bad, limit=200)
+    if transfer_to is not None and not (E164.fullmatch(transfer_to) or _sip_uri(transfer_to)):
+        raise bad("transfer_to", f"{transfer_to!r} is neither an E.164 number nor a sip: URI")
+    dtmf = _optional_text(table, "dtmf_transfer", bad, limit=1)
+    if dtmf is not None and (dtmf not in "0123456789*#" or transfer_to is None):
+        raise bad("dtmf_transfer", "one key (0-9, * or #), and the agent needs transfer_to")
+    busy = table.get("busy", "reject")
+    if not isinstance(busy, str) or not (busy in BUSY_POLICIES or re.fullmatch(r"enqueue:[\w-]{1,64}", busy)):
+        raise bad("busy", f"{busy!r}: one of reject, say, dial, enqueue:NAME")
+    if busy == "dial" and transfer_to is None:
+        raise bad("busy", "'dial' needs transfer_to")
+    llm_model = _optional_text(table, "llm_model", bad, limit=200)
+    tools = table.get("tools", [])
+    if not isinstance(tools, list):
+        raise bad("tools", "an array of [[agents.NAME.tools]] tables")
+    return Agent(
+        name=name, instructions=instructions, greeting=greeting, numbers=tuple(numbers), transfer_to=transfer_to,
+        dtmf_transfer=dtmf, busy=busy, llm_model=llm_model, tools=tuple(_tool(bad, t) for t in tools),
+    )  # fmt: skip
+
+
+def _optional_text(table: dict[str, Any], key: str, bad: Any, *, limit: int) -> str | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip() or len(value) > limit:
+        raise bad(key, f"a non-empty string of at most {limit} characters")
+    return value.strip()
+
+
+def _sip_uri(value: str) -> bool:
+    return re.fullmatch(r"sips?:[^\s@]+@[^\s@]+", value) is not None
+
+
+def _tool(bad: Any, table: Any) -> HttpTool:
+    if not isinstance(table, dict):
+        raise bad("tools", "each tool is a table")
+    for key in sorted(set(table) - _TOOL_KEYS):
+        raise bad(f"tools.{key}", f"unknown key (known: {', '.join(sorted(_TOOL_KEYS))})")
+    name = table.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", name):
+        raise bad("tools.name", "letters, digits, _ or -, at most 64 (OpenAI's rule for function names)")
+    if name in ("transfer_call", "end_call"):
+        raise bad("tools.name", f"{name!r} is a built-in tool")
+    description = table.get("description")
+    if not isinstance(description, str) or not description.strip():
+        raise bad(f"tools.{name}.description", "a non-empty string")
+    url = table.get("url")
+    parts = urlsplit(url) if isinstance(url, str) else None
+    loopback = parts is not None and parts.hostname in ("127.0.0.1", "localhost", "::1")
+    if parts is None or not parts.netloc or not (parts.scheme == "https" or (parts.scheme == "http" and loopback)):
+        raise bad(f"tools.{name}.url", f"{url!r}: an https:// URL (http:// only on loopback)")
+    params = table.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict) or params.get("type") != "object" or not isinstance(
+        params.get("properties", {}), dict
+    ):
+        raise bad(f"tools.{name}.parameters", 'a JSON Schema object ({type = "object", properties = {...}})')
+    return HttpTool(name, description.strip(), url, params)
+
+
+class AgentDirectory:
+    """The agents in force, shared by the edge and the back-end of a process; SIGHUP swaps them whole.
+    Calls keep the `Agent` they started with (immutable), so a reload never changes a live call."""
+
+    def __init__(self, agents: Agents) -> None:
+        self._agents = agents
+        self._lock = threading.Lock()  # the back-end reads it from worker threads too
+
+    @classmethod
+    def from_file(cls, path: str | Path | None) -> AgentDirectory:
+        return cls(Agents.load(path) if path else Agents.builtin())
+
+    @property
+    def agents(self) -> Agents:
+        with self._lock:
+            return self._agents
+
+    def reload(self) -> bool:
+        """Read the file again; a bad file is refused (logged, counted) and the old agents stay."""
+        source = self.agents.source
+        if source is None:
+            log.info("SIGHUP: no agents file to reload (started without --agents)")
+            return False
+        try:
+            fresh = Agents.load(source)
+        except AgentsError as e:
+            AGENT_RELOADS.labels(outcome="refused").inc()
+            log.error("agents reload refused, the agents in force stay: %s", e)
+            return False
+        with self._lock:
+            self._agents = fresh
+        AGENT_RELOADS.labels(outcome="ok").inc()
+        log.info("agents reloaded from %s: %s", source, ", ".join(sorted(fresh.by_name)))
+        return True

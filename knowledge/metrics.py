@@ -1,0 +1,32 @@
+"""Every Prometheus metric the knowledge path (STT, LLM) exports, in one place."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+from engine.metrics import zero_series
+
+# The same buckets as the oracle lag (engine/metrics.py): the LLM's share of it compares directly.
+_LAG_BUCKETS_MS = (10, 20, 40, 80, 120, 160, 250, 400, 600, 1000, 2000, 5000)
+
+LLM_TTFT_SECONDS = Histogram(
+    "kame_llm_ttft_seconds",
+    "LLM time to first streamed token.",
+    buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
+)
+LLM_REQUESTS = Counter("kame_llm_requests_total", "LLM draft requests started.")
+# Every `kind` knowledge/llm.py's ErrorKind can take (tests check the two agree).
+LLM_ERROR_KINDS = ("timeout", "rate_limited", "server_error", "connection", "malformed", "other")
+LLM_ERRORS = zero_series(
+    Counter("kame_llm_errors_total", "LLM request failures by kind.", ["kind"]), kind=LLM_ERROR_KINDS
+)
+STT_ERRORS = Counter("kame_stt_errors_total", "Speech-to-text failures.")
+STT_DROPPED_FRAMES = Counter(
+    "kame_stt_dropped_frames_total",
+    "Caller frames dropped because the STT fell behind real time.",
+)
+STT_PARTIAL_SECONDS = Histogram(
+    "kame_stt_partial_latency_seconds",
+    "From the end of a caller frame to the partial transcript that includes it.",
+    buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
+)

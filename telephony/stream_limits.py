@@ -1,0 +1,66 @@
+"""Per-stream rate limits on Twilio's control messages, so one admitted (or merely upgraded) socket cannot
+flood the node: every kind but `media` (which has its own real-time guard in the media session) gets a
+token bucket sized well above what Twilio sends. Drops are counted, never logged one by one, and a
+stream far past its limits is ended (outcome `flooding`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from . import metrics
+
+# (per second, burst). Twilio sends one `connected`, one `start`, one `stop`, a mark echo per mark we send
+# (~2/s), and a dtmf event per key pressed (a person presses at most a few a second).
+LIMITS: dict[str, tuple[float, float]] = {
+    "connected": (0.5, 2),
+    "start": (0.5, 2),
+    "stop": (0.5, 2),
+    "mark": (20.0, 100),
+    "dtmf": (5.0, 20),
+    "invalid": (5.0, 50),  # malformed or unknown messages (also counted as protocol errors)
+}
+END_AFTER_DROPS = 1000  # a stream this far past its limits is hostile or broken: end it
+
+
+@dataclass(slots=True)
+class _Bucket:
+    rate: float
+    burst: float
+    tokens: float
+    at: float
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
+@dataclass(slots=True)
+class StreamLimits:
+    """One stream's buckets, made on first use of each kind."""
+
+    dropped: int = 0
+    _buckets: dict[str, _Bucket] = field(default_factory=dict)
+
+    def allow(self, kind: str, now: float | None = None) -> bool:
+        """False (and counted) when `kind` is over its limit; kinds without a limit always pass."""
+        limit = LIMITS.get(kind)
+        if limit is None:
+            return True
+        now = time.monotonic() if now is None else now
+        bucket = self._buckets.get(kind)
+        if bucket is None:
+            bucket = self._buckets[kind] = _Bucket(limit[0], limit[1], limit[1], now)
+        if bucket.take(now):
+            return True
+        self.dropped += 1
+        metrics.STREAM_MESSAGES_DROPPED.labels(event=kind).inc()
+        return False
+
+    @property
+    def flooding(self) -> bool:
+        return self.dropped > END_AFTER_DROPS

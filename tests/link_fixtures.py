@@ -1,0 +1,59 @@
+"""What the engine link's tests share: an echoing engine behind a real `EngineServer`, edge services on it,
+and a test-only TLS certificate."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.remote import Address, EngineServer, RemoteEngine, server_tls
+from kame_phone.media_bench import LoopbackEngine
+from telephony.call_store import MemoryCallStore
+from telephony.config import ServiceConfig
+from telephony.server import ServerContext, ServiceHandle
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "e" * 32
+# A self-signed certificate for localhost/127.0.0.1 and its key, made for these tests only (valid to 2126).
+TLS_CERT, TLS_KEY = ROOT / "tests/data/engine-link-cert.pem", ROOT / "tests/data/engine-link-key.pem"
+
+StartEngineServer = Callable[..., Awaitable[tuple[EngineServer, Address]]]
+
+
+def tone(hz: float, seconds: float) -> np.ndarray:
+    t = np.arange(int(seconds * 8000)) / 8000
+    return (0.3 * np.sin(2 * np.pi * hz * t)).astype(np.float32)
+
+
+async def edge_service(engine: RemoteEngine) -> ServiceHandle:
+    """A phone edge (the real aiohttp service) whose engine is `engine`."""
+    config = ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=TOKEN)
+    return await ServiceHandle(ServerContext(config, MemoryCallStore(), engine)).start()
+
+
+async def engine_servers(tmp_path: Path) -> AsyncIterator[StartEngineServer]:
+    """Starts loopback engines behind `EngineServer`s (a Unix socket, or loopback TCP/TLS); all stop after."""
+    started: list[tuple[LoopbackEngine, EngineServer]] = []
+
+    async def start(
+        max_calls: int, *, tcp: bool = False, tls: bool = False, **kwargs: Any
+    ) -> tuple[EngineServer, Address]:
+        engine = LoopbackEngine(max_calls=max_calls)
+        server = EngineServer(engine, **{"token": None, **kwargs})
+        started.append((engine, server))
+        if tls:
+            server.tls = server_tls(str(TLS_CERT), str(TLS_KEY))
+        where = (
+            Address(host="127.0.0.1", port=0, tls=tls)
+            if tcp or tls
+            else Address(unix_path=str(tmp_path / "engine.sock"))
+        )
+        return server, await server.listen(where)
+
+    yield start
+    for engine, server in started:
+        await server.aclose()
+        await engine.stop()

@@ -1,0 +1,315 @@
+"""Agents (issue 12): the agents file, the agent a call gets, its instructions and greeting, its busy policy,
+reloads, and GET /agents. Through the real service, real pocketsphinx on flite speech and a local
+OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+
+from engine.sampling import SamplingOverrides
+from engine.service import EngineConfig, LocalEngine
+from knowledge.agents import AgentDirectory, Agents, AgentsError
+from knowledge.backend import BackendConfig, BackendServices
+from knowledge.conversation import DEFAULT_SYSTEM_PROMPT
+from telephony.call_store import MemoryCallStore
+from telephony.config import ServiceConfig
+from telephony.server import MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
+from telephony.sim_caller import simulate_call
+from telephony.twilio_rest import TwilioCredentials, TwilioRest
+
+from .llm_server import FakeLlm
+from .phone_fixtures import metric, new_call_sid, running_phone
+from .redis_support import free_port
+from .twilio_rest_server import serve_twilio_rest
+
+ROOT = Path(__file__).resolve().parents[1]
+SALES = "+15550002222"
+AGENTS = f"""
+[agents.default]
+instructions = "You answer the phone for Acme Dental."
+greeting = "Thanks for calling Acme Dental."
+
+[agents.sales]
+numbers = ["{SALES}"]
+instructions = "You sell Acme widgets."
+greeting = "Acme sales, how can I help?"
+transfer_to = "+15550009999"
+dtmf_transfer = "0"
+busy = "dial"
+llm_model = "sales-model"
+
+[[agents.sales.tools]]
+name = "order_status"
+description = "Look up an order by its number"
+url = "https://crm.example.com/order-status"
+parameters = {{ type = "object", properties = {{ order_id = {{ type = "string" }} }}, required = ["order_id"] }}
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "agents.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_a_good_file_loads_and_routes_numbers(tmp_path: Path) -> None:
+    agents = Agents.load(_write(tmp_path, AGENTS))
+    assert agents.for_call(SALES).name == "sales"
+    assert agents.for_call("+15550001111").name == "default" and agents.for_call(None).name == "default"
+    assert agents.for_call("+15550001111", requested="sales").name == "sales"  # ?agent= on an outbound call
+    assert agents.for_call(SALES, requested="nobody").name == "sales"
+    sales = agents.get("sales")
+    assert sales.system_prompt(DEFAULT_SYSTEM_PROMPT).startswith("You sell Acme widgets.\n\n")
+    assert sales.system_prompt(DEFAULT_SYSTEM_PROMPT).endswith(DEFAULT_SYSTEM_PROMPT)
+    assert [t.name for t in sales.tools] == ["order_status"]
+    assert Agents.builtin().get(None).system_prompt(DEFAULT_SYSTEM_PROMPT) == DEFAULT_SYSTEM_PROMPT
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('[agents.a]\ninstructions = "x"\ncolour = "red"\n', "agent 'a': key 'colour': unknown key"),
+        ('[agents.a]\ngreeting = "hi"\n', "agent 'a': key 'instructions': every agent needs instructions"),
+        (f'[agents.a]\ninstructions = "x"\nnumbers = ["{SALES}"]\n[agents.b]\ninstructions = "y"\n'
+         f'numbers = ["{SALES}"]\n', f"agent 'b': key 'numbers': {SALES} is also claimed by agent 'a'"),
+        ('[agents.a]\ninstructions = "x"\nnumbers = ["555-1234"]\n', "agent 'a': key 'numbers': a list of E.164"),
+        ('[agents.a]\ninstructions = "x"\ntransfer_to = "bob"\n', "agent 'a': key 'transfer_to'"),
+        ('[agents.a]\ninstructions = "x"\nbusy = "dial"\n', "agent 'a': key 'busy': 'dial' needs transfer_to"),
+        ('[agents.a]\ninstructions = "x"\n[[agents.a.tools]]\nname = "t"\ndescription = "d"\n'
+         'url = "http://crm.example.com/x"\n', "agent 'a': key 'tools.t.url'"),
+        ('[agents.a]\ninstructions = "x"\n[[agents.a.tools]]\nname = "t"\ndescription = "d"\n'
+         'url = "https://crm.example.com/x"\nparameters = { type = "string" }\n',
+         "agent 'a': key 'tools.t.parameters': a JSON Schema object"),
+        ("[agents.a\n", "not TOML"),
+    ],
+)  # fmt: skip
+def test_a_bad_file_is_refused_in_one_line_naming_file_agent_and_key(tmp_path: Path, text: str, says: str) -> None:
+    path = _write(tmp_path, text)
+    with pytest.raises(AgentsError) as refused:
+        Agents.load(path)
+    message = str(refused.value)
+    assert message.startswith(f"agents file {path}: ") and says in message and "\n" not in message
+
+
+def test_serve_refuses_a_bad_agents_file_in_one_line(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[agents.a]\ninstructions = "x"\nvoice = "deep"\n')
+    proc = subprocess.run([sys.executable, "-m", "kame_phone.cli", "serve", "--insecure-dev", "--agents", str(path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"kame-phone serve: agents file {path}: agent 'a': key 'voice': unknown key " \
+        "(known: busy, dtmf_transfer, greeting, instructions, llm_model, numbers, tools, transfer_to)"
+
+
+async def test_each_number_gets_its_agents_instructions_greeting_and_model(
+    tiny_checkpoint: Path, question_wav: Path, llm_server: FakeLlm, tmp_path: Path
+) -> None:
+    directory = AgentDirectory.from_file(_write(tmp_path, AGENTS))
+    config = BackendConfig(stt="pocketsphinx", llm_base_url=llm_server.base_url, llm_api_key="sk-test", llm_model="m")
+    backend = BackendServices(config, directory)
+    await backend.warm_up(2)
+    sales_sid, other_sid = new_call_sid(), new_call_sid()
+    async with running_phone(tiny_checkpoint, max_calls=2, backend=backend, agents=directory) as phone:
+        reports = await asyncio.gather(*(
+            simulate_call(phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base, custom_sid=sid,
+                          to_number=to, hold_after=3.0)
+            for sid, to in ((sales_sid, SALES), (other_sid, "+15550001111"))
+        ))  # fmt: skip
+        await phone.settled()
+        sales, other = await phone.store.get(sales_sid), await phone.store.get(other_sid)
+    assert [r.outcome for r in reports] == ["completed", "completed"]
+    assert sales is not None and other is not None
+    assert (sales.agent, other.agent) == ("sales", "default")
+    # The greeting is each call's first oracle candidate (recorded first; the front-end says it at once).
+    assert sales.oracle[0].text == "Acme sales, how can I help?"
+    assert other.oracle[0].text == "Thanks for calling Acme Dental."
+    asked = {sid: [req for req, rid in zip(llm_server.requests, llm_server.request_ids, strict=True)
+                   if rid and rid.startswith(sid)] for sid in (sales_sid, other_sid)}  # fmt: skip
+    assert asked[sales_sid] and asked[other_sid], "the LLM was not asked for both calls"
+    for sid, instructions, greeting, model in (
+        (sales_sid, "You sell Acme widgets.", "Acme sales, how can I help?", "sales-model"),
+        (other_sid, "You answer the phone for Acme Dental.", "Thanks for calling Acme Dental.", "m"),
+    ):
+        for req in asked[sid]:
+            system, first = req["messages"][0], req["messages"][1]
+            assert system["role"] == "system" and system["content"].startswith(instructions + "\n\n")
+            assert system["content"].endswith(DEFAULT_SYSTEM_PROMPT)
+            # The greeting opens the first bot turn (what the front-end says after it, before the caller's
+            # words are final, continues that turn).
+            assert first["role"] == "assistant" and first["content"].startswith(greeting)
+            assert req["model"] == model
+    assert metric("kame_calls_total", outcome="completed", agent="sales") >= 1
+
+
+async def test_at_capacity_each_agent_answers_by_its_busy_policy(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    directory = AgentDirectory.from_file(_write(tmp_path, AGENTS))
+    async with running_phone(tiny_checkpoint, max_calls=1, agents=directory) as phone, aiohttp.ClientSession() as http:
+        await phone.answer(http)  # holds the one seat (a reservation) for a few seconds
+        url = phone.base + VOICE_PATH
+        busy_sales = metric("kame_calls_total", outcome="busy", agent="sales")
+        answers = {}
+        for to in (SALES, "+15550001111"):
+            sid = new_call_sid()
+            params = {"CallSid": sid, "AccountSid": "AC" + "0" * 32, "From": "+15550001", "To": to}
+            async with http.post(url, data=params, headers={"X-Twilio-Signature": phone.sign(url, params)}) as r:
+                answers[to] = (sid, await r.text())
+        await phone.store.flush()
+        sales_sid, sales_twiml = answers[SALES]
+        assert "<Dial><Number>+15550009999</Number></Dial>" in sales_twiml  # busy = "dial": to a person
+        assert '<Reject reason="busy"' in answers["+15550001111"][1]  # the default: a busy signal, not answered
+        record = await phone.store.get(sales_sid)
+        assert record is not None and record.agent == "sales" and record.end_reason == "busy"
+        assert metric("kame_calls_total", outcome="busy", agent="sales") == busy_sales + 1
+
+
+async def test_sighup_reloads_the_agents_and_a_bad_reload_keeps_them(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    path = _write(tmp_path, AGENTS)
+    port, metrics_port = free_port(), free_port()
+    env = dict(os.environ, ADMIN_TOKEN="agents-admin")
+    env.pop("TWILIO_AUTH_TOKEN", None)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kame_phone.cli", "serve", "--insecure-dev", "--port", str(port), "--metrics-port",
+        str(metrics_port), "--checkpoint", str(tiny_checkpoint), "--stt", "none", "--llm", "none",
+        "--no-engine-process", "--agents", str(path), cwd=ROOT, env=env,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    base, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer agents-admin"}
+
+    async def listed(http: aiohttp.ClientSession) -> dict[str, list[str]]:
+        async with http.get(base + "/agents", headers=auth) as r:
+            assert r.status == 200
+            return {a["name"]: a["numbers"] for a in (await r.json())["agents"]}
+
+    async def reloads(http: aiohttp.ClientSession, outcome: str) -> float:
+        async with http.get(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+            for line in (await r.text()).splitlines():
+                if line.startswith(f'kame_agents_reloads_total{{outcome="{outcome}"}}'):
+                    return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(300):
+                try:
+                    async with http.get(base + "/healthz") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    pass
+                await asyncio.sleep(0.2)
+            async with http.get(base + "/agents") as r:
+                assert r.status == 401  # the admin token is required
+            assert await listed(http) == {"default": [], "sales": [SALES]}
+            path.write_text(AGENTS + '\n[agents.support]\nnumbers = ["+15550003333"]\ninstructions = "Help."\n')
+            proc.send_signal(signal.SIGHUP)
+            for _ in range(50):
+                if "support" in await listed(http):
+                    break
+                await asyncio.sleep(0.1)
+            assert await listed(http) == {"default": [], "sales": [SALES], "support": ["+15550003333"]}
+            assert await reloads(http, "ok") == 1
+            path.write_text("[agents.broken\n")
+            proc.send_signal(signal.SIGHUP)
+            for _ in range(50):
+                if await reloads(http, "refused") == 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert await reloads(http, "refused") == 1
+            assert "support" in await listed(http)  # the agents in force stay
+            assert proc.returncode is None  # a bad reload never stops the service
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 30)
+
+
+async def test_a_lost_engine_hands_the_caller_to_the_agents_fallback_not_dead_air(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """The engine process dies mid-call: the stream ends, and Twilio's request to the <Connect action> URL
+    (signed, checked like the webhook) gets the agent's fallback: a <Dial> to its transfer_to, or for an
+    agent without one a short apology and a hang-up."""
+    directory = AgentDirectory.from_file(_write(tmp_path, AGENTS))
+    engine = await LocalEngine.load(EngineConfig(
+        checkpoint=str(tiny_checkpoint), device="cpu", max_calls=2, warmup_ticks=2, engine_process=True,
+        sampling=SamplingOverrides(greedy=True),
+    ))  # fmt: skip
+    await engine.start()
+    token = "f" * 32
+    config = ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token)
+    handle = await ServiceHandle(ServerContext(config, MemoryCallStore(), engine, agents=directory)).start()
+    dial = metric("kame_call_fallbacks_total", action="dial")
+    apology = metric("kame_call_fallbacks_total", action="apology")
+    t = np.arange(20 * 8000) / 8000  # long calls: the engine dies in the middle of them
+
+    async def kill_engine_soon() -> None:
+        await asyncio.sleep(2.0)
+        engine.frame_loop._process.kill()  # type: ignore[union-attr]
+
+    try:
+        killer = asyncio.create_task(kill_engine_soon())
+        reports = await asyncio.wait_for(asyncio.gather(*(
+            simulate_call(handle.http_url.replace("http://", "ws://") + MEDIA_PATH,
+                          (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32), auth_token=token, public_url=None,
+                          to_number=to, hold_after=0.5)
+            for to in (SALES, "+15550001111")
+        )), 20)  # fmt: skip
+        await killer
+        async with aiohttp.ClientSession() as http:  # an unsigned request to the action URL is refused
+            url = handle.http_url + "/twilio/connect-action?agent=sales"
+            async with http.post(url, data={"CallSid": "CA1"}) as r:
+                assert r.status == 403
+    finally:
+        await handle.aclose()
+        await engine.stop()
+    sales, other = reports
+    assert sales.server_hung_up and other.server_hung_up and sales.call_seconds < 10
+    assert sales.fallback_twiml is not None and "<Dial><Number>+15550009999</Number></Dial>" in sales.fallback_twiml
+    assert other.fallback_twiml is not None and "<Say>" in other.fallback_twiml and "<Hangup" in other.fallback_twiml
+    assert metric("kame_call_fallbacks_total", action="dial") == dial + 1
+    assert metric("kame_call_fallbacks_total", action="apology") == apology + 1
+
+
+@pytest.mark.parametrize("credentials_ok", [True, False])
+async def test_the_agents_dtmf_key_hands_the_caller_to_a_person_through_the_rest_api(
+    tiny_checkpoint: Path, question_wav: Path, tmp_path: Path, credentials_ok: bool
+) -> None:
+    """The sales agent's key "0": the live call is updated through Twilio's REST API (the twilio package's
+    client, against a local stand-in) with a <Dial> to transfer_to. Refused credentials: counted, logged,
+    and the call goes on."""
+    directory = AgentDirectory.from_file(_write(tmp_path, AGENTS))
+    account = "AC" + "1" * 32
+    async with serve_twilio_rest(account, account, "rest-secret") as twilio:
+        rest = TwilioRest(TwilioCredentials(account, account, "rest-secret" if credentials_ok else "wrong",
+                                            twilio.base_url))  # fmt: skip
+        outcome = "ok" if credentials_ok else "error"
+        before = metric("kame_transfers_total", trigger="dtmf", result=outcome)
+        sid = new_call_sid()
+        try:
+            async with running_phone(tiny_checkpoint, agents=directory, twilio_rest=rest) as phone:
+                report = await simulate_call(
+                    phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base, custom_sid=sid,
+                    to_number=SALES, dtmf=[("0", 1.0)], hold_after=1.0,
+                )  # fmt: skip
+                await phone.settled()
+                record = await phone.store.get(sid)
+        finally:
+            await rest.aclose()
+    assert report.outcome == "completed", report.errors
+    assert metric("kame_transfers_total", trigger="dtmf", result=outcome) == before + 1
+    assert record is not None and record.dtmf == ["0"]
+    if credentials_ok:
+        ((updated, form),) = twilio.updates
+        assert updated == sid and "<Dial><Number>+15550009999</Number></Dial>" in form["Twiml"]
+        assert record.end_reason == "transferred"
+    else:
+        assert not twilio.updates and twilio.refused == 1
+        assert record.end_reason == "completed"

@@ -1,0 +1,160 @@
+"""The call store under faults (issue 13, findings 4 and 5), through the real service on loopback: a Redis that
+restarts empty mid-call, and a stream flooding the store with writes beside a good call."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from kame_phone.media_bench import LoopbackEngine
+from telephony.call_store import CallRecord, RedisCallStore, open_call_store
+from telephony.config import ServiceConfig
+from telephony.server import MEDIA_PATH, ServerContext, ServiceHandle
+from telephony.sim_caller import simulate_call
+
+from .link_fixtures import TOKEN, tone
+from .phone_fixtures import metric, new_call_sid
+from .redis_support import RedisServer, free_port
+
+ADMIN = "faults-admin"
+
+
+@pytest.fixture
+async def redis_server(tmp_path: Path) -> AsyncIterator[RedisServer]:
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis")
+    await server.start()
+    yield server
+    await server.kill()
+
+
+async def _service(store: RedisCallStore) -> tuple[ServiceHandle, str]:
+    port = free_port()
+    config = ServiceConfig(host="127.0.0.1", port=port, twilio_auth_token=TOKEN, admin_token=ADMIN)
+    handle = await ServiceHandle(ServerContext(config, store, LoopbackEngine(max_calls=4))).start()
+    return handle, f"http://127.0.0.1:{port}"
+
+
+async def _admin_record(base: str, sid: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as http, http.get(
+        f"{base}/calls/{sid}", headers={"Authorization": f"Bearer {ADMIN}"}
+    ) as resp:
+        return resp.status, await resp.json() if resp.status == 200 else {}
+
+
+async def _redis_record(url: str, sid: str) -> CallRecord | None:
+    """What Redis itself holds (a fresh store: nothing of ours pending to merge in)."""
+    fresh = open_call_store(url)
+    try:
+        return await fresh.get(sid)
+    finally:
+        await fresh.aclose()
+
+
+async def test_a_redis_that_restarts_empty_mid_call_gets_the_live_calls_record_back_whole(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    store = open_call_store(redis_server.url, socket_timeout_s=0.5, retry_max_s=0.2)
+    assert isinstance(store, RedisCallStore)
+    handle, base = await _service(store)
+    restored = metric("kame_call_store_restored_records_total")
+    unapplied = metric("kame_call_store_unapplied_ops_total")
+    sid = new_call_sid()
+    ws_url = base.replace("http://", "ws://") + MEDIA_PATH
+    try:
+        call = asyncio.create_task(simulate_call(
+            ws_url, tone(600.0, 5.0), auth_token=TOKEN, public_url=base, custom_sid=sid,
+            dtmf=[("1", 0.5), ("2", 4.0)], hold_after=0.5,
+        ))  # fmt: skip
+        for _ in range(100):  # the stream is up and its first digit is in Redis
+            record = await _redis_record(redis_server.url, sid)
+            if record is not None and record.dtmf == ["1"] and record.first_audio_s is not None:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the call never reached Redis")
+        await redis_server.restart_empty()  # no AOF, no RDB: everything is gone
+        assert await _redis_record(redis_server.url, sid) is None
+        report = await call
+        assert report.outcome == "completed", report.errors
+        async with asyncio.timeout(10):
+            await store.flush()
+        status, got = await _admin_record(base, sid)
+        assert status == 200, "the live call's record was lost with Redis"
+        in_redis = await _redis_record(redis_server.url, sid)
+        assert in_redis is not None and in_redis.to_dict() == got
+        # Whole: what was written before the restart (at the webhook and the stream's start) and after it.
+        assert got["from_number"] == "+15005550006" and got["to_number"] == "+15005550001"
+        assert got["created_at"] and got["started_at"] and got["stream_sid"] == report.stream_sid
+        assert got["dtmf"] == ["1", "2"]  # once each: the restore and the ops queued behind it do not repeat
+        assert got["first_audio_s"] is not None
+        assert got["state"] == "ended" and got["end_reason"] == "completed" and got["ended_at"]
+        assert metric("kame_call_store_restored_records_total") == restored + 1
+        assert metric("kame_call_store_unapplied_ops_total") == unapplied
+    finally:
+        await handle.aclose()
+        await store.aclose()
+
+
+async def test_an_op_for_a_call_redis_does_not_have_is_counted_not_silent(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write for a call that is neither in Redis nor one of this node's live calls (it expired) cannot be
+    applied: counted, and logged with the call id."""
+    store = open_call_store(redis_server.url)
+    unapplied = metric("kame_call_store_unapplied_ops_total")
+    try:
+        await store.append_dtmf("CA" + "0" * 32, "5")
+        await store.flush()
+    finally:
+        await store.aclose()
+    assert metric("kame_call_store_unapplied_ops_total") == unapplied + 1
+    assert any("CA" + "0" * 32 in r.getMessage() and "not applied" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_stream_flooding_the_store_cannot_push_out_another_calls_writes(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """20k DTMF messages from one admitted stream, while Redis takes no writes. The stream's rate limit lets
+    ~20 through (then ends it); a small buffer here makes even those overflow it: the flooding call loses
+    its own writes, the good call beside it loses none."""
+    store = open_call_store(redis_server.url, max_pending=16)
+    assert isinstance(store, RedisCallStore)
+    handle, base = await _service(store)
+    ws_url = base.replace("http://", "ws://") + MEDIA_PATH
+    good_sid, flood_sid = new_call_sid(), new_call_sid()
+    dropped = metric("kame_call_store_dropped_ops_total")
+    try:
+        good = asyncio.create_task(simulate_call(
+            ws_url, tone(500.0, 4.0), auth_token=TOKEN, public_url=base, custom_sid=good_sid,
+            dtmf=[(d, 1.0 + 0.2 * i) for i, d in enumerate("12345")], hold_after=0.5,
+        ))  # fmt: skip
+        flood = asyncio.create_task(simulate_call(
+            ws_url, tone(900.0, 3.0), auth_token=TOKEN, public_url=base, custom_sid=flood_sid,
+            dtmf=[("9", 2.0 + i / 10_000) for i in range(20_000)], hold_after=0.5,
+        ))  # fmt: skip
+        # Redis takes no writes from 0.7 s to 3.7 s: the good call's digits (1.0-1.8 s) wait in the buffer
+        # when the flood (2.0 s) overflows it.
+        await asyncio.sleep(0.7)
+        raw = aioredis.Redis.from_url(redis_server.url)
+        await raw.execute_command("CLIENT", "PAUSE", 3000, "WRITE")
+        await raw.aclose()
+        reports = await asyncio.gather(good, flood)
+        assert reports[0].outcome == "completed", reports[0].errors
+        async with asyncio.timeout(20):
+            await store.flush()
+        got = await _redis_record(redis_server.url, good_sid)
+        assert got is not None
+        assert got.dtmf == list("12345")
+        assert got.state == "ended" and got.end_reason == "completed" and got.first_audio_s is not None
+        flooded = await _redis_record(redis_server.url, flood_sid)
+        assert flooded is not None and flooded.state == "ended"  # its end is kept too
+        assert metric("kame_call_store_dropped_ops_total") > dropped  # the flood did overflow the buffer
+    finally:
+        await handle.aclose()
+        await store.aclose()

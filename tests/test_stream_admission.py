@@ -1,0 +1,214 @@
+"""Who may open a call's media stream, attacked on loopback while a good call runs (issue 13, finding 3):
+Twilio's signatures carry no nonce, so a captured webhook can be replayed at will."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from telephony import twilio_messages as tm
+from telephony.server import VOICE_PATH
+from telephony.sim_caller import simulate_call
+from telephony.sim_playout import CallReport
+from telephony.twiml import parse_connect_stream
+
+from .phone_fixtures import Phone, metric, new_call_sid, running_phone
+
+
+async def _replay(phone: Phone, http: aiohttp.ClientSession, call_sid: str) -> str:
+    """A signed voice webhook for `call_sid`, as a replayer holding a captured one sends it: the TwiML."""
+    params = {"CallSid": call_sid, "AccountSid": "AC" + "0" * 32, "From": "+15550009", "To": "+15550002"}
+    url = phone.base + VOICE_PATH
+    async with http.post(url, data=params, headers={"X-Twilio-Signature": phone.sign(url, params)}) as r:
+        assert r.status == 200
+        return await r.text()
+
+
+def _replayed() -> float:
+    return metric("kame_webhook_rejections_total", endpoint="voice", reason="replayed")
+
+
+async def _short_call(phone: Phone, http: aiohttp.ClientSession) -> str:
+    """A call that starts its stream and hangs up at once."""
+    call_sid, params = await phone.answer(http)
+    ws = await phone.open_stream(http)
+    await ws.send_str(tm.start_msg("MZ" + call_sid[2:], call_sid, "AC1", params))
+    await asyncio.sleep(0.2)
+    await ws.send_str(tm.stop_msg("MZ" + call_sid[2:], 2, call_sid, "AC1"))
+    await ws.close()
+    return call_sid
+
+
+async def _call_in_progress(phone: Phone, wav: Path, sid: str) -> asyncio.Task[CallReport]:
+    """A good call from the simulated caller, returned once its stream has started on the server."""
+    good = asyncio.create_task(simulate_call(phone.ws_url, wav, auth_token=phone.token, public_url=phone.base,
+                                             custom_sid=sid, hold_after=1.0))  # fmt: skip
+    while sid not in phone.ctx.streams:
+        assert not good.done(), good.result().errors
+        await asyncio.sleep(0.05)
+    return good
+
+
+async def test_replayed_webhooks_get_no_token_and_never_touch_a_call(tiny_checkpoint: Path, question_wav: Path) -> None:
+    async with running_phone(tiny_checkpoint, max_calls=2) as phone, aiohttp.ClientSession() as http:
+        sid = new_call_sid()
+        replayed = _replayed()
+        good = await _call_in_progress(phone, question_wav, sid)
+        # 1. During the call: the replay is hung up on, with no stream and no token in its answer.
+        twiml = await _replay(phone, http, sid)
+        assert "<Hangup" in twiml and "<Stream" not in twiml and "token" not in twiml
+        assert _replayed() == replayed + 1
+        report = await good
+        assert report.outcome == "completed", report.errors
+        assert report.bot_seconds_received > 2.0
+        await phone.settled()
+        # 2. After it: the same, and the ended call's record is not reset or overwritten.
+        assert "<Hangup" in await _replay(phone, http, sid)
+        record = await phone.store.get(sid)
+        assert record is not None and record.state == "ended" and record.end_reason == "completed"
+        assert record.from_number == "+15005550006"  # the real call's, not the replayer's
+        # 3. Replaying old calls' webhooks does not hold the node's seats: a new call is answered at once.
+        old = [await _short_call(phone, http) for _ in range(4)]
+        await phone.settled()
+        for old_sid in old:
+            assert "<Hangup" in await _replay(phone, http, old_sid)
+        assert _replayed() == replayed + 6
+        assert phone.ctx.cluster.reserved == 0 and phone.ctx.capacity_left == 2
+        new_sid, params = await phone.answer(http)  # a real new call: a stream and a token
+        assert params["token"]
+        # 4. A webhook retried before its stream starts (Twilio does) still gets the same token back.
+        twiml = await _replay(phone, http, new_sid)
+        assert parse_connect_stream(twiml).parameters["token"] == params["token"]
+
+
+async def test_one_stream_flooding_control_messages_is_ended_and_the_call_beside_it_goes_on(
+    tiny_checkpoint: Path, question_wav: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """40k DTMF messages from one admitted stream (issue 13, finding 4): dropped over its rate limit,
+    counted without a log line each, the stream ended as `flooding`; the good call keeps its audio and
+    its own digits."""
+    caplog.set_level(logging.INFO)
+    async with running_phone(tiny_checkpoint, max_calls=2) as phone, aiohttp.ClientSession() as http:
+        dropped = metric("kame_stream_messages_dropped_total", event="dtmf")
+        sid = new_call_sid()
+        good = asyncio.create_task(simulate_call(
+            phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base, custom_sid=sid,
+            dtmf=[("4", 1.0), ("2", 2.0)], hold_after=1.0,
+        ))  # fmt: skip
+        flood_sid, params = await phone.answer(http)
+        ws = await phone.open_stream(http)
+        await ws.send_str(tm.start_msg("MZflood", flood_sid, "AC1", params))
+        digit = tm.dtmf_msg("MZflood", 2, "5")
+        with contextlib.suppress(ConnectionError):
+            for i in range(40_000):
+                if ws.closed:
+                    break
+                await ws.send_str(digit)
+                if i % 20 == 0:  # a remote attacker does not run on our event loop: let the server read
+                    await asyncio.sleep(0)
+        while not ws.closed:  # the server closes it
+            await ws.receive(timeout=5)
+        report = await good
+        await phone.settled()
+        assert report.outcome == "completed", report.errors
+        assert report.bot_seconds_received > 0.9 * report.seconds_sent
+        flooded = await phone.store.get(flood_sid)
+        assert flooded is not None and flooded.end_reason == "flooding"
+        assert len(flooded.dtmf) <= 30  # the bucket's burst and refill, not 40k
+        record = await phone.store.get(sid)
+        assert record is not None and record.dtmf == ["4", "2"]
+        assert metric("kame_stream_messages_dropped_total", event="dtmf") - dropped > 1000
+        assert sum("dtmf" in r.getMessage() for r in caplog.records) < 5  # no line per digit
+
+
+async def test_unstarted_sockets_are_capped_and_closed_while_a_call_runs(
+    tiny_checkpoint: Path, question_wav: Path
+) -> None:
+    """Sockets that pass the upgrade (its signature is the same for every call) but never start a stream:
+    at most `max_unstarted_streams`, each closed after `start_timeout_s` even if it keeps sending
+    `connected`, and a flood of messages on one is cut off. The good call is untouched."""
+    async with running_phone(tiny_checkpoint, max_calls=2, max_unstarted_streams=4, start_timeout_s=1.5) as phone, \
+            aiohttp.ClientSession() as http:  # fmt: skip
+        capped = metric("kame_webhook_rejections_total", endpoint="media", reason="unstarted_cap")
+        # The same call unattacked first: what real time means on this machine, in this process.
+        calm = await simulate_call(phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base,
+                                   hold_after=1.0)  # fmt: skip
+        sid = new_call_sid()
+        good = await _call_in_progress(phone, question_wav, sid)
+        idle = [await phone.open_stream(http) for _ in range(4)]
+        try:
+            await phone.open_stream(http)
+            raise AssertionError("a fifth unstarted socket was upgraded")
+        except aiohttp.WSServerHandshakeError as e:
+            assert e.status == 503
+        assert metric("kame_webhook_rejections_total", endpoint="media", reason="unstarted_cap") == capped + 1
+        assert metric("kame_media_unstarted_sockets") == 4
+
+        async def keep_saying_connected(ws: aiohttp.ClientWebSocketResponse) -> float:
+            opened = time.monotonic()
+            while not ws.closed:
+                with contextlib.suppress(ConnectionError):
+                    await ws.send_str(tm.connected_msg())
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await ws.receive(timeout=0.5)
+            return time.monotonic() - opened
+
+        async def flood(ws: aiohttp.ClientWebSocketResponse) -> None:
+            with contextlib.suppress(ConnectionError):
+                for i in range(20_000):
+                    if ws.closed:
+                        return
+                    await ws.send_str(tm.connected_msg())
+                    if i % 20 == 0:  # a remote attacker does not run on our event loop: let the server read
+                        await asyncio.sleep(0)
+
+        held = await asyncio.gather(*(keep_saying_connected(ws) for ws in idle[:2]), flood(idle[2]), flood(idle[3]))
+        assert all(s < 4.0 for s in held[:2]), held  # closed by the start timeout, not held forever
+        report = await good
+        assert report.outcome == "completed", report.errors
+        # The attackers run in this very process (their sends cost this loop too); still within 10 %.
+        assert report.bot_seconds_received > calm.bot_seconds_received - 0.1 * calm.seconds_sent
+        await phone.settled()
+        for _ in range(60):  # the flooders, which never answer our close, are dropped 2 s after it
+            if metric("kame_media_unstarted_sockets") == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert metric("kame_media_unstarted_sockets") == 0
+        async with http.post(phone.base + VOICE_PATH, data=b"x" * (40 * 1024),
+                             headers={"Content-Type": "application/x-www-form-urlencoded"}) as r:  # fmt: skip
+            assert r.status == 413  # refused before it is read
+
+
+async def test_idle_connections_beyond_the_cap_are_refused_while_a_call_runs(
+    tiny_checkpoint: Path, question_wav: Path
+) -> None:
+    """Hundreds of connections that never send a request (or send one slowly): beyond the cap they are
+    aborted at once; the call in progress does not count against it and goes on; once they go, webhooks
+    are answered again."""
+    async with running_phone(tiny_checkpoint, max_calls=2, max_idle_connections=8) as phone, \
+            aiohttp.ClientSession() as http:  # fmt: skip
+        refused = metric("kame_http_connections_refused_total")
+        sid = new_call_sid()
+        good = await _call_in_progress(phone, question_wav, sid)
+        host, port = phone.base.removeprefix("http://").split(":")
+        idle = [await asyncio.open_connection(host, int(port)) for _ in range(100)]
+        closed = 0
+        for reader, _ in idle:
+            with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
+                if await asyncio.wait_for(reader.read(), 0.5) == b"":
+                    closed += 1
+        assert closed >= 100 - 8, closed  # the call's own socket is not counted against the cap
+        assert metric("kame_http_connections_refused_total") - refused >= 92
+        report = await good
+        assert report.outcome == "completed", report.errors
+        for _, writer in idle:
+            writer.close()
+        await asyncio.sleep(0.2)
+        _, params = await phone.answer(http)  # answered again once the idle ones are gone
+        assert params["token"]
