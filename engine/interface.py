@@ -82,18 +82,35 @@ class EngineNotice:
     detail: str
 
 
+CallAction = Literal["transfer", "end"]  # what the agent may ask the phone edge to do with a live call
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """The agent's LLM called a tool. The edge records it; an `action` asks the edge to act on the call once
+    the bot has said `say` (the back-end made it the call's oracle): hand it to a person, or hang up."""
+
+    name: str  # transfer_call, end_call, or one of the agent's HTTP tools ("unknown" for a name it lacks)
+    arguments: str  # the JSON arguments as the LLM gave them (capped)
+    outcome: str  # ok | error | timeout | too_large | bad_arguments | requested (an action, for the edge)
+    action: CallAction | None = None
+    say: str = ""
+
+
 @dataclass(frozen=True)
 class CallSetup:
     """What the phone edge knows of a call when it opens its seat: the agent that answers it (its
-    instructions and greeting live where the back-end runs) and the numbers."""
+    instructions and greeting live where the back-end runs), the numbers, and the call actions the edge
+    can carry out (it holds the Twilio REST credentials; the back-end offers the LLM only those tools)."""
 
     agent: str = "default"
     to_number: str | None = None
     from_number: str | None = None
+    actions: tuple[CallAction, ...] = ()
 
 
 # What one call's `outputs()` yields; its audio comes in the engine-wide `BotFrames` instead.
-EngineOutput = CallerTranscript | OracleUpdate | EngineNotice
+EngineOutput = CallerTranscript | OracleUpdate | EngineNotice | ToolUse
 
 
 @runtime_checkable

@@ -44,7 +44,7 @@ import struct
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from . import metrics
 from .interface import (
     FRAME_SAMPLES,
     BotFrames,
+    CallAction,
     CallerTranscript,
     CallSession,
     CallSetup,
@@ -62,6 +63,7 @@ from .interface import (
     EngineNotice,
     EngineOutput,
     OracleUpdate,
+    ToolUse,
 )
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,8 @@ _PREFIX = struct.Struct(">I")
 _U16 = struct.Struct(">H")
 MAX_MESSAGE_BYTES = 32 << 20  # a tick of 256 calls is 2 MB; anything far larger is a broken peer
 # 2: hello/welcome carry "version"; call ids are per edge. A v1 peer sends no version and is refused.
-PROTOCOL_VERSION = 2
+# 3: a call's setup carries the actions the edge can carry out; "tool" events (the agent's tool calls).
+PROTOCOL_VERSION = 3
 HELLO_MAX_BYTES = 4096  # a hello is ~100 bytes; before it the peer is unauthenticated
 HELLO_TIMEOUT_S = 2.0  # from accept (after TLS) to a whole hello; TLS handshakes get the same
 MAX_UNAUTHENTICATED = 8  # peers between accept and welcome held at once; edges reconnect one at a time
@@ -133,7 +136,10 @@ def _setup_from_wire(raw: Any) -> CallSetup | None:
     fields = {k: raw.get(k) for k in ("agent", "to_number", "from_number")}
     if not all(v is None or (isinstance(v, str) and len(v) <= 100) for v in fields.values()):
         raise ValueError("call setup fields must be short strings")
-    return CallSetup(**{k: v for k, v in fields.items() if v is not None})
+    actions = raw.get("actions") or []
+    if not isinstance(actions, list) or not set(actions) <= set(get_args(CallAction)):
+        raise ValueError(f"call setup actions must be a list of {get_args(CallAction)}")
+    return CallSetup(**{k: v for k, v in fields.items() if v is not None}, actions=tuple(actions))
 
 
 def audio_message(call_id: str, pcm: np.ndarray) -> bytes:
@@ -159,6 +165,9 @@ def event_message(call_id: str, output: EngineOutput | None, now: float) -> byte
         body.update(type="transcript", text=output.text, final=output.final, age=now - output.at)
     elif isinstance(output, OracleUpdate):
         body.update(type="oracle", text=output.text, candidate=output.candidate, age=now - output.at)
+    elif isinstance(output, ToolUse):
+        body.update(type="tool", name=output.name, arguments=output.arguments, outcome=output.outcome,
+                    action=output.action, say=output.say)  # fmt: skip
     else:
         body.update(type="notice", kind=output.kind, detail=output.detail)
     return _json(b"E", body)
@@ -173,6 +182,11 @@ def parse_event(body: bytes | memoryview, now: float) -> tuple[str, EngineOutput
         return d["call_id"], OracleUpdate(str(d["text"]), now - float(d["age"]), int(d["candidate"]))
     if kind == "notice":
         return d["call_id"], EngineNotice(d["kind"], str(d["detail"]))
+    if kind == "tool":
+        action = d.get("action")
+        if action is not None and action not in get_args(CallAction):
+            raise ValueError(f"unknown call action {action!r}")
+        return d["call_id"], ToolUse(str(d["name"]), str(d["arguments"]), str(d["outcome"]), action, str(d["say"]))
     if kind == "end":
         return d["call_id"], None
     raise ValueError(f"unknown event type {kind!r}")

@@ -30,6 +30,7 @@ from .interface import (
     EngineNotice,
     EngineOutput,
     OracleUpdate,
+    ToolUse,
 )
 from .sampling import SamplingOverrides
 
@@ -55,6 +56,7 @@ class BackendProvider(Protocol):
         on_oracle: Callable[[str, float, int, bool], None],  # whole draft text, triggered_at, candidate id, complete
         on_error: Callable[[str, str], None],  # kind, detail
         setup: CallSetup | None = None,
+        on_tool: Callable[[ToolUse], None] | None = None,  # the agent's tool calls, for the edge
     ) -> CallBackendHooks: ...
 
     async def aclose(self) -> None: ...
@@ -118,6 +120,9 @@ class LocalCallSession:
     def _on_oracle(self, text: str, triggered_at: float, candidate_id: int, complete: bool) -> None:
         self._engine.frame_loop.set_oracle(self.row, self.call_id, candidate_id, text, triggered_at, complete=complete)
         self._put(OracleUpdate(text=text, at=time.monotonic(), candidate=candidate_id))
+
+    def _on_tool(self, use: ToolUse) -> None:
+        self._put(use)
 
     def _on_reset(self) -> None:  # frame-loop thread
         self._loop.call_soon_threadsafe(self._on_notice, "reset", "the engine reset this call's model state")
@@ -315,7 +320,8 @@ class LocalEngine:
         if self.backend is not None:
             try:
                 session.backend = self.backend.open_call(
-                    call_id, session._on_transcript, session._on_oracle, session._on_notice, setup
+                    call_id, session._on_transcript, session._on_oracle, session._on_notice, setup,
+                    on_tool=session._on_tool,
                 )
                 await session.backend.start()
             except Exception:

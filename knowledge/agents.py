@@ -197,8 +197,8 @@ def _tool(bad: Any, table: Any) -> HttpTool:
     name = table.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", name):
         raise bad("tools.name", "letters, digits, _ or -, at most 64 (OpenAI's rule for function names)")
-    if name in ("transfer_call", "end_call"):
-        raise bad("tools.name", f"{name!r} is a built-in tool")
+    if name in ("transfer_call", "end_call", "unknown"):
+        raise bad("tools.name", f"{name!r} is reserved (a built-in tool)")
     description = table.get("description")
     if not isinstance(description, str) or not description.strip():
         raise bad(f"tools.{name}.description", "a non-empty string")

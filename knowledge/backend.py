@@ -27,18 +27,19 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
-from engine.interface import FRAME_SECONDS, CallSetup
+from engine.interface import FRAME_SECONDS, CallSetup, ToolUse
 
 from . import metrics
 from .agents import AgentDirectory, Agents
-from .conversation import DEFAULT_SYSTEM_PROMPT, Conversation, word_count
-from .llm import LlmClient, LlmConfig, LlmError
+from .conversation import DEFAULT_SYSTEM_PROMPT, Conversation, ToolExchange, word_count
+from .llm import LlmClient, LlmConfig, LlmError, ToolCallRequest
 from .oracle_policy import OraclePolicy, OraclePolicyConfig, TriggerReason
 from .stt import DECODER_POOL, StreamingSTT, SttResult, make_stt
+from .tools import CallTools, HttpSession, ToolResult
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +48,11 @@ TranscriptCallback = Callable[[str, bool, float], None]  # (text, final, at)
 DRAFT_UPDATE_INTERVAL_S = 0.08  # a growing draft reaches the engine at most once per frame
 OracleCallback = Callable[[str, float, int, bool], None]  # (draft text, triggered_at, candidate_id, complete)
 ErrorCallback = Callable[[Literal["stt_error", "llm_error"], str], None]  # (kind, detail)
+ToolCallback = Callable[[ToolUse], None]
+MAX_TOOL_ROUNDS = 3  # tool answers chained without the caller speaking: then the LLM must answer in words
+# After a call action (transfer, hang-up) no new draft may replace its line while the edge carries it out;
+# should the action fail, the call goes on with the LLM after this.
+ACTION_QUIET_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,7 @@ class BackendServices:
         self.stt_factory = make_stt(config.stt)
         self.executor = ThreadPoolExecutor(max_workers=config.stt_threads, thread_name_prefix="kame-stt")
         self.llm = LlmClient(config.llm_config()) if config.llm_enabled else None
+        self.tools_http = HttpSession()
 
     def open_call(
         self,
@@ -107,6 +114,7 @@ class BackendServices:
         on_oracle: OracleCallback,
         on_error: ErrorCallback | None = None,
         setup: CallSetup | None = None,
+        on_tool: ToolCallback | None = None,
     ) -> CallBackend:
         """A started-by-the-caller `CallBackend` (call `await start()`, later `await aclose()`), prompted
         as the call's agent (the one the edge chose; the agents in force now: a reload changes new calls)."""
@@ -123,6 +131,8 @@ class BackendServices:
             system_prompt=agent.system_prompt(self.config.system_prompt),
             greeting=agent.greeting,
             llm_model=agent.llm_model,
+            tools=CallTools(agent, setup.actions if setup is not None else (), self.tools_http),
+            on_tool=on_tool,
             max_pending_audio_s=self.config.max_pending_audio_s,
             stt_restart_backoff_s=self.config.stt_restart_backoff_s,
         )
@@ -137,6 +147,7 @@ class BackendServices:
     async def aclose(self) -> None:
         if self.llm is not None:
             await self.llm.aclose()
+        await self.tools_http.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
@@ -161,6 +172,8 @@ class CallBackend:
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,
         greeting: str | None = None,
         llm_model: str | None = None,
+        tools: CallTools | None = None,
+        on_tool: ToolCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_pending_audio_s: float = 10.0,
         stt_restart_backoff_s: float = 1.0,
@@ -178,6 +191,10 @@ class CallBackend:
         self.conversation = Conversation(system_prompt=system_prompt)
         self._greeting = greeting
         self._llm_model = llm_model
+        self._tools = tools
+        self._on_tool = on_tool
+        self._tool_rounds = 0  # tool answers since the caller last finished speaking
+        self._quiet_until = 0.0  # no new LLM request before (a call action is under way)
         self.policy = OraclePolicy(policy)
         self._audio: deque[tuple[np.ndarray, float]] = deque()  # (frame, enqueued at)
         self._max_pending_frames = max(1, round(max_pending_audio_s / FRAME_SECONDS))
@@ -347,6 +364,7 @@ class CallBackend:
         conv = self.conversation
         if result.final:
             conv.caller_final(result.text)
+            self._tool_rounds = 0
             self.policy.on_final(word_count(result.text))
         else:
             conv.caller_partial(result.text)
@@ -378,26 +396,36 @@ class CallBackend:
 
     def _start_request(self, reason: TriggerReason, triggered_at: float) -> None:
         assert self._llm is not None
+        if self._clock() < self._quiet_until:
+            return  # the line of a call action is being said: no draft may replace it
         if self._request is not None:
             self._request.cancel()  # superseded: the newest draft always wins
         self._candidate_id += 1
         messages = self.conversation.messages()
+        tools = self._tools.specs() if self._tools is not None and self._tool_rounds < MAX_TOOL_ROUNDS else []
         log.debug("call %s: LLM request %d (%s)", self.call_id, self._candidate_id, reason.value)
-        self._request = self._spawn(self._stream_request(self._candidate_id, messages, triggered_at), "llm")
+        request = self._stream_request(self._candidate_id, messages, triggered_at, tools)
+        self._request = self._spawn(request, "llm")
 
-    async def _stream_request(self, candidate_id: int, messages: list[dict[str, str]], triggered_at: float) -> None:
+    async def _stream_request(
+        self, candidate_id: int, messages: list[dict[str, Any]], triggered_at: float, tools: list[dict[str, Any]]
+    ) -> None:
         assert self._llm is not None
         # ORACLE_LAG_SECONDS is observed by the frame loop, when the candidate's first token is fed.
         sent_at: float | None = None
         latest: str | None = None  # the newest draft (it may be held back until a frame has passed)
+        calls: list[ToolCallRequest] = []
         try:
             request_id = f"{self.call_id}-{candidate_id}"
             drafts_stream = self._llm.stream_draft(messages, call_id=self.call_id, request_id=request_id,
-                                                   model=self._llm_model)  # fmt: skip
+                                                   model=self._llm_model, tools=tools)  # fmt: skip
             async with contextlib.aclosing(drafts_stream) as drafts:
                 async for text in drafts:
                     if candidate_id != self._candidate_id:
                         return  # superseded between two chunks (aclosing closes the HTTP stream)
+                    if isinstance(text, ToolCallRequest):
+                        calls.append(text)
+                        continue
                     # The first draft goes at once (it is the lag that matters); growth at most once per
                     # frame: the engine feeds one token per 80 ms frame while an LLM streams several, and
                     # each update is a message to the engine and a re-tokenization of the whole draft.
@@ -426,3 +454,36 @@ class CallBackend:
             return
         if candidate_id == self._candidate_id:
             self.policy.on_success()
+            if calls:
+                # Its own task: a newer request superseding this one must not cancel the tools' work.
+                self._spawn(self._run_tools(calls), "tools")
+
+    # --- tools -------------------------------------------------------------------------------------
+    async def _run_tools(self, calls: list[ToolCallRequest]) -> None:
+        assert self._tools is not None
+        results: list[ToolResult] = await asyncio.gather(*(self._tools.run(c, call_id=self.call_id) for c in calls))
+        for result in results:
+            if self._on_tool is not None:
+                use = ToolUse(result.name, result.arguments[:1000], result.outcome, result.action, result.say)
+                try:
+                    self._on_tool(use)
+                except Exception:
+                    log.exception("call %s: on_tool callback failed", self.call_id)
+        self.conversation.tool_exchange(ToolExchange(
+            calls=[{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                   for c in calls],
+            results=[(c.id, r.content) for c, r in zip(calls, results, strict=True)],
+        ))  # fmt: skip
+        action = next((r for r in results if r.action is not None), None)
+        now = self._clock()
+        if action is not None:
+            # The action's line is the newest candidate: said at once, and left alone while the edge acts.
+            if self._request is not None:
+                self._request.cancel()
+            self._candidate_id += 1
+            self._deliver_draft(action.say, now, self._candidate_id, complete=True)
+            self._quiet_until = now + ACTION_QUIET_S
+            return
+        self._tool_rounds += 1
+        if self._llm is not None and not self._closed:
+            self._start_request(TriggerReason.TOOL_RESULT, now)  # the result, in words

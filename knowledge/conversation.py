@@ -8,7 +8,7 @@ SentencePiece pieces the front-end model emits, one per 80 ms frame ('▁' start
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 WORD_START = "\u2581"  # SentencePiece's '▁'
 
@@ -33,6 +33,16 @@ class Turn:
     text: str  # raw text; whitespace is normalised when rendered
 
 
+@dataclass(slots=True)
+class ToolExchange:
+    """Function calls the LLM made and their results, kept together: the API wants an assistant message
+    with `tool_calls` followed at once by one `tool` message per call."""
+
+    calls: list[dict[str, Any]]  # OpenAI's assistant `tool_calls` entries
+    results: list[tuple[str, str]]  # (tool_call_id, content)
+    role: Literal["tool"] = "tool"
+
+
 def _clean(text: str) -> str:
     return " ".join(text.split())
 
@@ -46,7 +56,7 @@ class Conversation:
     """One call's transcript. Not thread-safe: the back-end touches it from its event loop only."""
 
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    turns: list[Turn] = field(default_factory=list)
+    turns: list[Turn | ToolExchange] = field(default_factory=list)
     partial: str = ""  # the caller's current unfinished utterance
     committed_words: int = 0  # words in the caller's finals
     # The assistant turn whose last word may still continue with a piece that has no '▁'.
@@ -108,11 +118,19 @@ class Conversation:
     def bot_text(self) -> str:
         return " ".join(_clean(t.text) for t in self.turns if t.role == "assistant")
 
+    def tool_exchange(self, exchange: ToolExchange) -> None:
+        """The LLM's function calls with their results, as the newest entry (after what was said so far)."""
+        self.turns.append(exchange)
+
     # --- rendering ---------------------------------------------------------------------------------
-    def messages(self) -> list[dict[str, str]]:
+    def messages(self) -> list[dict[str, Any]]:
         """System prompt + the transcript as chat turns; the pending partial is the last user text."""
-        out: list[dict[str, str]] = [{"role": "system", "content": self.system_prompt}]
+        out: list[dict[str, Any]] = [{"role": "system", "content": self.system_prompt}]
         for turn in self.turns:
+            if isinstance(turn, ToolExchange):
+                out.append({"role": "assistant", "content": None, "tool_calls": turn.calls})
+                out += [{"role": "tool", "tool_call_id": cid, "content": content} for cid, content in turn.results]
+                continue
             text = _clean(turn.text)
             if text:
                 out.append({"role": turn.role, "content": text})

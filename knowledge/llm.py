@@ -125,19 +125,70 @@ def _event_data(event: str, data: list[str]) -> str:
     return joined
 
 
-def _delta_content(chunk: Any) -> str | None:
-    """The text a chat-completion chunk adds; None for chunks without text (role, usage, finish)."""
+@dataclass(frozen=True, slots=True)
+class ToolCallRequest:
+    """A function call the LLM asked for (OpenAI `tool_calls`), whole: its streamed pieces joined."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text as the LLM wrote it; not yet parsed (it may be bad)
+
+
+MAX_TOOL_CALLS = 4  # per answer: more is a confused model, not a plan
+MAX_TOOL_ARGUMENTS = 8192  # characters; a tool's arguments are a few fields
+
+
+@dataclass
+class _ToolCallParts:
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+def _delta(chunk: Any) -> dict[str, Any]:
+    """The delta of a chat-completion chunk ({} for chunks without one: usage, some finishes)."""
     if not isinstance(chunk, dict):
         raise TypeError(f"a stream chunk is {type(chunk).__name__}, not an object")
     if "error" in chunk:
         raise LlmStreamError(str(chunk["error"])[:200])
     choices = chunk.get("choices")
     if not choices:  # e.g. a trailing usage chunk
-        return None
-    piece = (choices[0].get("delta") or {}).get("content")  # some servers end with a choice without delta
+        return {}
+    delta = choices[0].get("delta") or {}  # some servers end with a choice without delta
+    if not isinstance(delta, dict):
+        raise TypeError(f"delta is {type(delta).__name__}, not an object")
+    return delta
+
+
+def _delta_content(delta: dict[str, Any]) -> str | None:
+    """The text a chunk's delta adds; None for deltas without text (role, tool calls, finish)."""
+    piece = delta.get("content")
     if piece is not None and not isinstance(piece, str):
         raise TypeError(f"delta.content is {type(piece).__name__}, not str")
     return piece
+
+
+def _add_tool_call_pieces(delta: dict[str, Any], calls: dict[int, _ToolCallParts]) -> bool:
+    """Join a delta's `tool_calls` pieces into `calls` (by index); True if it had any."""
+    pieces = delta.get("tool_calls")
+    if not pieces:
+        return False
+    if not isinstance(pieces, list):
+        raise TypeError("delta.tool_calls is not a list")
+    for piece in pieces:
+        index = piece.get("index", 0) if isinstance(piece, dict) else None
+        if not isinstance(index, int) or not 0 <= index < MAX_TOOL_CALLS:
+            raise ValueError(f"tool call index {index!r}")
+        parts = calls.setdefault(index, _ToolCallParts())
+        function = piece.get("function") or {}
+        if not isinstance(function, dict):
+            raise TypeError("tool_calls[].function is not an object")
+        parts.id += str(piece.get("id") or "")
+        parts.name += str(function.get("name") or "")
+        parts.arguments += str(function.get("arguments") or "")
+        if len(parts.arguments) > MAX_TOOL_ARGUMENTS or len(parts.name) > 64 or len(parts.id) > 128:
+            raise ValueError("a tool call past its size limits")
+    return True
 
 
 def _aiohttp_transport(timeout_s: float) -> Any:
@@ -172,10 +223,11 @@ class LlmClient:
         await self._client.close()
 
     async def stream_draft(
-        self, messages: Sequence[dict[str, str]], *, call_id: str = "-", request_id: str | None = None,
-        model: str | None = None,
-    ) -> AsyncIterator[str]:
-        """Yield the cumulative draft text after each streamed chunk that adds text.
+        self, messages: Sequence[dict[str, Any]], *, call_id: str = "-", request_id: str | None = None,
+        model: str | None = None, tools: Sequence[dict[str, Any]] = (),
+    ) -> AsyncIterator[str | ToolCallRequest]:
+        """Yield the cumulative draft text after each streamed chunk that adds text; with `tools` (OpenAI
+        function specs) offered, then each function call the answer asked for, once the stream is done.
 
         `request_id` goes out as `X-Request-Id` (vLLM and most gateways log it), so one draft can be
         followed from our logs into the LLM server's.
@@ -191,6 +243,9 @@ class LlmClient:
             extra["max_tokens"] = cfg.max_tokens
         if cfg.temperature is not None:
             extra["temperature"] = cfg.temperature
+        if tools:
+            extra["tools"] = list(tools)
+        calls: dict[int, _ToolCallParts] = {}
         started = time.monotonic()
         streaming = False
         text = ""
@@ -218,7 +273,10 @@ class LlmClient:
                         async for data in events:
                             if data == "[DONE]":
                                 break
-                            piece = _delta_content(json.loads(data))
+                            delta = _delta(json.loads(data))
+                            if _add_tool_call_pieces(delta, calls) and first_token.when() is not None:
+                                first_token.reschedule(None)  # a function call is an answer too
+                            piece = _delta_content(delta)
                             if not piece:
                                 continue
                             if not text:
@@ -229,6 +287,9 @@ class LlmClient:
                                 first_token.reschedule(None)
                             text += piece
                             yield text
+            for index, parts in sorted(calls.items()):
+                if parts.name:  # a call without a name cannot be run: dropped, as a server's noise
+                    yield ToolCallRequest(parts.id or f"call_{index}", parts.name, parts.arguments)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

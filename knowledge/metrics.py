@@ -30,3 +30,16 @@ STT_PARTIAL_SECONDS = Histogram(
     "From the end of a caller frame to the partial transcript that includes it.",
     buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
 )
+# An agent's tool calls (knowledge/tools.py). `requested`: a call action handed to the phone edge, which
+# counts what became of it in kame_call_actions_total.
+TOOL_OUTCOMES = ("ok", "error", "timeout", "too_large", "bad_arguments", "unknown_tool", "requested")
+TOOL_CALLS = zero_series(
+    Counter("kame_tool_calls_total", "Tool calls the agents' LLM made, by tool and outcome.", ["tool", "outcome"]),
+    tool=("transfer_call", "end_call", "unknown"), outcome=TOOL_OUTCOMES,
+)  # fmt: skip
+
+
+def zero_tool_series(tool: str) -> None:
+    """An agent's own tool gets its series at 0 when a call first offers it (tool names come from the file)."""
+    for outcome in TOOL_OUTCOMES:
+        TOOL_CALLS.labels(tool=tool, outcome=outcome)

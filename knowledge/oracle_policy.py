@@ -51,6 +51,7 @@ class TriggerReason(str, Enum):
     FINAL = "final"  # the STT closed an utterance
     GROWTH = "growth"  # the word count grew by min_word_delta
     RETRY = "retry"  # the previous request failed and the back-off has passed
+    TOOL_RESULT = "tool_result"  # a tool the LLM called has answered (not from `poll`: the back-end asks)
 
 
 @dataclass

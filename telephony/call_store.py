@@ -7,7 +7,7 @@ op in Redis mirrors `_apply`, so both stores and the read-side merge of unflushe
 
 Redis layout (prefix `kame:` by default), every key with the retention TTL refreshed on each write:
   <p>call:<sid>                 hash of scalar fields, plus `seq:<writer>` (last op applied per writer)
-  <p>call:<sid>:turns|oracle|dtmf|turn_latencies   lists, appended with RPUSH
+  <p>call:<sid>:turns|oracle|dtmf|turn_latencies|tools   lists, appended with RPUSH
   <p>calls                      sorted set of CallSids scored by last write, for `list_recent`
 """
 
@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import random
+import re
 import threading
 import time
 import urllib.parse
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 CallState = Literal["ringing", "streaming", "ended"]
 Role = Literal["caller", "bot"]
 LatencyName = Literal["first_audio", "turn"]
-_ListName = Literal["turns", "oracle", "dtmf", "turn_latencies_s"]
+_ListName = Literal["turns", "oracle", "dtmf", "turn_latencies_s", "tools"]
 
 DEFAULT_TTL_S = 24 * 3600.0  # short on purpose: transcripts and phone numbers are personal data
 DEFAULT_MAX_PENDING = 10_000
@@ -66,6 +67,16 @@ class Turn:
 @dataclass(frozen=True, slots=True)
 class OracleNote:
     text: str | None  # None when transcripts are not stored
+    at: float  # epoch seconds
+
+
+@dataclass(frozen=True, slots=True)
+class ToolNote:
+    """A tool the agent's LLM called: its arguments are masked like DTMF when transcripts are not stored."""
+
+    name: str
+    arguments: str
+    outcome: str
     at: float  # epoch seconds
 
 
@@ -89,6 +100,7 @@ class CallRecord:
     turns: list[Turn] = field(default_factory=list)
     oracle: list[OracleNote] = field(default_factory=list)
     turn_latencies_s: list[float] = field(default_factory=list)
+    tools: list[ToolNote] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -98,6 +110,7 @@ class CallRecord:
         data = dict(data)
         data["turns"] = [Turn(**t) for t in data.get("turns", ())]
         data["oracle"] = [OracleNote(**o) for o in data.get("oracle", ())]
+        data["tools"] = [ToolNote(**t) for t in data.get("tools", ())]
         return cls(**data)
 
     def to_json(self) -> str:
@@ -127,6 +140,7 @@ class CallStore(Protocol):
     async def append_turn(self, call_sid: str, role: Role, text: str, at: float | None = None) -> None: ...
     async def append_oracle(self, call_sid: str, text: str, at: float | None = None) -> None: ...
     async def append_dtmf(self, call_sid: str, digit: str) -> None: ...
+    async def append_tool(self, call_sid: str, name: str, arguments: str, outcome: str) -> None: ...
     async def add_latency(self, call_sid: str, name: LatencyName, seconds: float) -> None: ...
     async def end(self, call_sid: str, reason: str, at: float | None = None) -> None: ...
     async def get(self, call_sid: str) -> CallRecord | None: ...
@@ -181,7 +195,7 @@ class _OpStore:
     def _op(self, call_sid: str, kind: Any, **kw: Any) -> _Op:
         return _Op(seq=next(self._seq), call_sid=call_sid, kind=kind, **kw)
 
-    def _push(self, call_sid: str, list_name: _ListName, item: Turn | OracleNote | str | float) -> _Op:
+    def _push(self, call_sid: str, list_name: _ListName, item: Turn | OracleNote | ToolNote | str | float) -> _Op:
         return self._op(call_sid, "push", list_name=list_name, item=item)
 
     async def create(self, record: CallRecord) -> None:
@@ -196,6 +210,8 @@ class _OpStore:
         ops += [self._push(record.call_sid, "turns", self._turn(t.role, t.text, t.at)) for t in record.turns]
         ops += [self._push(record.call_sid, "oracle", self._note(o.text, o.at)) for o in record.oracle]
         ops += [self._push(record.call_sid, "turn_latencies_s", float(s)) for s in record.turn_latencies_s]
+        ops += [self._push(record.call_sid, "tools", self._tool(t.name, t.arguments, t.outcome, t.at))
+                for t in record.tools]  # fmt: skip
         self._submit(ops)
 
     async def update(self, call_sid: str, **fields: Any) -> None:
@@ -217,6 +233,9 @@ class _OpStore:
 
     async def append_dtmf(self, call_sid: str, digit: str) -> None:
         self._submit([self._push(call_sid, "dtmf", self._digit(digit))])
+
+    async def append_tool(self, call_sid: str, name: str, arguments: str, outcome: str) -> None:
+        self._submit([self._push(call_sid, "tools", self._tool(name, arguments, outcome, None))])
 
     async def add_latency(self, call_sid: str, name: LatencyName, seconds: float) -> None:
         if name == "first_audio":
@@ -243,6 +262,11 @@ class _OpStore:
 
     def _digit(self, digit: str) -> str:
         return str(digit) if self.store_transcripts else _MASKED_DIGIT
+
+    def _tool(self, name: str, arguments: str, outcome: str, at: float | None) -> ToolNote:
+        # Arguments carry what the caller said (an order number, a card number): digits go like DTMF's.
+        masked = arguments if self.store_transcripts else re.sub(r"\d", _MASKED_DIGIT, arguments)
+        return ToolNote(name=name, arguments=masked, outcome=outcome, at=time.time() if at is None else float(at))
 
 
 class MemoryCallStore(_OpStore):
@@ -304,7 +328,7 @@ class MemoryCallStore(_OpStore):
         self._records.clear()
 
 
-# Applies one _Op atomically. KEYS: 1 hash, 2 turns, 3 oracle, 4 dtmf, 5 turn_latencies, 6 index.
+# Applies one _Op atomically. KEYS: 1 hash, 2 turns, 3 oracle, 4 dtmf, 5 turn_latencies, 6 tools, 7 index.
 # ARGV: 1 kind, 2 writer seq field, 3 seq, 4 ttl ms, 5 call sid, 6 activity time (epoch s),
 # 7 payload (JSON fields, or the list item), 8 list KEYS position (push).
 # The index is scored by last activity, so entries older than the TTL are exactly the expired calls.
@@ -328,15 +352,15 @@ elseif kind ~= 'noop' then
   end
 end
 redis.call('HSET', h, ARGV[2], ARGV[3])
-redis.call('ZADD', KEYS[6], 'GT', ARGV[6], ARGV[5])
-redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', '(' .. (tonumber(ARGV[6]) - tonumber(ARGV[4]) / 1000))
-for i = 1, 6 do redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
+redis.call('ZADD', KEYS[7], 'GT', ARGV[6], ARGV[5])
+redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', '(' .. (tonumber(ARGV[6]) - tonumber(ARGV[4]) / 1000))
+for i = 1, 7 do redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
 return 1
 """
 
 # Writes a live call's whole record back, if Redis has none (it restarted empty, or lost it). Same KEYS.
 # ARGV: 1 writer seq field, 2 seq (the last op the record includes), 3 ttl ms, 4 call sid, 5 activity time,
-# 6 scalars (JSON object), 7 lists (JSON array of 4 arrays of encoded items, in KEYS 2-5 order).
+# 6 scalars (JSON object), 7 lists (JSON array of 5 arrays of encoded items, in KEYS 2-6 order).
 _RESTORE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 for f, v in pairs(cjson.decode(ARGV[6])) do
@@ -344,17 +368,17 @@ for f, v in pairs(cjson.decode(ARGV[6])) do
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 local lists = cjson.decode(ARGV[7])
-for i = 1, 4 do
+for i = 1, 5 do
   redis.call('DEL', KEYS[i + 1])
   for _, item in ipairs(lists[i]) do redis.call('RPUSH', KEYS[i + 1], item) end
 end
-redis.call('ZADD', KEYS[6], 'GT', ARGV[5], ARGV[4])
-for i = 1, 6 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+redis.call('ZADD', KEYS[7], 'GT', ARGV[5], ARGV[4])
+for i = 1, 7 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
 return 1
 """
 
-_KEY_SUFFIXES = ("", ":turns", ":oracle", ":dtmf", ":turn_latencies")  # KEYS 1-5, see _APPLY_LUA
-_LIST_KEY_POS = {"turns": 2, "oracle": 3, "dtmf": 4, "turn_latencies_s": 5}
+_KEY_SUFFIXES = ("", ":turns", ":oracle", ":dtmf", ":turn_latencies", ":tools")  # KEYS 1-6, see _APPLY_LUA
+_LIST_KEY_POS = {"turns": 2, "oracle": 3, "dtmf": 4, "turn_latencies_s": 5, "tools": 6}
 _LIST_NAMES_BY_KEY = sorted(_LIST_KEY_POS, key=_LIST_KEY_POS.__getitem__)
 # Errors that mean "Redis is not usable right now", even when returned for a single op.
 _TRANSIENT_OP_ERRORS = (NoScriptError, ReadOnlyError)
@@ -377,9 +401,9 @@ def _encode_scalar(value: str | float | None) -> str | None:
     return None if value is None else (repr(value) if isinstance(value, float) else str(value))
 
 
-def _encode_item(item: Turn | OracleNote | str | float) -> str:
+def _encode_item(item: Turn | OracleNote | ToolNote | str | float) -> str:
     """A list item as Redis holds it (read back by `RedisCallStore._decode`)."""
-    if isinstance(item, Turn | OracleNote):
+    if isinstance(item, Turn | OracleNote | ToolNote):
         return json.dumps(dataclasses.asdict(item), separators=(",", ":"))
     return _encode_scalar(item) or ""
 
@@ -728,13 +752,14 @@ class RedisCallStore(_OpStore):
         return [self._decode(sid, raw[i * n : (i + 1) * n]) for i, sid in enumerate(sids)]
 
     def _decode(self, call_sid: str, raw: list[Any]) -> tuple[CallRecord | None, int]:
-        fields, turns, oracle, dtmf, latencies = raw
+        fields, turns, oracle, dtmf, latencies, tools = raw
         if not fields:
             return None, 0
         kw: dict[str, Any] = {k: v for k, v in fields.items() if k in _STR_FIELDS}
         kw |= {k: float(v) for k, v in fields.items() if k in _FLOAT_FIELDS or k == "created_at"}
         kw |= {"turns": [Turn(**json.loads(t)) for t in turns], "dtmf": dtmf}
         kw |= {"oracle": [OracleNote(**json.loads(o)) for o in oracle]}
+        kw |= {"tools": [ToolNote(**json.loads(t)) for t in tools]}
         record = CallRecord(call_sid=call_sid, turn_latencies_s=[float(x) for x in latencies], **kw)
         return record, int(fields.get(self._seq_field, 0))
 

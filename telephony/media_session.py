@@ -20,12 +20,15 @@ from typing import TYPE_CHECKING
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from engine.interface import (
+    FRAME_SECONDS,
+    CallAction,
     CallerTranscript,
     CallSession,
     CallSetup,
     EngineError,
     EngineNotice,
     OracleUpdate,
+    ToolUse,
 )
 from knowledge.agents import Agent
 
@@ -64,6 +67,12 @@ log = logging.getLogger(__name__)
 
 TOKEN_PARAMETER = "token"  # the <Parameter> carrying the call's admission token
 AGENT_PARAMETER = "agent"  # the agent chosen at the webhook (with "to" and "from": the call's setup)
+# Before a call action, the bot says its line. The model begins speaking an oracle within about a second
+# and says a word in well under half a second; its audio trails its text by a couple of frames.
+LINE_LEAD_FRAMES = 12
+FRAMES_PER_WORD = 6
+AUDIO_AFTER_TEXT_FRAMES = 3
+LINE_MARK_WAIT_S = 5.0
 
 
 @dataclass
@@ -113,7 +122,9 @@ class MediaStreamSession:
         self._ended = False
         self._end_reason = "completed"
         self._agent: Agent | None = None  # set at `start`
-        self._transferring = False
+        self._acting = False  # a transfer or hang-up through the REST API is under way
+        self._awaited_mark: tuple[str, asyncio.Event] | None = None  # a mark whose echo someone waits for
+        self._bot_word_starts = 0  # words the bot has begun (its text pieces starting with '▁')
         self.limits = StreamLimits()
         # Upgraded (the signature was good) but not started: such sockets are capped per node and closed
         # after the start timeout, however often they send `connected`.
@@ -202,7 +213,8 @@ class MediaStreamSession:
                 await self._on_dtmf(message.dtmf.digit)
         elif isinstance(message, StopMessage):
             if self._check_sid(message.stream_sid):
-                if self._end_reason != "transferred":  # Twilio stops the stream of a call it transferred
+                # Twilio stops the stream of a call we transferred or hung up: that is its outcome.
+                if self._end_reason not in ("transferred", "ended_by_agent"):
                     self._end_reason = "completed"
                 await self.ws.close()
         elif isinstance(message, ConnectedMessage):
@@ -249,7 +261,10 @@ class MediaStreamSession:
         params = start.custom_parameters  # set by our own webhook's TwiML (the token proved it)
         self._agent = self.ctx.agents.agents.get(params.get(AGENT_PARAMETER))  # kept for the call (reloads)
         self.state.agent = self._agent.name
-        setup = CallSetup(agent=self.state.agent, to_number=params.get("to"), from_number=params.get("from"))
+        # The call actions this edge can carry out: the back-end offers the LLM only those tools.
+        actions: tuple[CallAction, ...] = ("transfer", "end") if self.ctx.twilio_rest is not None else ()
+        setup = CallSetup(agent=self.state.agent, to_number=params.get("to"), from_number=params.get("from"),
+                          actions=actions)  # fmt: skip
         log.info("call answered by agent %s", self.state.agent)
         try:
             self.engine_call = await self.ctx.engine.open_call(call_sid, setup)
@@ -306,35 +321,92 @@ class MediaStreamSession:
         # Twilio echoes a mark once the audio queued before it has played (or was cleared).
         self.state.marks_played += 1
         self.state.last_mark_played = name
+        if self._awaited_mark is not None and self._awaited_mark[0] == name:
+            self._awaited_mark[1].set()
 
     async def _on_dtmf(self, digit: str) -> None:
         log.debug("dtmf received")  # one line per key would let a flood flood the logs; the digit may be a PIN
         assert self.state.call_sid is not None
         await self.ctx.store.append_dtmf(self.state.call_sid, digit)
         agent = self._agent
-        if agent is not None and agent.transfer_to and digit == agent.dtmf_transfer and not self._transferring:
-            self._transferring = True
-            self.ctx.spawn(self._transfer(agent.transfer_to, "dtmf"))
+        if agent is not None and agent.transfer_to and digit == agent.dtmf_transfer and not self._acting:
+            self._acting = True
+            self.ctx.spawn(self._act("transfer", "dtmf"))
 
-    async def _transfer(self, target: str, trigger: str) -> None:
-        """Hand the caller to a person: Twilio replaces the call's TwiML with a <Dial>, and our stream ends."""
-        rest = self.ctx.twilio_rest
-        if rest is None:
-            metrics.TRANSFERS.labels(trigger=trigger, result="unavailable").inc()
-            log.warning("transfer asked (%s) but there are no Twilio REST credentials", trigger)
-            self._transferring = False
-            return
+    async def _on_tool(self, use: ToolUse) -> None:
+        """The agent's LLM called a tool: recorded; a call action is carried out once its line has played."""
+        call_sid = self.state.call_sid
+        assert call_sid is not None
+        if use.action is None:
+            await self.ctx.store.append_tool(call_sid, use.name, use.arguments, use.outcome)
+        elif self._acting:
+            await self.ctx.store.append_tool(call_sid, use.name, use.arguments, "ignored")  # one at a time
+        else:
+            self._acting = True
+            self.ctx.spawn(self._act_after_line(use, use.action))
+
+    async def _act_after_line(self, use: ToolUse, action: CallAction) -> None:
+        await self._line_played(use.say)
+        result = await self._act(action, "tool") if self.playing else "cancelled"  # the caller hung up first
         assert self.state.call_sid is not None
-        try:
-            await rest.transfer(self.state.call_sid, target)
-        except TwilioRestError as e:
-            metrics.TRANSFERS.labels(trigger=trigger, result="error").inc()
-            log.error("transfer (%s) failed: %s", trigger, e)
-            self._transferring = False
+        await self.ctx.store.append_tool(self.state.call_sid, use.name, use.arguments, result)
+
+    async def _line_played(self, say: str) -> None:
+        """Wait until the bot has said `say` (the back-end made it the call's newest oracle) and Twilio has
+        played it: the bot's text has begun as many words, plus the audio's lag behind its text, or else a
+        generous time per word; then a mark, whose echo says the audio before it has played."""
+        st = self.state
+        words = max(1, len(say.split()))
+        start_frames, start_words = st.frames_sent, self._bot_word_starts
+        cap = start_frames + LINE_LEAD_FRAMES + words * FRAMES_PER_WORD
+        deadline = time.monotonic() + 2 * (cap - start_frames) * FRAME_SECONDS  # should frames stop coming
+        spoken_at: int | None = None
+        while self.playing and st.frames_sent < cap and time.monotonic() < deadline:
+            if spoken_at is None and self._bot_word_starts - start_words >= words:
+                spoken_at = st.frames_sent
+            if spoken_at is not None and st.frames_sent >= spoken_at + AUDIO_AFTER_TEXT_FRAMES:
+                break
+            await asyncio.sleep(FRAME_SECONDS / 2)
+        if not self.playing or self._media is None:
             return
-        metrics.TRANSFERS.labels(trigger=trigger, result="ok").inc()
-        log.info("call transferred (%s)", trigger)
-        self._end_reason = "transferred"
+        name, played = f"line{st.frames_sent}", asyncio.Event()
+        self._awaited_mark = (name, played)
+        try:
+            with contextlib.suppress(ConnectionResetError, RuntimeError):
+                await self.ws.send_str(mark_message(self._media.stream_sid, name))
+                st.marks_sent += 1
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LINE_MARK_WAIT_S):  # a peer that never echoes must not hold the action
+                    await played.wait()
+        finally:
+            self._awaited_mark = None
+
+    async def _act(self, action: CallAction, trigger: str) -> str:
+        """Hand the caller to a person (Twilio replaces the call's TwiML with a <Dial>: our stream ends) or hang
+        up, through the REST API. Returns the result (counted in kame_call_actions_total)."""
+        rest, agent, call_sid = self.ctx.twilio_rest, self._agent, self.state.call_sid
+        assert call_sid is not None
+        result = "ok"
+        if rest is None or (action == "transfer" and (agent is None or not agent.transfer_to)):
+            result = "unavailable"
+            log.warning("%s asked (%s) but there are no Twilio REST credentials or no transfer_to", action, trigger)
+        else:
+            try:
+                if action == "transfer":
+                    assert agent is not None and agent.transfer_to is not None
+                    await rest.transfer(call_sid, agent.transfer_to)
+                else:
+                    await rest.complete(call_sid)
+            except TwilioRestError as e:
+                result = "error"
+                log.error("%s (%s) failed: %s", action, trigger, e)
+        metrics.CALL_ACTIONS.labels(action=action, trigger=trigger, result=result).inc()
+        if result == "ok":
+            log.info("call %s (%s)", "transferred" if action == "transfer" else "ended by the agent", trigger)
+            self._end_reason = "transferred" if action == "transfer" else "ended_by_agent"
+        else:
+            self._acting = False  # the call goes on; a later request may try again
+        return result
 
     # ---- engine -> Twilio: audio (from the server's BotAudioFanout) ----
 
@@ -346,6 +418,8 @@ class MediaStreamSession:
     def note_bot_text(self, piece: str) -> None:
         if piece:
             self.state.bot_words.append(piece)
+            if piece.startswith("\u2581"):
+                self._bot_word_starts += 1
 
     async def restart_playout(self) -> None:
         """The engine started this call's model afresh (after a reset): drop what Twilio still has queued."""
@@ -424,6 +498,8 @@ class MediaStreamSession:
                     await self.ctx.store.append_turn(call_sid, "caller", out.text)
             elif isinstance(out, OracleUpdate):
                 await self._on_oracle(out)
+            elif isinstance(out, ToolUse):
+                await self._on_tool(out)
             elif isinstance(out, EngineNotice):  # a reset's stale audio is cleared by `restart_playout`
                 log.warning("engine notice %s: %s", out.kind, out.detail)
                 if out.kind == "engine_lost":  # nothing left to answer with: hang up (the receive loop ends it)

@@ -67,7 +67,8 @@ class TwilioRest:
         credentials = TwilioCredentials.from_env(env)
         if credentials is None:
             log.info("no Twilio REST credentials (TWILIO_ACCOUNT_SID with TWILIO_AUTH_TOKEN or "
-                     "TWILIO_API_KEY/TWILIO_API_SECRET): call transfers are off")  # fmt: skip
+                     "TWILIO_API_KEY/TWILIO_API_SECRET): the agents' transfer_call and end_call tools are "
+                     "not offered, and DTMF transfers are off")  # fmt: skip
             return None
         return cls(credentials)
 

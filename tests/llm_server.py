@@ -10,6 +10,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -17,8 +18,11 @@ from .loopback_http import serve_on_loopback
 
 
 # --- a real OpenAI-compatible streaming server ------------------------------------------------------
-def answer_for(messages: list[dict[str, str]]) -> str:
-    """The server's reply depends on what it was asked: the last user text comes back in it."""
+def answer_for(messages: list[dict[str, Any]]) -> str:
+    """The server's reply depends on what it was asked: the last user text comes back in it, or the result of
+    the tool it called last."""
+    if messages[-1]["role"] == "tool":
+        return f"The tool says {messages[-1]['content']}."
     last_user = next(m["content"] for m in reversed(messages) if m["role"] == "user")
     return f"Sure, about {last_user}, let me help you with that right away."
 
@@ -33,6 +37,10 @@ class FakeLlm:
     request_ids: list[str | None] = field(default_factory=list)  # each request's X-Request-Id
     failures_left: int | None = None  # fail this many requests as `mode` says, then answer normally
     disconnects: int = 0  # streams the client walked away from
+    # A word in the caller's last message -> the tool (name, arguments) the server calls, when it is offered:
+    # streamed in pieces as OpenAI does, after `tool_preamble` as text (if set).
+    tool_triggers: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
+    tool_preamble: str = ""
     base_url: str = ""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -53,6 +61,10 @@ class FakeLlm:
         await resp.prepare(request)
         if mode in ("hang", "drip"):
             await self._stall(resp, body["model"], drip=mode == "drip")
+            return resp
+        call = self._tool_call_for(body)
+        if call is not None and mode == "ok":
+            await self._stream_tool_call(resp, body["model"], *call)
             return resp
         words = answer_for(body["messages"]).split(" ")
         chunk_delay_s = self.chunk_delay_s  # as it was when this request came in
@@ -81,6 +93,33 @@ class FakeLlm:
         except ConnectionError:
             self.disconnects += 1
         return resp
+
+    def _tool_call_for(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        offered = {t["function"]["name"] for t in body.get("tools", ())}
+        last = body["messages"][-1]
+        if last["role"] != "user":
+            return None  # e.g. a tool's result: answer it in words
+        said = last["content"].lower()
+        return next((c for word, c in self.tool_triggers.items() if word in said and c[0] in offered), None)
+
+    async def _stream_tool_call(self, resp: web.StreamResponse, model: str, name: str, args: dict[str, Any]) -> None:
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+            body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+            return f"data: {json.dumps(body)}\n\n".encode()
+
+        arguments = json.dumps(args)
+        head = {"index": 0, "id": "call_1", "type": "function", "function": {"name": name, "arguments": ""}}
+        try:
+            if self.tool_preamble:
+                await resp.write(chunk({"role": "assistant", "content": self.tool_preamble}))
+            await resp.write(chunk({"tool_calls": [head]}))
+            for i in range(0, len(arguments), 5):  # the arguments arrive in pieces
+                await resp.write(chunk({"tool_calls": [{"index": 0, "function": {"arguments": arguments[i:i + 5]}}]}))
+            await resp.write(chunk({}, finish="tool_calls") + b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:
+            self.disconnects += 1
 
     async def _stall(self, resp: web.StreamResponse, model: str, *, drip: bool) -> None:
         """Headers sent, then no token, ever: silence (hang), or a keep-alive comment and a chunk without

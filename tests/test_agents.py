@@ -291,7 +291,7 @@ async def test_the_agents_dtmf_key_hands_the_caller_to_a_person_through_the_rest
         rest = TwilioRest(TwilioCredentials(account, account, "rest-secret" if credentials_ok else "wrong",
                                             twilio.base_url))  # fmt: skip
         outcome = "ok" if credentials_ok else "error"
-        before = metric("kame_transfers_total", trigger="dtmf", result=outcome)
+        before = metric("kame_call_actions_total", action="transfer", trigger="dtmf", result=outcome)
         sid = new_call_sid()
         try:
             async with running_phone(tiny_checkpoint, agents=directory, twilio_rest=rest) as phone:
@@ -304,7 +304,7 @@ async def test_the_agents_dtmf_key_hands_the_caller_to_a_person_through_the_rest
         finally:
             await rest.aclose()
     assert report.outcome == "completed", report.errors
-    assert metric("kame_transfers_total", trigger="dtmf", result=outcome) == before + 1
+    assert metric("kame_call_actions_total", action="transfer", trigger="dtmf", result=outcome) == before + 1
     assert record is not None and record.dtmf == ["0"]
     if credentials_ok:
         ((updated, form),) = twilio.updates

@@ -28,6 +28,7 @@ from engine.interface import (
     OracleUpdate,
 )
 from engine.remote import (
+    PROTOCOL_VERSION,
     Address,
     LinkError,
     LinkRefused,
@@ -183,7 +184,7 @@ async def test_a_broken_peer_is_dropped_and_the_other_edge_keeps_its_calls(tmp_p
         ticks = aiter(good.bot_frames())
         # A peer with seats that sends one malformed audio frame (dropped), then a length no peer sends.
         reader, writer = await asyncio.open_unix_connection(address.unix_path)
-        hello = b'{"version":2,"token":"","seats":1,"name":"junk"}'
+        hello = b'{"version":%d,"token":"","seats":1,"name":"junk"}' % PROTOCOL_VERSION
         writer.write(struct.pack(">I", len(hello) + 1) + b"H" + hello)
         (n,) = struct.unpack(">I", await reader.readexactly(4))
         assert b'"seats":1' in await reader.readexactly(n)  # welcome
@@ -257,7 +258,8 @@ async def test_an_edge_that_stops_reading_loses_its_ticks_not_the_others(tmp_pat
                 data += await loop.sock_recv(deaf, 1)
             return data[4:]
 
-        hello, opened = b'{"version":2,"token":"","seats":1,"name":"deaf"}', b'{"call_id":"CA-deaf"}'
+        hello = b'{"version":%d,"token":"","seats":1,"name":"deaf"}' % PROTOCOL_VERSION
+        opened = b'{"call_id":"CA-deaf"}'
         await loop.sock_sendall(deaf, struct.pack(">I", len(hello) + 1) + b"H" + hello)
         assert (await recv_message()).startswith(b"W")
         await loop.sock_sendall(deaf, struct.pack(">I", len(opened) + 1) + b"O" + opened)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ class TwilioRestStandIn:
     password: str
     base_url: str = ""
     updates: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # (CallSid, form)
+    updated_at: list[float] = field(default_factory=list)  # time.time() of each update
     refused: int = 0
 
     def _authorized(self, request: web.Request) -> bool:
@@ -33,6 +35,7 @@ class TwilioRestStandIn:
         sid = request.match_info["call"]
         form = {k: str(v) for k, v in (await request.post()).items()}
         self.updates.append((sid, form))
+        self.updated_at.append(time.time())
         status = form.get("Status", "in-progress")
         return web.json_response({"sid": sid, "account_sid": self.account_sid, "status": status})
 

@@ -1,0 +1,269 @@
+"""The agents' tools (issue 12), through the LLM's function calling: transfer_call, end_call and the agent's
+own HTTP tools. The real service, the simulated caller speaking flite audio, real pocketsphinx, a local
+OpenAI-compatible server that streams tool calls, a local stand-in for Twilio's REST API, and a real HTTP
+tool server, all on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from engine.interface import CallSetup, ToolUse
+from engine.remote import _setup_from_wire, event_message, parse_event
+from knowledge.agents import AgentDirectory, Agents
+from knowledge.backend import BackendConfig, BackendServices
+from knowledge.llm import LlmClient, LlmConfig, ToolCallRequest
+from knowledge.tools import GOODBYE_LINE, TRANSFER_LINE, CallTools, HttpSession
+from telephony.call_store import CallRecord, MemoryCallStore
+from telephony.sim_caller import simulate_call
+from telephony.twilio_rest import TwilioCredentials, TwilioRest
+
+from .llm_server import FakeLlm
+from .loopback_http import serve_on_loopback
+from .phone_fixtures import flite_wav, metric, new_call_sid, running_phone
+from .twilio_rest_server import serve_twilio_rest
+
+SALES = "+15550002222"
+ACCOUNT = "AC" + "2" * 32
+
+
+def _agents(tmp_path: Path, tool_url: str) -> AgentDirectory:
+    path = tmp_path / "agents.toml"
+    path.write_text(textwrap.dedent(f"""
+        [agents.default]
+        instructions = "You answer the phone for Acme Dental."
+
+        [agents.sales]
+        numbers = ["{SALES}"]
+        instructions = "You sell Acme widgets."
+        transfer_to = "+15550009999"
+
+        [[agents.sales.tools]]
+        name = "order_status"
+        description = "Look up an order by its number"
+        url = "{tool_url}"
+        parameters = {{ type = "object", properties = {{ order_id = {{ type = "string" }} }} }}
+    """))
+    return AgentDirectory.from_file(path)
+
+
+class ToolServer:
+    """The agent's CRM: answers, fails, stalls or floods, as the test says."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.received: list[dict] = []
+        self.base_url = ""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.received.append(await request.json())
+        if self.mode == "fail":
+            return web.Response(status=500, text="database down")
+        if self.mode == "slow":
+            await asyncio.sleep(5)
+        if self.mode == "huge":
+            return web.Response(text="x" * 100_000)
+        if self.mode == "redirect":
+            raise web.HTTPFound("http://169.254.169.254/latest/meta-data/")
+        return web.json_response({"status": "shipped on Monday"})
+
+
+@pytest.fixture
+async def tool_server() -> AsyncIterator[ToolServer]:
+    server = ToolServer()
+    app = web.Application()
+    app.router.add_post("/order-status", server.handle)
+    async with serve_on_loopback(app) as base_url:
+        server.base_url = base_url
+        yield server
+
+
+async def _backend(llm: FakeLlm, directory: AgentDirectory) -> BackendServices:
+    config = BackendConfig(stt="pocketsphinx", llm_base_url=llm.base_url, llm_api_key="sk-test", llm_model="m")
+    backend = BackendServices(config, directory)
+    await backend.warm_up(1)
+    return backend
+
+
+def _tool_names(request: dict) -> set[str]:
+    return {t["function"]["name"] for t in request.get("tools", ())}
+
+
+async def _call_with_rest(
+    tiny_checkpoint: Path, llm: FakeLlm, directory: AgentDirectory, wav: Path, hold_after: float
+) -> tuple:
+    """One call to the sales number with Twilio REST credentials (against the stand-in)."""
+    async with serve_twilio_rest(ACCOUNT, ACCOUNT, "rest-secret") as twilio:
+        rest = TwilioRest(TwilioCredentials(ACCOUNT, ACCOUNT, "rest-secret", twilio.base_url))
+        sid = new_call_sid()
+        try:
+            backend = await _backend(llm, directory)
+            async with running_phone(tiny_checkpoint, backend=backend, agents=directory, twilio_rest=rest) as phone:
+                report = await simulate_call(phone.ws_url, wav, auth_token=phone.token, public_url=phone.base,
+                                             custom_sid=sid, to_number=SALES, hold_after=hold_after)  # fmt: skip
+                await phone.settled()
+                record = await phone.store.get(sid)
+        finally:
+            await rest.aclose()
+    return sid, report, record, twilio
+
+
+async def test_a_caller_who_asks_for_a_person_is_transferred_after_the_bots_line(
+    tiny_checkpoint: Path, llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path
+) -> None:
+    directory = _agents(tmp_path, tool_server.base_url + "/order-status")
+    llm_server.tool_triggers = {"person": ("transfer_call", {})}
+    wav = flite_wav("I would like to talk to a person please.", tmp_path / "person.wav")
+    requested = metric("kame_tool_calls_total", tool="transfer_call", outcome="requested")
+    done = metric("kame_call_actions_total", action="transfer", trigger="tool", result="ok")
+    sid, report, record, twilio = await _call_with_rest(tiny_checkpoint, llm_server, directory, wav, hold_after=9.0)
+    assert report.outcome == "completed", report.errors
+    # The LLM was offered both call actions and the agent's own tool.
+    assert _tool_names(llm_server.requests[0]) == {"transfer_call", "end_call", "order_status"}
+    ((updated, form),) = twilio.updates
+    assert updated == sid and "<Dial><Number>+15550009999</Number></Dial>" in form["Twiml"]
+    # The bot said its line first: the line is an oracle candidate before the update, and the update came
+    # once the mark sent after it had played.
+    assert record is not None
+    line = next(o for o in record.oracle if o.text == TRANSFER_LINE)
+    assert line.at < twilio.updated_at[0]
+    assert any(name.startswith("line") for name in report.marks_echoed)
+    assert [(t.name, t.outcome) for t in record.tools] == [("transfer_call", "ok")]
+    assert record.end_reason == "transferred"
+    assert metric("kame_tool_calls_total", tool="transfer_call", outcome="requested") == requested + 1
+    assert metric("kame_call_actions_total", action="transfer", trigger="tool", result="ok") == done + 1
+
+
+async def test_end_call_completes_the_call_after_the_goodbye_has_played(
+    tiny_checkpoint: Path, llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path
+) -> None:
+    directory = _agents(tmp_path, tool_server.base_url + "/order-status")
+    llm_server.tool_triggers = {"goodbye": ("end_call", {})}
+    wav = flite_wav("Okay goodbye.", tmp_path / "bye.wav")
+    sid, report, record, twilio = await _call_with_rest(tiny_checkpoint, llm_server, directory, wav, hold_after=9.0)
+    assert report.outcome == "completed", report.errors
+    ((updated, form),) = twilio.updates
+    assert updated == sid and form == {"Status": "completed"}
+    assert record is not None
+    goodbye = next(o for o in record.oracle if o.text == GOODBYE_LINE)
+    assert goodbye.at < twilio.updated_at[0]
+    assert any(name.startswith("line") for name in report.marks_echoed)
+    assert [(t.name, t.outcome) for t in record.tools] == [("end_call", "ok")]
+    assert record.end_reason == "ended_by_agent"
+
+
+@pytest.mark.parametrize("tool_mode", ["ok", "fail"])
+async def test_an_http_tools_result_reaches_the_llms_next_request_and_a_failing_tool_is_survived(
+    tiny_checkpoint: Path, llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path, tool_mode: str
+) -> None:
+    """Without REST credentials the call actions are not offered; the agent's own tool is. Its answer (or its
+    failure, in words the LLM can use) is the tool message of the next request, whose draft becomes the
+    oracle. The call record keeps the tool call; a failing tool is counted and the call goes on."""
+    directory = _agents(tmp_path, tool_server.base_url + "/order-status")
+    llm_server.tool_triggers = {"order": ("order_status", {"order_id": "4217"})}
+    llm_server.tool_preamble = "Let me check."
+    tool_server.mode = tool_mode
+    outcome = "ok" if tool_mode == "ok" else "error"
+    counted = metric("kame_tool_calls_total", tool="order_status", outcome=outcome)
+    wav = flite_wav("Where is my order?", tmp_path / "order.wav")
+    sid = new_call_sid()
+    backend = await _backend(llm_server, directory)
+    async with running_phone(tiny_checkpoint, backend=backend, agents=directory) as phone:
+        report = await simulate_call(phone.ws_url, wav, auth_token=phone.token, public_url=phone.base,
+                                     custom_sid=sid, to_number=SALES, hold_after=4.0)  # fmt: skip
+        await phone.settled()
+        record = await phone.store.get(sid)
+    assert report.outcome == "completed", report.errors
+    assert report.bot_seconds_received > 0.5 * report.call_seconds  # the call went on, with the bot's audio
+    assert _tool_names(llm_server.requests[0]) == {"order_status"}  # no REST credentials: no call actions
+    assert tool_server.received == [{"order_id": "4217"}]
+    answered = [r for r in llm_server.requests if r["messages"][-1]["role"] == "tool"]
+    assert answered, "the tool's result never reached the LLM"
+    asked, result = answered[0]["messages"][-2:]
+    assert asked["role"] == "assistant" and asked["tool_calls"][0]["function"]["name"] == "order_status"
+    assert result["tool_call_id"] == asked["tool_calls"][0]["id"]
+    expected = '{"status": "shipped on Monday"}' if tool_mode == "ok" else "error: the tool failed (HTTP 500)"
+    assert result["content"] == expected
+    assert record is not None
+    assert [(t.name, t.arguments, t.outcome) for t in record.tools] == [("order_status", '{"order_id": "4217"}',
+                                                                        outcome)]  # fmt: skip
+    # The draft answering the result is the newest oracle candidate.
+    assert any(o.text == f"The tool says {expected}." for o in record.oracle)
+    assert metric("kame_tool_calls_total", tool="order_status", outcome=outcome) == counted + 1
+
+
+@pytest.mark.parametrize(
+    ("mode", "outcome", "told"),
+    [("slow", "timeout", "error: the tool did not answer within 0.5 seconds"),
+     ("huge", "too_large", "error: the tool's answer was too large to use"),
+     ("redirect", "error", "error: the tool failed (HTTP 302)")],
+)  # fmt: skip
+async def test_a_slow_huge_or_redirecting_tool_becomes_a_result_the_llm_can_talk_about(
+    tool_server: ToolServer, tmp_path: Path, mode: str, outcome: str, told: str
+) -> None:
+    agent = _agents(tmp_path, tool_server.base_url + "/order-status").agents.get("sales")
+    http = HttpSession(timeout_s=0.5)
+    tools = CallTools(agent, (), http)
+    tool_server.mode = mode
+    before = metric("kame_tool_calls_total", tool="order_status", outcome=outcome)
+    try:
+        result = await tools.run(ToolCallRequest("c1", "order_status", '{"order_id": "1"}'), call_id="CA1")
+    finally:
+        await http.aclose()
+    assert (result.outcome, result.content) == (outcome, told)
+    assert metric("kame_tool_calls_total", tool="order_status", outcome=outcome) == before + 1
+
+
+async def test_bad_tool_calls_are_results_and_actions_are_offered_only_as_the_edge_can(tmp_path: Path) -> None:
+    agent = _agents(tmp_path, "https://crm.example.com/order-status").agents.get("sales")
+    http = HttpSession()
+    names = {s["function"]["name"] for s in CallTools(agent, ("end",), http).specs()}
+    assert names == {"end_call", "order_status"}  # the edge could not transfer
+    no_transfer_to = Agents.builtin().get(None)
+    assert {s["function"]["name"] for s in CallTools(no_transfer_to, ("transfer", "end"), http).specs()} == {"end_call"}
+    tools = CallTools(agent, ("transfer", "end"), http)
+    unknown = await tools.run(ToolCallRequest("c1", "rm_rf", "{}"), call_id="CA1")
+    assert (unknown.name, unknown.outcome) == ("unknown", "unknown_tool")  # the label never takes the LLM's name
+    bad = await tools.run(ToolCallRequest("c2", "order_status", '["not", "an object"]'), call_id="CA1")
+    assert bad.outcome == "bad_arguments"
+    transfer = await tools.run(ToolCallRequest("c3", "transfer_call", ""), call_id="CA1")
+    assert (transfer.outcome, transfer.action, transfer.say) == ("requested", "transfer", TRANSFER_LINE)
+    await http.aclose()
+
+
+async def test_the_llm_client_joins_a_streamed_tool_call(llm_server: FakeLlm) -> None:
+    llm_server.tool_triggers = {"order": ("order_status", {"order_id": "4217", "note": "a" * 40})}
+    llm_server.tool_preamble = "Let me check."
+    tools = [{"type": "function", "function": {"name": "order_status", "parameters": {"type": "object"}}}]
+    llm = LlmClient(LlmConfig(model="m", base_url=llm_server.base_url, api_key="k"))
+    try:
+        out = [d async for d in llm.stream_draft([{"role": "user", "content": "my order"}], tools=tools)]
+    finally:
+        await llm.aclose()
+    assert out[0] == "Let me check."
+    (call,) = [d for d in out if isinstance(d, ToolCallRequest)]
+    assert call.name == "order_status" and json.loads(call.arguments) == {"order_id": "4217", "note": "a" * 40}
+    assert llm_server.requests[0]["tools"] == tools
+
+
+async def test_tool_calls_in_the_record_mask_digits_as_dtmf_is() -> None:
+    store = MemoryCallStore(store_transcripts=False)
+    await store.create(CallRecord("CA" + "3" * 32))
+    await store.append_tool("CA" + "3" * 32, "order_status", '{"card": "4111 1111"}', "ok")
+    record = await store.get("CA" + "3" * 32)
+    assert record is not None and record.tools[0].arguments == '{"card": "**** ****"}'
+
+
+def test_tool_events_and_call_actions_cross_the_engine_link() -> None:
+    use = ToolUse("transfer_call", "{}", "requested", "transfer", TRANSFER_LINE)
+    assert parse_event(memoryview(event_message("c1", use, 0.0))[5:], 0.0) == ("c1", use)
+    assert _setup_from_wire({"agent": "sales", "actions": ["transfer", "end"]}) == CallSetup(
+        agent="sales", actions=("transfer", "end"))  # fmt: skip
+    with pytest.raises(ValueError, match="actions"):
+        _setup_from_wire({"agent": "sales", "actions": ["format_disk"]})
