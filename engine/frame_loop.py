@@ -82,6 +82,7 @@ class Slot:
     # Forced response delay: muted while the caller speaks and until `release_at` ticks.
     caller_speaking: bool = False
     release_at: int = -1
+    forced_delay_frames: int | None = None  # this call's own (its agent's); None: the loop's
 
 
 # A node whose ticks miss their frame this often, over this window, is falling behind: every seated call
@@ -173,7 +174,11 @@ class FrameLoop:
         """Lost without being stopped (only a child-process loop can be)."""
         return False
 
-    def join(self, call_id: str, sink: SlotSink | None, on_reset: ResetHook | None = None) -> int:
+    def join(
+        self, call_id: str, sink: SlotSink | None, on_reset: ResetHook | None = None,
+        forced_delay_ms: float | None = None,
+    ) -> int:
+        """Seat a call; `forced_delay_ms` is its own forced response delay (None: the loop's)."""
         with self._lock:
             if self._closed:
                 raise EngineClosed("engine is stopping")
@@ -181,7 +186,8 @@ class FrameLoop:
                 if slot is None:
                     lm = self.batch.lm
                     oracle = OracleBuffer(lm.oracle_start_token_id, lm.text_padding_token_id)
-                    self._slots[row] = Slot(row, call_id, sink, oracle, on_reset)
+                    self._slots[row] = Slot(row, call_id, sink, oracle, on_reset,
+                                            forced_delay_frames=self._delay_frames(forced_delay_ms))
                     metrics.ENGINE_SLOTS_BUSY.set(self.max_calls - sum(s is None for s in self._slots))
                     return row
         raise EngineFull(f"all {self.max_calls} call slots are busy")
@@ -243,12 +249,19 @@ class FrameLoop:
                 slot.caller_speaking = True
             elif slot.caller_speaking:
                 slot.caller_speaking = False
-                slot.release_at = self._tick_no + self.forced_delay_frames
+                slot.release_at = self._tick_no + self._slot_delay(slot)
 
     # ---- the tick ----
 
+    @staticmethod
+    def _delay_frames(forced_delay_ms: float | None) -> int | None:
+        return None if forced_delay_ms is None else math.ceil(forced_delay_ms / (FRAME_SECONDS * 1000))
+
+    def _slot_delay(self, slot: Slot) -> int:
+        return self.forced_delay_frames if slot.forced_delay_frames is None else slot.forced_delay_frames
+
     def _held(self, slot: Slot) -> bool:
-        if not self.forced_delay_frames:
+        if not self._slot_delay(slot):
             return False
         return slot.caller_speaking or self._tick_no < slot.release_at
 

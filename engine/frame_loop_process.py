@@ -144,7 +144,10 @@ class FrameLoopProcess:
         with self._lock:
             return sum(r is None for r in self._rows) if self.alive else 0
 
-    def join(self, call_id: str, sink: SlotSink | None, on_reset: ResetHook | None = None) -> int:
+    def join(
+        self, call_id: str, sink: SlotSink | None, on_reset: ResetHook | None = None,
+        forced_delay_ms: float | None = None,
+    ) -> int:
         if sink is not None:
             raise ValueError("a child-process frame loop delivers through its tick sink only")
         with self._lock:
@@ -154,7 +157,7 @@ class FrameLoopProcess:
                 if taken is None:
                     self._rows[row] = _Row(call_id, on_reset)
                     metrics.ENGINE_SLOTS_BUSY.set(sum(r is not None for r in self._rows))
-                    self._send_locked(("join", row, call_id))
+                    self._send_locked(("join", row, call_id, forced_delay_ms))
                     return row
         raise EngineFull(f"all {self.max_calls} call slots are busy")
 
@@ -348,14 +351,15 @@ class _ChildFrameLoop(FrameLoop):
         self.pending_resets: list[tuple[int, str]] = []
         self.on_tick = self._forward_tick
 
-    def join_row(self, row: int, call_id: str) -> None:
+    def join_row(self, row: int, call_id: str, forced_delay_ms: float | None) -> None:
         def reset_hook() -> None:  # called inside safe_tick; sent once the tick is over
             self.pending_resets.append((row, call_id))
 
         lm = self.batch.lm
         with self._lock:
             oracle = OracleBuffer(lm.oracle_start_token_id, lm.text_padding_token_id)
-            self._slots[row] = Slot(row, call_id, None, oracle, reset_hook)
+            self._slots[row] = Slot(row, call_id, None, oracle, reset_hook,
+                                    forced_delay_frames=self._delay_frames(forced_delay_ms))
 
     def _forward_tick(self, delivered: list[tuple[str, SlotOutput]]) -> None:
         fed = []

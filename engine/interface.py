@@ -107,6 +107,7 @@ class CallSetup:
     to_number: str | None = None
     from_number: str | None = None
     actions: tuple[CallAction, ...] = ()
+    forced_delay_ms: float | None = None  # the agent's forced response delay; None: the engine's
 
 
 # What one call's `outputs()` yields; its audio comes in the engine-wide `BotFrames` instead.

@@ -315,7 +315,8 @@ class LocalEngine:
         if old is not None:  # the same call reconnecting: the new stream replaces the old seat
             await old.close()
         session = LocalCallSession(self, call_id, row=-1, queue_size=self.config.output_queue_events)
-        session.row = self.frame_loop.join(call_id, None, session._on_reset)  # raises EngineFull
+        delay = setup.forced_delay_ms if setup is not None else None  # the agent's, if it has one
+        session.row = self.frame_loop.join(call_id, None, session._on_reset, forced_delay_ms=delay)  # or EngineFull
         self._sessions[call_id] = session
         if self.backend is not None:
             try:

@@ -40,7 +40,8 @@ DEFAULT_AGENT = "default"
 E164 = re.compile(r"\+[1-9]\d{6,14}")
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 BUSY_POLICIES = ("reject", "say", "dial")  # or enqueue:NAME
-_KEYS = {"numbers", "instructions", "greeting", "transfer_to", "dtmf_transfer", "busy", "llm_model", "tools"}
+_KEYS = {"numbers", "instructions", "greeting", "transfer_to", "dtmf_transfer", "busy", "llm_model", "tools",
+         "forced_delay_ms"}
 _TOOL_KEYS = {"name", "description", "url", "parameters"}
 _MAX_TEXT = 20_000  # instructions; a prompt far larger is a mistake (and a cost on every request)
 
@@ -75,6 +76,7 @@ class Agent:
     busy: str = "reject"
     llm_model: str | None = None
     tools: tuple[HttpTool, ...] = ()
+    forced_delay_ms: float | None = None  # None: the engine's --forced-delay-ms
 
     def system_prompt(self, builtin: str) -> str:
         """The agent's instructions, then the built-in phone-style rules."""
@@ -106,7 +108,8 @@ class Agents:
         """For `GET /agents`: names, numbers and policies; not the instructions (they may be long)."""
         return [
             {"name": a.name, "numbers": list(a.numbers), "greeting": a.greeting, "transfer_to": a.transfer_to,
-             "busy": a.busy, "llm_model": a.llm_model, "tools": [t.name for t in a.tools]}
+             "busy": a.busy, "llm_model": a.llm_model, "forced_delay_ms": a.forced_delay_ms,
+             "tools": [t.name for t in a.tools]}
             for a in self.by_name.values()
         ]  # fmt: skip
 
@@ -167,12 +170,16 @@ def _agent(path: Path, name: str, table: Any) -> Agent:
     if busy == "dial" and transfer_to is None:
         raise bad("busy", "'dial' needs transfer_to")
     llm_model = _optional_text(table, "llm_model", bad, limit=200)
+    delay = table.get("forced_delay_ms")
+    if delay is not None and (isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay <= 1e4):
+        raise bad("forced_delay_ms", "a number of milliseconds, 0 to 10000")
     tools = table.get("tools", [])
     if not isinstance(tools, list):
         raise bad("tools", "an array of [[agents.NAME.tools]] tables")
     return Agent(
         name=name, instructions=instructions, greeting=greeting, numbers=tuple(numbers), transfer_to=transfer_to,
         dtmf_transfer=dtmf, busy=busy, llm_model=llm_model, tools=tuple(_tool(bad, t) for t in tools),
+        forced_delay_ms=None if delay is None else float(delay),
     )  # fmt: skip
 
 

@@ -264,7 +264,7 @@ class MediaStreamSession:
         # The call actions this edge can carry out: the back-end offers the LLM only those tools.
         actions: tuple[CallAction, ...] = ("transfer", "end") if self.ctx.twilio_rest is not None else ()
         setup = CallSetup(agent=self.state.agent, to_number=params.get("to"), from_number=params.get("from"),
-                          actions=actions)  # fmt: skip
+                          actions=actions, forced_delay_ms=self._agent.forced_delay_ms)  # fmt: skip
         log.info("call answered by agent %s", self.state.agent)
         try:
             self.engine_call = await self.ctx.engine.open_call(call_sid, setup)

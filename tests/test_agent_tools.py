@@ -267,3 +267,7 @@ def test_tool_events_and_call_actions_cross_the_engine_link() -> None:
         agent="sales", actions=("transfer", "end"))  # fmt: skip
     with pytest.raises(ValueError, match="actions"):
         _setup_from_wire({"agent": "sales", "actions": ["format_disk"]})
+    delayed = CallSetup(agent="sales", forced_delay_ms=500.0)
+    assert _setup_from_wire({"agent": "sales", "forced_delay_ms": 500}) == delayed
+    with pytest.raises(ValueError, match="forced_delay_ms"):
+        _setup_from_wire({"agent": "sales", "forced_delay_ms": "1e9"})

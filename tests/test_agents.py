@@ -90,6 +90,9 @@ def test_a_good_file_loads_and_routes_numbers(tmp_path: Path) -> None:
         ('[agents.a]\ninstructions = "x"\n[[agents.a.tools]]\nname = "t"\ndescription = "d"\n'
          'url = "https://crm.example.com/x"\nparameters = { type = "string" }\n',
          "agent 'a': key 'tools.t.parameters': a JSON Schema object"),
+        ('[agents.a]\ninstructions = "x"\nforced_delay_ms = -5\n', "agent 'a': key 'forced_delay_ms'"),
+        ('[agents.a]\ninstructions = "x"\n[[agents.a.tools]]\nname = "end_call"\ndescription = "d"\n'
+         'url = "https://crm.example.com/x"\n', "agent 'a': key 'tools.name': 'end_call' is reserved"),
         ("[agents.a\n", "not TOML"),
     ],
 )  # fmt: skip
@@ -107,7 +110,7 @@ def test_serve_refuses_a_bad_agents_file_in_one_line(tmp_path: Path) -> None:
                           cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"kame-phone serve: agents file {path}: agent 'a': key 'voice': unknown key " \
-        "(known: busy, dtmf_transfer, greeting, instructions, llm_model, numbers, tools, transfer_to)"
+        "(known: busy, dtmf_transfer, forced_delay_ms, greeting, instructions, llm_model, numbers, tools, transfer_to)"
 
 
 async def test_each_number_gets_its_agents_instructions_greeting_and_model(

@@ -329,3 +329,19 @@ def test_an_idle_engine_runs_no_model_step(tiny_bundle) -> None:
         loop.leave(row, "A")
     finally:
         loop.stop()
+
+
+def test_a_call_can_have_its_own_forced_delay(tiny_bundle) -> None:
+    """An agent's forced_delay_ms (CallSetup) holds its own call only; the others keep the loop's (none)."""
+    loop = _loop(tiny_bundle)
+    delayed, plain = Recorder(), Recorder()
+    a = loop.join("A", delayed, forced_delay_ms=240)  # 3 frames
+    b = loop.join("B", plain)
+    for row, call in ((a, "A"), (b, "B")):
+        loop.caller_turn(row, call, True)
+        loop.set_oracle(row, call, 1, "Hello", complete=True)
+        loop.caller_turn(row, call, False)
+    for _ in range(4):
+        loop.tick()
+    assert [o.held for o in delayed.outputs] == [True] * 3 + [False]
+    assert not any(o.held for o in plain.outputs)
