@@ -7,6 +7,7 @@ import asyncio
 import errno
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -139,6 +140,20 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _twilio(args: argparse.Namespace) -> int:
+    from . import twilio_cli
+
+    setup_logging(level="WARNING")
+    return twilio_cli.run(twilio_cli.twilio_setup, args)
+
+
+def _dial(args: argparse.Namespace) -> int:
+    from . import twilio_cli
+
+    setup_logging(level="WARNING")
+    return twilio_cli.run(twilio_cli.dial, args)
+
+
 def _cuda() -> bool:
     import torch
 
@@ -242,6 +257,25 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, help="also write the figures here")
     bench.set_defaults(func=_bench)
 
+    twilio = sub.add_parser("twilio", help="set up a Twilio number to call this service")
+    twilio_sub = twilio.add_subparsers(dest="twilio_command", required=True)
+    setup = twilio_sub.add_parser("setup", help="point one of the account's numbers at PUBLIC_URL/twilio/voice")
+    setup.add_argument("--number", required=True, help="the Twilio number, E.164 (+15551234567)")
+    setup.add_argument("--dry-run", action="store_true", help="print what would change, change nothing")
+    env_flag(setup, "--public-url", "PUBLIC_URL", help="the https:// URL Twilio reaches this service at")
+    setup.set_defaults(func=_twilio)
+
+    dial = sub.add_parser("dial", help="call a phone from one of your Twilio numbers, answered by this service")
+    dial.add_argument("to", help="the number to call, E.164")
+    dial.add_argument("--from", dest="from_number", required=True, help="one of your Twilio numbers, E.164")
+    dial.add_argument("--agent", help="the agent that speaks (else the one claiming --from, else default)")
+    env_flag(dial, "--agents", "KAME_AGENTS", help="the service's agents file, to check --agent against")
+    env_flag(dial, "--public-url", "PUBLIC_URL", help="the https:// URL Twilio reaches this service at")
+    dial.add_argument("--wait", action="store_true", help="follow the call to its end, then print its figures")
+    dial.add_argument("--wait-timeout", type=float, default=900.0, help="seconds --wait waits at most")
+    env_flag(dial, "--admin-token", "ADMIN_TOKEN", help="the service's admin token (--wait reads /calls/SID)")
+    dial.set_defaults(func=_dial)
+
     tiny = sub.add_parser("make-tiny-checkpoint", help="write a tiny random-weight checkpoint (real layout)")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--seed", type=int, default=1234)
@@ -249,7 +283,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def load_dotenv_file() -> None:
+    """`.env` in the working directory (KEY=VALUE lines), read by every command; the environment wins.
+    KAME_ENV_FILE names another file; set empty, none is read (the tests do, so a developer's own .env
+    never reaches the commands they run)."""
+    from dotenv import dotenv_values
+
+    name = os.environ.get("KAME_ENV_FILE", ".env")
+    path = Path(name) if name else None
+    if path is None or not path.is_file():
+        return
+    for key, value in dotenv_values(path).items():
+        if value is not None:
+            os.environ.setdefault(key, value)
+
+
 def main(argv: list[str] | None = None) -> int:
+    load_dotenv_file()
     args = build_parser().parse_args(argv)
     try:
         resolve_env_defaults(args)

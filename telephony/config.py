@@ -123,6 +123,22 @@ class ServiceConfig:
         if not self.node_id:
             raise ConfigError("KAME_NODE_ID must not be empty")
 
+    def twilio_summary(self) -> str:
+        """What serve says once at start: the URL a Twilio number must call, and whether signatures can work
+        (a newcomer whose PUBLIC_URL is wrong otherwise sees only 403s)."""
+        webhook = f"POST {self.base_url}/twilio/voice"
+        if self.insecure_dev:
+            return (f"Twilio voice webhook: {webhook}; --insecure-dev: signatures NOT checked, loopback only "
+                    "(a real Twilio number cannot reach it)")  # fmt: skip
+        if not self.public_url:
+            return (f"Twilio voice webhook: {webhook}; PUBLIC_URL is not set, so only local callers can sign for "
+                    "this URL: for a real number, start a tunnel and set PUBLIC_URL=https://<its host>")  # fmt: skip
+        scheme = urlsplit(self.public_url).scheme
+        if scheme != "https":
+            return f"Twilio voice webhook: {webhook}; PUBLIC_URL is http://: Twilio calls https:// only"
+        return (f"Twilio voice webhook: {webhook} (`kame-phone twilio setup --number +1...` sets it); "
+                "signatures are checked with TWILIO_AUTH_TOKEN against PUBLIC_URL: consistent")  # fmt: skip
+
     @property
     def base_url(self) -> str:
         """The public http(s) base URL, without a trailing slash."""

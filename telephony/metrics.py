@@ -32,6 +32,7 @@ CALLS_ACTIVE = Gauge("kame_calls_active", "Calls with an open media stream.")
 CALL_OUTCOMES = (
     "completed", "busy", "misconfigured", "rejected", "engine_full", "oversize", "socket_error", "silent_socket",
     "stalled_peer", "engine_lost", "flooding", "no_start", "drain_timeout", "transferred", "ended_by_agent",
+    "no_stream",
 )  # fmt: skip
 CALLS_TOTAL = zero_series(
     Counter("kame_calls_total", "Calls by outcome and by the agent that answered.", ["outcome", "agent"]),
@@ -52,7 +53,7 @@ WEBHOOK_REJECTIONS = zero_series(
         "HTTP webhooks and WebSocket upgrades refused, by reason.",
         ["endpoint", "reason"],
     ),
-    endpoint=("voice", "stream_status", "media", "connect_action"),
+    endpoint=("voice", "stream_status", "call_status", "media", "connect_action"),
     reason=("missing_signature", "bad_signature"),
 )
 zero_series(WEBHOOK_REJECTIONS, endpoint=("voice",), reason=("replayed",))  # signatures carry no nonce
@@ -137,6 +138,14 @@ MEDIA_FANOUT_SECONDS = zero_series(
 MEDIA_OUTBOUND_DROPPED = Counter(
     "kame_media_outbound_dropped_frames_total",
     "Bot frames not sent because the peer was not reading its socket (its unsent backlog was full).",
+)
+# Twilio's call status callback (the number's StatusCallback, set by `kame-phone twilio setup`).
+CALL_STATUSES = ("queued", "initiated", "ringing", "in-progress", "completed", "busy", "failed", "no-answer",
+                 "canceled", "unknown")  # fmt: skip
+FINAL_CALL_STATUSES = ("completed", "busy", "failed", "no-answer", "canceled")
+CALL_STATUS_EVENTS = zero_series(
+    Counter("kame_twilio_call_status_total", "Call status callbacks from Twilio by CallStatus.", ["status"]),
+    status=CALL_STATUSES,
 )
 STREAM_EVENT_KINDS = ("stream-started", "stream-stopped", "stream-error", "unknown")  # anything else: unknown
 STREAM_EVENTS = zero_series(

@@ -49,6 +49,7 @@ CONNECT_ACTION_PATH = "/twilio/connect-action"  # Twilio's request once a call's
 APOLOGY_MESSAGE = "Sorry, we have lost the line on our side. Please call again in a moment. Goodbye."
 MEDIA_PATH = "/twilio/media"
 STATUS_PATH = "/twilio/stream-status"
+CALL_STATUS_PATH = "/twilio/call-status"  # the number's StatusCallback: the call's own progress
 _CALL_SID = re.compile(r"^CA[0-9a-fA-F]{32}$")
 BUSY_MESSAGE = "All our lines are busy right now. Please call again in a few minutes. Goodbye."
 UNAVAILABLE_MESSAGE = "Sorry, we cannot take your call right now. Please call again later. Goodbye."
@@ -163,7 +164,9 @@ async def handle_voice(request: web.Request) -> web.Response:
     call_id_var.set(call_sid)
     to_number, from_number = str(form.get("To") or "") or None, str(form.get("From") or "") or None
     # `?agent=NAME` on the webhook URL (signed with it) picks the agent of an outbound call.
-    agent = ctx.agents.agents.for_call(to_number, request.query.get("agent"))
+    # Our number is `To` on an inbound call, `From` on an outbound one (`kame-phone dial`).
+    ours = from_number if str(form.get("Direction", "")).startswith("outbound") else to_number
+    agent = ctx.agents.agents.for_call(ours, request.query.get("agent"))
     record = CallRecord(call_sid=call_sid, from_number=from_number, to_number=to_number, node=ctx.config.node_id,
                         agent=agent.name)  # fmt: skip
     try:
@@ -261,6 +264,33 @@ async def handle_stream_status(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
+async def handle_call_status(request: web.Request) -> web.Response:
+    """Twilio's call status callback: counted; a call that ended before its stream ever started (the caller
+    hung up while the webhook was answered, the stream could not be opened) is closed in its record."""
+    ctx = _ctx(request)
+    form = await request.post()
+    if not ctx.webhook_ok(request, form, "call_status"):
+        return web.Response(status=403, text="invalid Twilio signature")
+    status = str(form.get("CallStatus", "unknown"))
+    if status not in metrics.CALL_STATUSES:
+        status = "unknown"
+    call_sid = str(form.get("CallSid", ""))
+    metrics.CALL_STATUS_EVENTS.labels(status=status).inc()
+    if not _CALL_SID.fullmatch(call_sid):
+        return web.Response(status=204)
+    call_id_var.set(call_sid)
+    log.info("Twilio call status: %s", status)
+    if status in metrics.FINAL_CALL_STATUSES:
+        try:
+            record = await ctx.store.get(call_sid)
+        except CallStoreUnavailable:
+            return web.Response(status=204)  # the record keeps its state; Redis errors are counted already
+        if record is not None and record.state == "ringing":
+            metrics.CALLS_TOTAL.labels(outcome="no_stream", agent=record.agent or "default").inc()
+            await ctx.store.end(call_sid, "no_stream")
+    return web.Response(status=204)
+
+
 async def handle_healthz(request: web.Request) -> web.Response:
     engine = _ctx(request).engine
     if engine is not None and engine.failed:  # a dead engine process: only a restart brings it back
@@ -347,6 +377,7 @@ def build_app(ctx: ServerContext) -> web.Application:
     app.router.add_post(CONNECT_ACTION_PATH, handle_connect_action)
     app.router.add_get(MEDIA_PATH, handle_media)
     app.router.add_post(STATUS_PATH, handle_stream_status)
+    app.router.add_post(CALL_STATUS_PATH, handle_call_status)
     app.router.add_get("/healthz", handle_healthz)
     app.router.add_get("/readyz", handle_readyz)
     app.router.add_get("/calls", handle_calls)
@@ -443,6 +474,7 @@ async def run_service(
     if config.insecure_dev:
         log.warning("!!! --insecure-dev: Twilio signatures are NOT checked; listening on %s only !!!", config.host)
     log.info("listening on %s:%d (public %s)", config.host, handle.port, config.base_url)
+    log.info("%s", config.twilio_summary())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -83,6 +83,7 @@ async def _answer(
     public_base: str,
     token: str | None,
     numbers: tuple[str, str],
+    direction: str = "inbound",
 ) -> ConnectStream | None:
     """POST the voice webhook like Twilio; the stream to open, or None with the outcome set."""
     params = {
@@ -90,7 +91,7 @@ async def _answer(
         "ApiVersion": "2010-04-01",
         "CallSid": report.call_sid,
         "CallStatus": "ringing",
-        "Direction": "inbound",
+        "Direction": direction,
         "From": numbers[0],
         "To": numbers[1],
     }
@@ -319,6 +320,7 @@ async def simulate_call(
     voice_url: str | None = None,
     from_number: str = "+15005550006",
     to_number: str = "+15005550001",
+    direction: str = "inbound",  # outbound-api: a call placed through the REST API (`kame-phone dial`)
 ) -> CallReport:
     """Place one simulated call to the server whose Media Streams socket is `ws_url`; never raises for
     anything the server does (refusals, errors and bad messages end up in the report).
@@ -336,7 +338,8 @@ async def simulate_call(
     try:
         base = public_url or _http_base(ws_url)
         stream = await _answer(
-            session, report, voice_url or default_voice_url(ws_url), base, auth_token, (from_number, to_number)
+            session, report, voice_url or default_voice_url(ws_url), base, auth_token, (from_number, to_number),
+            direction,
         )
         if stream is not None:
             await _stream(session, report, ws_url, stream, base, auth_token, packets, events, hold_after, out_wav)

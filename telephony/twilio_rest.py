@@ -51,6 +51,29 @@ class TwilioCredentials:
         return None
 
 
+@dataclass(frozen=True)
+class NumberSettings:
+    """An IncomingPhoneNumber's voice settings (what `twilio setup` changes)."""
+
+    sid: str
+    number: str
+    voice_url: str | None
+    voice_method: str | None
+    status_callback: str | None
+    status_callback_method: str | None
+
+
+def _why(e: BaseException, doing: str) -> str:
+    """One line for a failed REST request: refused credentials said as such, never the credentials."""
+    status = getattr(e, "status", None)  # a RestException; a page that failed carries the response in its args
+    status = status or next((a.status_code for a in e.args if hasattr(a, "status_code")), None)
+    if status in (401, 403):
+        return f"Twilio refused the credentials while {doing} (HTTP {status}): check TWILIO_ACCOUNT_SID and " \
+            "TWILIO_AUTH_TOKEN (or TWILIO_API_KEY/TWILIO_API_SECRET)"
+    message = getattr(e, "msg", None) or str(e)
+    return f"Twilio REST request failed while {doing}: {' '.join(str(message).split())[:300]}"
+
+
 class TwilioRest:
     """One client for the process (its HTTP session is shared by every call)."""
 
@@ -82,11 +105,47 @@ class TwilioRest:
         """Hang the call up."""
         await self._update(call_sid, status="completed")
 
+    async def find_number(self, number: str) -> NumberSettings:
+        """The account's IncomingPhoneNumber for `number` (E.164), with its voice settings."""
+        try:
+            found = await self._client.incoming_phone_numbers.list_async(phone_number=number, limit=2)
+        except (TwilioException, OSError, TimeoutError) as e:
+            raise TwilioRestError(_why(e, f"looking up {number}")) from e
+        found = [n for n in found if n.phone_number == number]
+        if not found:
+            raise TwilioRestError(f"{number} is not a phone number of account {self.credentials.account_sid}")
+        n = found[0]
+        return NumberSettings(n.sid or "", number, n.voice_url, n.voice_method, n.status_callback,
+                              n.status_callback_method)  # fmt: skip
+
+    async def point_number(self, number: NumberSettings, voice_url: str, status_callback: str) -> NumberSettings:
+        """Send the number's calls to `voice_url` (POST), its call status events to `status_callback`."""
+        try:
+            n = await self._client.incoming_phone_numbers(number.sid).update_async(
+                voice_url=voice_url, voice_method="POST", status_callback=status_callback,
+                status_callback_method="POST",
+            )  # fmt: skip
+        except (TwilioException, OSError, TimeoutError) as e:
+            raise TwilioRestError(_why(e, f"updating {number.number}")) from e
+        return NumberSettings(n.sid or number.sid, number.number, n.voice_url, n.voice_method, n.status_callback,
+                              n.status_callback_method)  # fmt: skip
+
+    async def dial(self, to: str, from_: str, voice_url: str, status_callback: str) -> str:
+        """Place an outbound call that Twilio connects to `voice_url` once answered; returns its CallSid."""
+        try:
+            call = await self._client.calls.create_async(
+                to=to, from_=from_, url=voice_url, method="POST", status_callback=status_callback,
+                status_callback_method="POST",
+            )  # fmt: skip
+        except (TwilioException, OSError, TimeoutError) as e:
+            raise TwilioRestError(_why(e, f"calling {to}")) from e
+        return str(call.sid)
+
     async def _update(self, call_sid: str, **changes: str) -> None:
         try:
             await self._client.api.v2010.account.calls(call_sid).update_async(**changes)
         except (TwilioException, OSError, TimeoutError) as e:  # RestException is a TwilioException
-            raise TwilioRestError(f"Twilio REST update of {call_sid} failed: {e}") from e
+            raise TwilioRestError(_why(e, f"updating call {call_sid}")) from e
 
     async def aclose(self) -> None:
         await self._http.close()

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# A developer's own .env must not reach the commands the tests run (kame_phone/cli.py).
+os.environ["KAME_ENV_FILE"] = ""
 
 
 @pytest.fixture(scope="session")

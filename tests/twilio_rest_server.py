@@ -1,15 +1,24 @@
-"""A local stand-in for Twilio's REST API (the paid external API): the Calls update our service makes,
-recorded, with HTTP Basic auth checked against the account's credentials."""
+"""A local stand-in for Twilio's REST API (the paid external API), with HTTP Basic auth checked against the
+account's credentials: the Calls updates our service makes (recorded), the account's IncomingPhoneNumbers
+(`twilio setup`), and Calls created (`dial`): once "answered", the stand-in drives the call through the
+service's real webhook and media stream with the simulated caller, as Twilio would."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
 
 from aiohttp import web
+
+from telephony.sim_caller import simulate_call
+from telephony.sim_playout import CallReport
 
 from .loopback_http import serve_on_loopback
 
@@ -23,15 +32,35 @@ class TwilioRestStandIn:
     updates: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # (CallSid, form)
     updated_at: list[float] = field(default_factory=list)  # time.time() of each update
     refused: int = 0
+    numbers: dict[str, dict[str, str | None]] = field(default_factory=dict)  # PN sid -> the number's settings
+    number_updates: list[dict[str, str]] = field(default_factory=list)
+    created: list[dict[str, str]] = field(default_factory=list)  # Calls.create forms
+    # Dialed calls are answered with this audio by the simulated caller, its media socket at `media_ws_url`;
+    # the webhook is signed with `auth_token` (the account's, which the service checks).
+    answer_wav: Path | None = None
+    media_ws_url: str = ""
+    auth_token: str | None = None
+    reports: list[asyncio.Task[CallReport]] = field(default_factory=list)
+
+    def add_number(self, number: str, voice_url: str | None = None) -> str:
+        sid = "PN" + secrets.token_hex(16)
+        self.numbers[sid] = {"sid": sid, "phone_number": number, "voice_url": voice_url, "voice_method": "POST",
+                             "status_callback": None, "status_callback_method": None}  # fmt: skip
+        return sid
 
     def _authorized(self, request: web.Request) -> bool:
         expected = "Basic " + base64.b64encode(f"{self.username}:{self.password}".encode()).decode()
-        return request.headers.get("Authorization") == expected
+        ok = request.headers.get("Authorization") == expected and request.match_info["account"] == self.account_sid
+        self.refused += not ok
+        return ok
+
+    @staticmethod
+    def _refused() -> web.Response:
+        return web.json_response({"code": 20003, "message": "Authenticate", "status": 401}, status=401)
 
     async def update_call(self, request: web.Request) -> web.Response:
-        if not self._authorized(request) or request.match_info["account"] != self.account_sid:
-            self.refused += 1
-            return web.json_response({"code": 20003, "message": "Authenticate", "status": 401}, status=401)
+        if not self._authorized(request):
+            return self._refused()
         sid = request.match_info["call"]
         form = {k: str(v) for k, v in (await request.post()).items()}
         self.updates.append((sid, form))
@@ -39,12 +68,62 @@ class TwilioRestStandIn:
         status = form.get("Status", "in-progress")
         return web.json_response({"sid": sid, "account_sid": self.account_sid, "status": status})
 
+    async def list_numbers(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._refused()
+        wanted = request.query.get("PhoneNumber")
+        found = [n for n in self.numbers.values() if wanted in (None, n["phone_number"])]
+        return web.json_response({"incoming_phone_numbers": found, "next_page_uri": None, "page": 0,
+                                  "page_size": 50, "start": 0, "end": len(found), "uri": request.path,
+                                  "first_page_uri": request.path, "previous_page_uri": None})  # fmt: skip
+
+    async def update_number(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._refused()
+        number = self.numbers.get(request.match_info["number"])
+        if number is None:
+            return web.json_response({"code": 20404, "message": "not found", "status": 404}, status=404)
+        form = {k: str(v) for k, v in (await request.post()).items()}
+        self.number_updates.append(form)
+        for key, field_name in (("VoiceUrl", "voice_url"), ("VoiceMethod", "voice_method"),
+                                ("StatusCallback", "status_callback"),
+                                ("StatusCallbackMethod", "status_callback_method")):  # fmt: skip
+            if key in form:
+                number[field_name] = form[key]
+        return web.json_response(number)
+
+    async def create_call(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._refused()
+        form = {k: str(v) for k, v in (await request.post()).items()}
+        self.created.append(form)
+        sid = "CA" + secrets.token_hex(16)
+        if self.answer_wav is not None:  # the callee answers: Twilio requests the call's Url
+            url = form["Url"]
+            parts = urlsplit(url)
+            self.reports.append(asyncio.create_task(simulate_call(
+                self.media_ws_url, self.answer_wav, auth_token=self.auth_token,
+                public_url=f"{parts.scheme}://{parts.netloc}", voice_url=url, custom_sid=sid,
+                from_number=form["From"], to_number=form["To"], direction="outbound-api", hold_after=2.0,
+            )))  # fmt: skip
+        return web.json_response({"sid": sid, "account_sid": self.account_sid, "status": "queued",
+                                  "to": form.get("To"), "from": form.get("From")}, status=201)  # fmt: skip
+
 
 @contextlib.asynccontextmanager
 async def serve_twilio_rest(account_sid: str, username: str, password: str) -> AsyncIterator[TwilioRestStandIn]:
     stand_in = TwilioRestStandIn(account_sid, username, password)
     app = web.Application()
-    app.router.add_post("/2010-04-01/Accounts/{account}/Calls/{call}.json", stand_in.update_call)
+    api = "/2010-04-01/Accounts/{account}"
+    app.router.add_post(api + "/Calls/{call}.json", stand_in.update_call)
+    app.router.add_post(api + "/Calls.json", stand_in.create_call)
+    app.router.add_get(api + "/IncomingPhoneNumbers.json", stand_in.list_numbers)
+    app.router.add_post(api + "/IncomingPhoneNumbers/{number}.json", stand_in.update_number)
     async with serve_on_loopback(app) as base_url:
         stand_in.base_url = base_url
-        yield stand_in
+        try:
+            yield stand_in
+        finally:
+            for task in stand_in.reports:
+                task.cancel()
+            await asyncio.gather(*stand_in.reports, return_exceptions=True)

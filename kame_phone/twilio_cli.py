@@ -1,0 +1,152 @@
+"""`kame-phone twilio setup` (point a number at this service) and `kame-phone dial` (call a phone from it),
+through Twilio's REST API (telephony/twilio_rest.py). Both read PUBLIC_URL and the Twilio credentials from
+the environment (or `.env`); every failure is one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from urllib.parse import quote, urlsplit
+
+import aiohttp
+
+from knowledge.agents import E164, Agents, AgentsError
+from telephony.config import is_loopback
+from telephony.server import CALL_STATUS_PATH, VOICE_PATH
+from telephony.twilio_rest import TwilioRest, TwilioRestError
+
+
+class CliError(Exception):
+    """A one-line failure: printed after the command's name, exit 2 (set-up) or 1 (Twilio failed)."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _public_url(args: argparse.Namespace) -> str:
+    url = (args.public_url or "").rstrip("/")
+    parts = urlsplit(url)
+    if not url:
+        raise CliError("PUBLIC_URL is not set: the https:// URL Twilio reaches this service at (your tunnel's)")
+    if not parts.netloc or not (parts.scheme == "https" or (parts.scheme == "http" and is_loopback(parts.hostname))):
+        raise CliError(f"PUBLIC_URL must be https://host (Twilio calls https:// only), got {url!r}")
+    return url
+
+
+def _number(value: str, what: str) -> str:
+    if not E164.fullmatch(value):
+        raise CliError(f"{what} must be an E.164 number like +15551234567, got {value!r}")
+    return value
+
+
+def _rest() -> TwilioRest:
+    rest = TwilioRest.from_env()
+    if rest is None:
+        raise CliError("no Twilio credentials: set TWILIO_ACCOUNT_SID with TWILIO_AUTH_TOKEN (or TWILIO_API_KEY and "
+                       "TWILIO_API_SECRET), in the environment or in .env")  # fmt: skip
+    return rest
+
+
+async def twilio_setup(args: argparse.Namespace) -> None:
+    number = _number(args.number, "--number")
+    public = _public_url(args)
+    voice_url, status_url = public + VOICE_PATH, public + CALL_STATUS_PATH
+    rest = _rest()
+    try:
+        before = await rest.find_number(number)
+        print(f"{number} ({before.sid}):")
+        print(f"  voice URL:       {before.voice_url or '(none)'} [{before.voice_method or '-'}] -> {voice_url} [POST]")
+        print(f"  status callback: {before.status_callback or '(none)'} [{before.status_callback_method or '-'}]"
+              f" -> {status_url} [POST]")  # fmt: skip
+        if args.dry_run:
+            print("--dry-run: nothing changed")
+            return
+        after = await rest.point_number(before, voice_url, status_url)
+        print(f"done: calls to {number} now reach {after.voice_url}")
+    except TwilioRestError as e:
+        raise CliError(str(e), code=1) from None
+    finally:
+        await rest.aclose()
+
+
+async def dial(args: argparse.Namespace) -> None:
+    to = _number(args.to, "the number to call")
+    from_ = _number(args.from_number or "", "--from (one of your Twilio numbers)")
+    public = _public_url(args)
+    voice_url = public + VOICE_PATH
+    if args.agent:
+        _check_agent(args.agent, args.agents)
+        voice_url += "?agent=" + quote(args.agent)  # signed by Twilio with the rest of the URL
+    if args.wait and not args.admin_token:
+        raise CliError("--wait reads the call's record from the service: set ADMIN_TOKEN")
+    rest = _rest()
+    try:
+        call_sid = await rest.dial(to, from_, voice_url, public + CALL_STATUS_PATH)
+    except TwilioRestError as e:
+        raise CliError(str(e), code=1) from None
+    finally:
+        await rest.aclose()
+    print(call_sid, flush=True)
+    if args.wait:
+        await _follow(public, call_sid, args.admin_token, args.wait_timeout)
+
+
+def _check_agent(name: str, agents_file: str | None) -> None:
+    if not agents_file:
+        return  # the service's own file decides; an unknown name gets its default agent
+    try:
+        agents = Agents.load(agents_file)
+    except AgentsError as e:
+        raise CliError(str(e)) from None
+    if name not in agents.by_name:
+        raise CliError(f"--agent {name!r} is not in {agents_file} (agents: {', '.join(sorted(agents.by_name))})")
+
+
+async def _follow(public: str, call_sid: str, admin_token: str, timeout_s: float) -> None:
+    """Poll the service's record of the call until it has ended; print its figures."""
+    deadline = time.monotonic() + timeout_s
+    headers = {"Authorization": f"Bearer {admin_token}"}
+    record: dict | None = None
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as http:
+        while time.monotonic() < deadline:
+            try:
+                async with http.get(f"{public}/calls/{call_sid}") as r:
+                    if r.status in (401, 403):
+                        raise CliError(f"the service refused ADMIN_TOKEN (HTTP {r.status})", code=1)
+                    record = await r.json() if r.status == 200 else record
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                pass  # the service may be restarting: keep asking until the deadline
+            if record is not None and record.get("state") == "ended":
+                break
+            await asyncio.sleep(1.0)
+        else:
+            raise CliError(f"call {call_sid} had not ended after {timeout_s:g} s", code=1)
+    assert record is not None
+    print(_figures(record))
+
+
+def _figures(record: dict) -> str:
+    first = record.get("first_audio_s")
+    turns = [float(x) for x in record.get("turn_latencies_s") or []]
+    parts = [f"call {record.get('call_sid')}: {record.get('end_reason')}, agent {record.get('agent')}",
+             "first audio " + (f"{first:.2f} s" if first is not None else "none")]  # fmt: skip
+    if turns:
+        parts.append(f"turn latency median {statistics.median(turns):.2f} s, max {max(turns):.2f} s "
+                     f"over {len(turns)} turns")  # fmt: skip
+    else:
+        parts.append("no turns measured")
+    return "; ".join(parts)
+
+
+def run(coro_fn, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+    try:
+        asyncio.run(coro_fn(args))
+    except CliError as e:
+        print(f"kame-phone {args.command}{' ' + args.twilio_command if args.command == 'twilio' else ''}: {e}",
+              file=sys.stderr)  # fmt: skip
+        return e.code
+    return 0

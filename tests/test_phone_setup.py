@@ -1,0 +1,178 @@
+"""From zero to a real phone call (issue 16): `kame-phone twilio setup` and `kame-phone dial`, run as the real
+commands against a local stand-in for Twilio's REST API; `.env`; what serve says at start; the call status
+callback. The dialed call is driven by the stand-in through the service's real webhook and media stream."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from knowledge.agents import AgentDirectory
+from knowledge.backend import BackendConfig, BackendServices
+from telephony.config import ServiceConfig
+from telephony.server import CALL_STATUS_PATH
+
+from .phone_fixtures import flite_wav, metric, running_phone
+from .twilio_rest_server import TwilioRestStandIn, serve_twilio_rest
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCOUNT = "AC" + "4" * 32
+SECRET = "rest-secret-token"
+NUMBER = "+15550002222"
+
+
+async def _kame(args: list[str], env: dict[str, str], cwd: Path = ROOT) -> tuple[int, str, str]:
+    """Run the real `kame-phone` command (in its own process) while this loop serves the stand-ins."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TWILIO_", "PUBLIC_URL", "ADMIN_TOKEN"))}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kame_phone.cli", *args, cwd=cwd, env={**clean, "PYTHONPATH": str(ROOT), **env},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+def _rest_env(twilio: TwilioRestStandIn, token: str = SECRET) -> dict[str, str]:
+    return {"TWILIO_ACCOUNT_SID": ACCOUNT, "TWILIO_AUTH_TOKEN": token, "TWILIO_API_BASE_URL": twilio.base_url}
+
+
+async def test_twilio_setup_points_the_number_at_the_service(tmp_path: Path) -> None:
+    async with serve_twilio_rest(ACCOUNT, ACCOUNT, SECRET) as twilio:
+        twilio.add_number(NUMBER, voice_url="https://demo.twilio.com/welcome/voice/")
+        env = {**_rest_env(twilio), "PUBLIC_URL": "https://voice.example.com"}
+        # --dry-run says what would change and changes nothing.
+        rc, out, err = await _kame(["twilio", "setup", "--number", NUMBER, "--dry-run"], env)
+        assert rc == 0, err
+        assert "https://demo.twilio.com/welcome/voice/ [POST] -> https://voice.example.com/twilio/voice [POST]" in out
+        assert "nothing changed" in out and not twilio.number_updates
+        rc, out, err = await _kame(["twilio", "setup", "--number", NUMBER], env)
+        assert rc == 0, err
+        assert twilio.number_updates == [{
+            "VoiceUrl": "https://voice.example.com/twilio/voice", "VoiceMethod": "POST",
+            "StatusCallback": "https://voice.example.com" + CALL_STATUS_PATH, "StatusCallbackMethod": "POST",
+        }]  # fmt: skip
+        assert "https://demo.twilio.com/welcome/voice/" in out and "done: calls to" in out  # before, and after
+
+
+async def test_env_file_values_are_read_and_the_environment_overrides_them(tmp_path: Path) -> None:
+    async with serve_twilio_rest(ACCOUNT, ACCOUNT, SECRET) as twilio:
+        twilio.add_number(NUMBER)
+        (tmp_path / ".env").write_text(textwrap.dedent(f"""
+            # as copied from ops/.env.example
+            TWILIO_ACCOUNT_SID={ACCOUNT}
+            TWILIO_AUTH_TOKEN=an-old-token
+            TWILIO_API_BASE_URL={twilio.base_url}
+            PUBLIC_URL=https://from-dotenv.example.com
+        """))
+        # The .env token is refused; the environment's wins over it.
+        default = {"KAME_ENV_FILE": ".env"}  # as outside the tests: .env in the working directory
+        rc, _, err = await _kame(["twilio", "setup", "--number", NUMBER], default, cwd=tmp_path)
+        assert rc == 1 and "refused the credentials" in err
+        rc, _, err = await _kame(["twilio", "setup", "--number", NUMBER], {**default, "TWILIO_AUTH_TOKEN": SECRET},
+                                 cwd=tmp_path)  # fmt: skip
+        assert rc == 0, err
+        assert twilio.number_updates[-1]["VoiceUrl"] == "https://from-dotenv.example.com/twilio/voice"
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says", "code"),
+    [
+        (["twilio", "setup", "--number", "+15559990000"], {}, "+15559990000 is not a phone number of account", 1),
+        (["twilio", "setup", "--number", NUMBER], {"TWILIO_AUTH_TOKEN": "wrong"}, "refused the credentials", 1),
+        (["twilio", "setup", "--number", "555-1234"], {}, "--number must be an E.164 number", 2),
+        (["twilio", "setup", "--number", NUMBER], {"PUBLIC_URL": "http://voice.example.com"}, "must be https://", 2),
+        (["twilio", "setup", "--number", NUMBER], {"TWILIO_ACCOUNT_SID": ""}, "no Twilio credentials", 2),
+        (["dial", "+15557654321", "--from", "+15551112222"], {"TWILIO_AUTH_TOKEN": "wrong"},
+         "refused the credentials", 1),
+        (["dial", "12345", "--from", NUMBER], {}, "the number to call must be an E.164 number", 2),
+        (["dial", "+15557654321", "--from", NUMBER, "--wait"], {}, "--wait reads the call's record", 2),
+    ],
+)  # fmt: skip
+async def test_bad_numbers_and_refused_credentials_end_in_one_line(
+    args: list[str], env: dict[str, str], says: str, code: int
+) -> None:
+    async with serve_twilio_rest(ACCOUNT, ACCOUNT, SECRET) as twilio:
+        twilio.add_number(NUMBER)
+        rc, out, err = await _kame(args, {**_rest_env(twilio), "PUBLIC_URL": "https://voice.example.com", **env})
+    assert rc == code and says in err, err
+    assert len(err.strip().splitlines()) == 1 and SECRET not in err and "wrong" not in err
+    assert not twilio.number_updates and not twilio.created
+
+
+async def test_dial_places_a_call_that_takes_the_inbound_path_and_reports_its_figures(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    agents_file = tmp_path / "agents.toml"
+    agents_file.write_text(textwrap.dedent(f"""
+        [agents.default]
+        instructions = "You answer the phone for Acme Dental."
+        [agents.sales]
+        numbers = ["{NUMBER}"]
+        instructions = "You sell Acme widgets."
+        greeting = "Hi, this is Acme sales calling you back."
+    """))
+    directory = AgentDirectory.from_file(agents_file)
+    wav = flite_wav("Hello, who is this?", tmp_path / "hello.wav")
+    backend = BackendServices(BackendConfig(stt="none", llm_enabled=False), directory)  # says the greeting
+    async with running_phone(tiny_checkpoint, agents=directory, backend=backend, admin_token="admin-secret") as phone, \
+            serve_twilio_rest(ACCOUNT, ACCOUNT, SECRET) as twilio:  # fmt: skip
+        twilio.answer_wav, twilio.media_ws_url, twilio.auth_token = wav, phone.ws_url, phone.token
+        env = {**_rest_env(twilio), "PUBLIC_URL": phone.base, "ADMIN_TOKEN": "admin-secret",
+               "KAME_AGENTS": str(agents_file)}  # fmt: skip
+        # From one of our numbers: the agent claiming it speaks (the callee's number is nobody's).
+        rc, out, err = await _kame(["dial", "+15557654321", "--from", NUMBER, "--wait", "--wait-timeout", "60"], env)
+        assert rc == 0, err
+        (created,) = twilio.created
+        assert created["Url"] == phone.base + "/twilio/voice" and created["Method"] == "POST"
+        assert created["To"] == "+15557654321" and created["From"] == NUMBER
+        assert created["StatusCallback"] == phone.base + CALL_STATUS_PATH
+        report = await twilio.reports[0]
+        assert report.outcome == "completed" and report.bot_seconds_received > 1.0, report.errors
+        call_sid, figures = out.strip().splitlines()
+        record = await phone.store.get(call_sid)
+        assert record is not None and record.state == "ended" and record.agent == "sales"
+        assert record.oracle[0].text == "Hi, this is Acme sales calling you back."
+        assert figures.startswith(f"call {call_sid}: completed, agent sales; first audio ")
+        assert f"{record.first_audio_s:.2f} s" in figures
+        # --agent names the agent on the webhook URL (Twilio signs it with the rest); a name the file lacks
+        # is refused before anything is dialed.
+        rc, out, err = await _kame(["dial", "+15557654321", "--from", "+15551112222", "--agent", "default"], env)
+        assert rc == 0, err
+        assert twilio.created[-1]["Url"] == phone.base + "/twilio/voice?agent=default"
+        await twilio.reports[-1]
+        rc, _, err = await _kame(["dial", "+15557654321", "--from", NUMBER, "--agent", "nobody"], env)
+        assert rc == 2 and "--agent 'nobody' is not in" in err and len(twilio.created) == 2
+
+
+async def test_the_call_status_callback_closes_a_call_that_never_streamed(tiny_checkpoint: Path) -> None:
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
+        call_sid, _ = await phone.answer(http)  # answered, then the caller hangs up before the stream
+        before = metric("kame_calls_total", outcome="no_stream")
+        url = phone.base + CALL_STATUS_PATH
+        params = {"CallSid": call_sid, "AccountSid": ACCOUNT, "CallStatus": "completed"}
+        async with http.post(url, data=params) as r:  # unsigned: refused
+            assert r.status == 403
+        async with http.post(url, data=params, headers={"X-Twilio-Signature": phone.sign(url, params)}) as r:
+            assert r.status == 204
+        await phone.store.flush()
+        record = await phone.store.get(call_sid)
+    assert record is not None and (record.state, record.end_reason) == ("ended", "no_stream")
+    assert metric("kame_calls_total", outcome="no_stream") == before + 1
+    assert metric("kame_twilio_call_status_total", status="completed") >= 1
+
+
+def test_serve_says_once_which_webhook_url_twilio_must_use_and_whether_signatures_can_work() -> None:
+    good = ServiceConfig(host="0.0.0.0", port=8080, twilio_auth_token="t", public_url="https://abc.trycloudflare.com")
+    assert good.twilio_summary().startswith("Twilio voice webhook: POST https://abc.trycloudflare.com/twilio/voice")
+    assert "consistent" in good.twilio_summary()
+    local = ServiceConfig(host="127.0.0.1", port=8080, twilio_auth_token="t")
+    assert "PUBLIC_URL is not set" in local.twilio_summary() and "tunnel" in local.twilio_summary()
+    dev = ServiceConfig(host="127.0.0.1", port=8080, insecure_dev=True)
+    assert "signatures NOT checked" in dev.twilio_summary()
