@@ -125,7 +125,7 @@ class _Provider:
         self.first_draft: dict[tuple[str, int], tuple[float, float]] = {}  # (call, cand) -> (trigger, arrival)
         self._rng = random.Random(seed)
 
-    def open_call(self, call_id, on_transcript, on_oracle, on_error, setup=None):  # type: ignore[no-untyped-def]
+    def open_call(self, call_id, on_transcript, on_oracle, on_error, setup=None, on_tool=None):  # type: ignore[no-untyped-def]
         def tapped(text: str, triggered_at: float, candidate_id: int, complete: bool) -> None:
             self.first_draft.setdefault((call_id, candidate_id), (triggered_at, time.monotonic()))
             on_oracle(text, triggered_at, candidate_id, complete)
@@ -136,6 +136,7 @@ class _Provider:
         return CallBackend(
             call_id, stt_factory=caller, llm=self.llm, executor=self.executor,
             on_transcript=on_transcript, on_oracle=tapped, on_error=on_error, policy=OraclePolicyConfig(),
+            on_tool=on_tool,  # no tools are offered (no CallTools): the bench measures drafts only
         )
 
     async def aclose(self) -> None:
