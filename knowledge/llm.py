@@ -17,7 +17,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import openai
 
@@ -83,6 +83,11 @@ def _chain(exc: BaseException) -> list[BaseException]:
         seen.append(cur)
         cur = cur.__cause__ or cur.__context__
     return seen
+
+
+def _refuses_tools(exc: BaseException) -> bool:
+    """A 4xx that names tools: the server cannot do function calling (not a bad request of ours)."""
+    return isinstance(exc, openai.APIStatusError) and exc.status_code in (400, 422) and "tool" in str(exc).lower()
 
 
 def _httpx_error(exc: BaseException) -> str | None:
@@ -218,6 +223,9 @@ class LlmClient:
                 http_client=_aiohttp_transport(config.timeout_s),
             )
         self._client = client
+        # The server answered a request offering `tools` with a 4xx about them (vLLM without a tool parser,
+        # llama.cpp without --jinja): from then on none are offered, rather than every request failing.
+        self.tools_refused = False
 
     async def aclose(self) -> None:
         await self._client.close()
@@ -243,9 +251,10 @@ class LlmClient:
             extra["max_tokens"] = cfg.max_tokens
         if cfg.temperature is not None:
             extra["temperature"] = cfg.temperature
-        if tools:
+        if tools and not self.tools_refused:
             extra["tools"] = list(tools)
         calls: dict[int, _ToolCallParts] = {}
+        retry_without_tools = False
         started = time.monotonic()
         streaming = False
         text = ""
@@ -293,13 +302,27 @@ class LlmClient:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            kind = classify_error(exc, streaming=streaming)
-            if isinstance(exc, TimeoutError) and not text:
-                exc = TimeoutError(f"no first token within {cfg.timeout_s:g}s")
-            message = self._scrub(f"{type(exc).__name__}: {exc}")
-            metrics.LLM_ERRORS.labels(kind=kind).inc()
-            log.warning("call %s: LLM request failed (%s) after %d chars: %s", call_id, kind, len(text), message)
-            raise LlmError(kind, message) from None
+            if "tools" in extra and not streaming and _refuses_tools(exc):
+                self.tools_refused = True
+                log.warning("the LLM server refused function calling (%s): the agents' tools are off in this "
+                            "process; enable it on the server (vLLM: --enable-auto-tool-choice and "
+                            "--tool-call-parser; llama.cpp: --jinja)", self._scrub(str(exc))[:200])  # fmt: skip
+                retry_without_tools = True
+            else:
+                self._fail(exc, streaming, text, call_id)
+        if retry_without_tools:  # the same request, now without tools (counted once more)
+            async for draft in self.stream_draft(messages, call_id=call_id, request_id=request_id, model=model):
+                yield draft
+
+    def _fail(self, exc: Exception, streaming: bool, text: str, call_id: str) -> NoReturn:
+        """Count, log and raise a failed request as an LlmError (`text`: what had streamed before it)."""
+        kind = classify_error(exc, streaming=streaming)
+        if isinstance(exc, TimeoutError) and not text:
+            exc = TimeoutError(f"no first token within {self.config.timeout_s:g}s")
+        message = self._scrub(f"{type(exc).__name__}: {exc}")
+        metrics.LLM_ERRORS.labels(kind=kind).inc()
+        log.warning("call %s: LLM request failed (%s) after %d chars: %s", call_id, kind, len(text), message)
+        raise LlmError(kind, message) from None
 
     def _scrub(self, message: str) -> str:
         key = self.config.api_key

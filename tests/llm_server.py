@@ -29,7 +29,7 @@ def answer_for(messages: list[dict[str, Any]]) -> str:
 
 @dataclass
 class FakeLlm:
-    mode: str = "ok"  # ok | status | malformed | broken | error_event | hang | drip
+    mode: str = "ok"  # ok | status | malformed | broken | error_event | hang | drip | no_tools
     status: int = 500
     delay_s: float = 0.0  # before the response starts
     chunk_delay_s: float = 0.0  # between streamed chunks
@@ -57,6 +57,9 @@ class FakeLlm:
             # Echo the credentials back, as some proxies do: the client must not log them.
             auth = request.headers.get("Authorization", "")
             return web.json_response({"error": {"message": f"boom (auth {auth})"}}, status=self.status)
+        if mode == "no_tools" and "tools" in body:  # llama.cpp without --jinja
+            error = {"code": 400, "type": "invalid_request_error", "message": "tools param requires --jinja flag"}
+            return web.json_response({"error": error}, status=400)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         if mode in ("hang", "drip"):

@@ -252,6 +252,23 @@ async def test_the_llm_client_joins_a_streamed_tool_call(llm_server: FakeLlm) ->
     assert llm_server.requests[0]["tools"] == tools
 
 
+async def test_a_server_without_function_calling_gets_no_tools_and_still_answers(llm_server: FakeLlm) -> None:
+    """llama.cpp without --jinja, vLLM without a tool parser: a 400 naming tools. The request is made again
+    without them, and later ones offer none (one warning, not an error on every request of every call)."""
+    llm_server.mode = "no_tools"
+    tools = [{"type": "function", "function": {"name": "end_call", "parameters": {"type": "object"}}}]
+    llm = LlmClient(LlmConfig(model="m", base_url=llm_server.base_url, api_key="k"))
+    errors = metric("kame_llm_errors_total", kind="other")
+    try:
+        first = [d async for d in llm.stream_draft([{"role": "user", "content": "hi"}], tools=tools)]
+        second = [d async for d in llm.stream_draft([{"role": "user", "content": "again"}], tools=tools)]
+    finally:
+        await llm.aclose()
+    assert first[-1] == "Sure, about hi, let me help you with that right away." and second
+    assert llm.tools_refused and ["tools" in r for r in llm_server.requests] == [True, False, False]
+    assert metric("kame_llm_errors_total", kind="other") == errors
+
+
 async def test_tool_calls_in_the_record_mask_digits_as_dtmf_is() -> None:
     store = MemoryCallStore(store_transcripts=False)
     await store.create(CallRecord("CA" + "3" * 32))
