@@ -7,6 +7,7 @@ import contextlib
 import secrets
 import shutil
 import subprocess
+import textwrap
 import wave
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -51,6 +52,13 @@ def dominant_hz(path: Path) -> float:
 
 def new_call_sid() -> str:
     return "CA" + secrets.token_hex(16)
+
+
+def write_agents(tmp_path: Path, text: str, name: str = "agents.toml") -> Path:
+    """An agents file (TOML, dedented) in `tmp_path`."""
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
 
 
 def flite_wav(text: str, out: Path) -> Path:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import textwrap
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,24 +17,24 @@ from engine.interface import CallSetup, ToolUse
 from engine.remote import _setup_from_wire, event_message, parse_event
 from knowledge.agents import AgentDirectory, Agents
 from knowledge.backend import BackendConfig, BackendServices
-from knowledge.llm import LlmClient, LlmConfig, ToolCallRequest
+from knowledge.llm import MAX_TOOL_ARGUMENTS, LlmClient, LlmConfig, LlmError, ToolCallRequest
 from knowledge.tools import GOODBYE_LINE, TRANSFER_LINE, CallTools, HttpSession
 from telephony.call_store import CallRecord, MemoryCallStore
 from telephony.sim_caller import simulate_call
+from telephony.sim_playout import CallReport
 from telephony.twilio_rest import TwilioCredentials, TwilioRest
 
 from .llm_server import FakeLlm
 from .loopback_http import serve_on_loopback
-from .phone_fixtures import flite_wav, metric, new_call_sid, running_phone
-from .twilio_rest_server import serve_twilio_rest
+from .phone_fixtures import flite_wav, metric, new_call_sid, running_phone, write_agents
+from .twilio_rest_server import TwilioRestStandIn, serve_twilio_rest
 
 SALES = "+15550002222"
 ACCOUNT = "AC" + "2" * 32
 
 
 def _agents(tmp_path: Path, tool_url: str) -> AgentDirectory:
-    path = tmp_path / "agents.toml"
-    path.write_text(textwrap.dedent(f"""
+    return AgentDirectory.from_file(write_agents(tmp_path, f"""
         [agents.default]
         instructions = "You answer the phone for Acme Dental."
 
@@ -50,7 +49,6 @@ def _agents(tmp_path: Path, tool_url: str) -> AgentDirectory:
         url = "{tool_url}"
         parameters = {{ type = "object", properties = {{ order_id = {{ type = "string" }} }} }}
     """))
-    return AgentDirectory.from_file(path)
 
 
 class ToolServer:
@@ -114,6 +112,25 @@ async def _call_with_rest(
     return sid, report, record, twilio
 
 
+def _acted_after_line(
+    sid: str, report: CallReport, record: CallRecord | None, twilio: TwilioRestStandIn, line: str, tool: str,
+    end_reason: str,
+) -> dict[str, str]:
+    """What every call action shows: the call went on until the action, one REST update for it came after the
+    bot's line was the oracle and a mark sent after the line had come back; the tool call is recorded with
+    its result, and the call's outcome is the action's. Returns the update's form."""
+    assert report.outcome == "completed", report.errors
+    ((updated, form),) = twilio.updates
+    assert updated == sid
+    assert record is not None
+    said = next(o for o in record.oracle if o.text == line)
+    assert said.at < twilio.updated_at[0]
+    assert any(name.startswith("line") for name in report.marks_echoed)
+    assert [(t.name, t.outcome) for t in record.tools] == [(tool, "ok")]
+    assert record.end_reason == end_reason
+    return form
+
+
 async def test_a_caller_who_asks_for_a_person_is_transferred_after_the_bots_line(
     tiny_checkpoint: Path, llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path
 ) -> None:
@@ -123,19 +140,10 @@ async def test_a_caller_who_asks_for_a_person_is_transferred_after_the_bots_line
     requested = metric("kame_tool_calls_total", tool="transfer_call", outcome="requested")
     done = metric("kame_call_actions_total", action="transfer", trigger="tool", result="ok")
     sid, report, record, twilio = await _call_with_rest(tiny_checkpoint, llm_server, directory, wav, hold_after=9.0)
-    assert report.outcome == "completed", report.errors
+    form = _acted_after_line(sid, report, record, twilio, TRANSFER_LINE, "transfer_call", "transferred")
+    assert "<Dial><Number>+15550009999</Number></Dial>" in form["Twiml"]
     # The LLM was offered both call actions and the agent's own tool.
     assert _tool_names(llm_server.requests[0]) == {"transfer_call", "end_call", "order_status"}
-    ((updated, form),) = twilio.updates
-    assert updated == sid and "<Dial><Number>+15550009999</Number></Dial>" in form["Twiml"]
-    # The bot said its line first: the line is an oracle candidate before the update, and the update came
-    # once the mark sent after it had played.
-    assert record is not None
-    line = next(o for o in record.oracle if o.text == TRANSFER_LINE)
-    assert line.at < twilio.updated_at[0]
-    assert any(name.startswith("line") for name in report.marks_echoed)
-    assert [(t.name, t.outcome) for t in record.tools] == [("transfer_call", "ok")]
-    assert record.end_reason == "transferred"
     assert metric("kame_tool_calls_total", tool="transfer_call", outcome="requested") == requested + 1
     assert metric("kame_call_actions_total", action="transfer", trigger="tool", result="ok") == done + 1
 
@@ -147,15 +155,8 @@ async def test_end_call_completes_the_call_after_the_goodbye_has_played(
     llm_server.tool_triggers = {"goodbye": ("end_call", {})}
     wav = flite_wav("Okay goodbye.", tmp_path / "bye.wav")
     sid, report, record, twilio = await _call_with_rest(tiny_checkpoint, llm_server, directory, wav, hold_after=9.0)
-    assert report.outcome == "completed", report.errors
-    ((updated, form),) = twilio.updates
-    assert updated == sid and form == {"Status": "completed"}
-    assert record is not None
-    goodbye = next(o for o in record.oracle if o.text == GOODBYE_LINE)
-    assert goodbye.at < twilio.updated_at[0]
-    assert any(name.startswith("line") for name in report.marks_echoed)
-    assert [(t.name, t.outcome) for t in record.tools] == [("end_call", "ok")]
-    assert record.end_reason == "ended_by_agent"
+    form = _acted_after_line(sid, report, record, twilio, GOODBYE_LINE, "end_call", "ended_by_agent")
+    assert form == {"Status": "completed"}
 
 
 @pytest.mark.parametrize("tool_mode", ["ok", "fail"])
@@ -267,6 +268,22 @@ async def test_a_server_without_function_calling_gets_no_tools_and_still_answers
     assert first[-1] == "Sure, about hi, let me help you with that right away." and second
     assert llm.tools_refused and ["tools" in r for r in llm_server.requests] == [True, False, False]
     assert metric("kame_llm_errors_total", kind="other") == errors
+
+
+async def test_a_tool_call_past_its_size_limits_is_a_malformed_answer_not_a_tool_run(llm_server: FakeLlm) -> None:
+    """An LLM (or a server in between) streaming tool-call arguments without end: the client stops at its cap
+    and the request is an LLM error of kind malformed (counted), never a call with megabytes of arguments."""
+    llm_server.tool_triggers = {"order": ("order_status", {"order_id": "9" * (MAX_TOOL_ARGUMENTS + 10)})}
+    tools = [{"type": "function", "function": {"name": "order_status", "parameters": {"type": "object"}}}]
+    llm = LlmClient(LlmConfig(model="m", base_url=llm_server.base_url, api_key="k"))
+    malformed = metric("kame_llm_errors_total", kind="malformed")
+    try:
+        with pytest.raises(LlmError) as failed:
+            _ = [d async for d in llm.stream_draft([{"role": "user", "content": "my order"}], tools=tools)]
+    finally:
+        await llm.aclose()
+    assert failed.value.kind == "malformed"
+    assert metric("kame_llm_errors_total", kind="malformed") == malformed + 1
 
 
 async def test_tool_calls_in_the_record_mask_digits_as_dtmf_is() -> None:

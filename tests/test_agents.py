@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import aiohttp
@@ -28,7 +27,7 @@ from telephony.sim_caller import simulate_call
 from telephony.twilio_rest import TwilioCredentials, TwilioRest
 
 from .llm_server import FakeLlm
-from .phone_fixtures import metric, new_call_sid, running_phone
+from .phone_fixtures import metric, new_call_sid, running_phone, write_agents
 from .redis_support import free_port
 from .twilio_rest_server import serve_twilio_rest
 
@@ -56,14 +55,8 @@ parameters = {{ type = "object", properties = {{ order_id = {{ type = "string" }
 """
 
 
-def _write(tmp_path: Path, text: str, name: str = "agents.toml") -> Path:
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(text))
-    return path
-
-
 def test_a_good_file_loads_and_routes_numbers(tmp_path: Path) -> None:
-    agents = Agents.load(_write(tmp_path, AGENTS))
+    agents = Agents.load(write_agents(tmp_path, AGENTS))
     assert agents.for_call(SALES).name == "sales"
     assert agents.for_call("+15550001111").name == "default" and agents.for_call(None).name == "default"
     assert agents.for_call("+15550001111", requested="sales").name == "sales"  # ?agent= on an outbound call
@@ -97,7 +90,7 @@ def test_a_good_file_loads_and_routes_numbers(tmp_path: Path) -> None:
     ],
 )  # fmt: skip
 def test_a_bad_file_is_refused_in_one_line_naming_file_agent_and_key(tmp_path: Path, text: str, says: str) -> None:
-    path = _write(tmp_path, text)
+    path = write_agents(tmp_path, text)
     with pytest.raises(AgentsError) as refused:
         Agents.load(path)
     message = str(refused.value)
@@ -105,7 +98,7 @@ def test_a_bad_file_is_refused_in_one_line_naming_file_agent_and_key(tmp_path: P
 
 
 def test_serve_refuses_a_bad_agents_file_in_one_line(tmp_path: Path) -> None:
-    path = _write(tmp_path, '[agents.a]\ninstructions = "x"\nvoice = "deep"\n')
+    path = write_agents(tmp_path, '[agents.a]\ninstructions = "x"\nvoice = "deep"\n')
     proc = subprocess.run([sys.executable, "-m", "kame_phone.cli", "serve", "--insecure-dev", "--agents", str(path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 2
@@ -116,7 +109,7 @@ def test_serve_refuses_a_bad_agents_file_in_one_line(tmp_path: Path) -> None:
 async def test_each_number_gets_its_agents_instructions_greeting_and_model(
     tiny_checkpoint: Path, question_wav: Path, llm_server: FakeLlm, tmp_path: Path
 ) -> None:
-    directory = AgentDirectory.from_file(_write(tmp_path, AGENTS))
+    directory = AgentDirectory.from_file(write_agents(tmp_path, AGENTS))
     config = BackendConfig(stt="pocketsphinx", llm_base_url=llm_server.base_url, llm_api_key="sk-test", llm_model="m")
     backend = BackendServices(config, directory)
     await backend.warm_up(2)
@@ -154,7 +147,7 @@ async def test_each_number_gets_its_agents_instructions_greeting_and_model(
 
 
 async def test_at_capacity_each_agent_answers_by_its_busy_policy(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    directory = AgentDirectory.from_file(_write(tmp_path, AGENTS))
+    directory = AgentDirectory.from_file(write_agents(tmp_path, AGENTS))
     async with running_phone(tiny_checkpoint, max_calls=1, agents=directory) as phone, aiohttp.ClientSession() as http:
         await phone.answer(http)  # holds the one seat (a reservation) for a few seconds
         url = phone.base + VOICE_PATH
@@ -175,7 +168,7 @@ async def test_at_capacity_each_agent_answers_by_its_busy_policy(tiny_checkpoint
 
 
 async def test_sighup_reloads_the_agents_and_a_bad_reload_keeps_them(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    path = _write(tmp_path, AGENTS)
+    path = write_agents(tmp_path, AGENTS)
     port, metrics_port = free_port(), free_port()
     env = dict(os.environ, ADMIN_TOKEN="agents-admin")
     env.pop("TWILIO_AUTH_TOKEN", None)
@@ -240,7 +233,7 @@ async def test_a_lost_engine_hands_the_caller_to_the_agents_fallback_not_dead_ai
     """The engine process dies mid-call: the stream ends, and Twilio's request to the <Connect action> URL
     (signed, checked like the webhook) gets the agent's fallback: a <Dial> to its transfer_to, or for an
     agent without one a short apology and a hang-up."""
-    directory = AgentDirectory.from_file(_write(tmp_path, AGENTS))
+    directory = AgentDirectory.from_file(write_agents(tmp_path, AGENTS))
     engine = await LocalEngine.load(EngineConfig(
         checkpoint=str(tiny_checkpoint), device="cpu", max_calls=2, warmup_ticks=2, engine_process=True,
         sampling=SamplingOverrides(greedy=True),
@@ -288,7 +281,7 @@ async def test_the_agents_dtmf_key_hands_the_caller_to_a_person_through_the_rest
     """The sales agent's key "0": the live call is updated through Twilio's REST API (the twilio package's
     client, against a local stand-in) with a <Dial> to transfer_to. Refused credentials: counted, logged,
     and the call goes on."""
-    directory = AgentDirectory.from_file(_write(tmp_path, AGENTS))
+    directory = AgentDirectory.from_file(write_agents(tmp_path, AGENTS))
     account = "AC" + "1" * 32
     async with serve_twilio_rest(account, account, "rest-secret") as twilio:
         rest = TwilioRest(TwilioCredentials(account, account, "rest-secret" if credentials_ok else "wrong",

@@ -18,7 +18,7 @@ from knowledge.backend import BackendConfig, BackendServices
 from telephony.config import ServiceConfig
 from telephony.server import CALL_STATUS_PATH
 
-from .phone_fixtures import flite_wav, metric, running_phone
+from .phone_fixtures import flite_wav, metric, running_phone, write_agents
 from .twilio_rest_server import TwilioRestStandIn, serve_twilio_rest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,15 +109,14 @@ async def test_bad_numbers_and_refused_credentials_end_in_one_line(
 async def test_dial_places_a_call_that_takes_the_inbound_path_and_reports_its_figures(
     tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
-    agents_file = tmp_path / "agents.toml"
-    agents_file.write_text(textwrap.dedent(f"""
+    agents_file = write_agents(tmp_path, f"""
         [agents.default]
         instructions = "You answer the phone for Acme Dental."
         [agents.sales]
         numbers = ["{NUMBER}"]
         instructions = "You sell Acme widgets."
         greeting = "Hi, this is Acme sales calling you back."
-    """))
+    """)
     directory = AgentDirectory.from_file(agents_file)
     wav = flite_wav("Hello, who is this?", tmp_path / "hello.wav")
     backend = BackendServices(BackendConfig(stt="none", llm_enabled=False), directory)  # says the greeting
