@@ -137,7 +137,7 @@ class FrameLoop:
         self.tokenizer = tokenizer
         self.max_calls = batch.batch_size
         self.max_queued_frames = max_queued_frames
-        self.forced_delay_frames = math.ceil(forced_delay_ms / (FRAME_SECONDS * 1000)) if forced_delay_ms else 0
+        self.forced_delay_frames = self._delay_frames(forced_delay_ms) or 0
         self.clock = clock
         self.stats = LoopStats()
         self._slots: list[Slot | None] = [None] * self.max_calls

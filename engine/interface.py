@@ -110,6 +110,14 @@ class CallSetup:
     forced_delay_ms: float | None = None  # the agent's forced response delay; None: the engine's
 
 
+MAX_FORCED_DELAY_MS = 10_000
+
+
+def is_forced_delay_ms(value: object) -> bool:
+    """A forced response delay as an agents file or the engine link may give it: milliseconds, 0 to 10 s."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= MAX_FORCED_DELAY_MS
+
+
 # What one call's `outputs()` yields; its audio comes in the engine-wide `BotFrames` instead.
 EngineOutput = CallerTranscript | OracleUpdate | EngineNotice | ToolUse
 

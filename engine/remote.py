@@ -64,6 +64,7 @@ from .interface import (
     EngineOutput,
     OracleUpdate,
     ToolUse,
+    is_forced_delay_ms,
 )
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,7 @@ def _setup_from_wire(raw: Any) -> CallSetup | None:
     if not isinstance(actions, list) or not set(actions) <= set(get_args(CallAction)):
         raise ValueError(f"call setup actions must be a list of {get_args(CallAction)}")
     delay = raw.get("forced_delay_ms")
-    if delay is not None and (isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay <= 1e4):
+    if delay is not None and not is_forced_delay_ms(delay):
         raise ValueError("call setup forced_delay_ms must be a number of milliseconds, 0 to 10000")
     return CallSetup(**{k: v for k, v in fields.items() if v is not None}, actions=tuple(actions),
                      forced_delay_ms=None if delay is None else float(delay))  # fmt: skip

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client import Counter
 
+from engine.interface import is_forced_delay_ms
 from engine.metrics import zero_series
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ def _agent(path: Path, name: str, table: Any) -> Agent:
         raise bad("busy", "'dial' needs transfer_to")
     llm_model = _optional_text(table, "llm_model", bad, limit=200)
     delay = table.get("forced_delay_ms")
-    if delay is not None and (isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay <= 1e4):
+    if delay is not None and not is_forced_delay_ms(delay):
         raise bad("forced_delay_ms", "a number of milliseconds, 0 to 10000")
     tools = table.get("tools", [])
     if not isinstance(tools, list):
