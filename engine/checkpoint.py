@@ -31,7 +31,19 @@ DEFAULT_REPO = "SakanaAI/kame"
 _NON_LM_KEYS = (
     "moshi_name", "mimi_name", "mimi_config_name", "tokenizer_name", "lora_name", "model_type",
     "lm_gen_config", "tts_config", "stt_config", "model_id",
+    "random_weights",  # ours: set by make-tiny-checkpoint, so reports can say the answers mean nothing
 )
+
+
+def has_random_weights(source: str) -> bool:
+    """`random:SIZE`, or a local checkpoint whose config.json says `"random_weights": true` (the tiny one)."""
+    if source.startswith(RANDOM_PREFIX):
+        return True
+    config = Path(source).expanduser() / "config.json"
+    try:
+        return bool(json.loads(config.read_text()).get("random_weights")) if config.is_file() else False
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 class CheckpointError(Exception):

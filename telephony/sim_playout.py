@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from math import gcd
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, BinaryIO, Literal, Protocol, runtime_checkable
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, TypeAdapter, ValidationError
@@ -35,6 +35,7 @@ RATE = 8000  # the phone line: mu-law, 8 kHz, mono
 PACKET_BYTES = 160  # 20 ms, what Twilio sends per media message
 PACKET_SECONDS = PACKET_BYTES / RATE
 SILENCE_BYTE = 0xFF  # mu-law code for 0
+SILENCE_PACKET = bytes([SILENCE_BYTE]) * PACKET_BYTES
 # Bot audio counts as sound above -46 dBFS RMS over 20 ms: well under speech (-20..-35 dBFS), well over
 # mu-law's idle codes, so a model's near-silence does not count as its first word.
 SOUND_RMS = 0.005
@@ -47,9 +48,9 @@ VOICED_RELATIVE = 0.05
 # The caller's audio
 
 
-def read_wav(path: Path) -> tuple[np.ndarray, int]:
+def read_wav(path: Path | BinaryIO) -> tuple[np.ndarray, int]:
     """A 16-bit PCM WAV (any rate, any channel count) as mono float32 in [-1, 1), and its rate."""
-    with wave.open(str(path), "rb") as w:
+    with wave.open(path if hasattr(path, "read") else str(path), "rb") as w:  # type: ignore[arg-type]
         if w.getsampwidth() != 2:
             raise ValueError(f"{path}: only 16-bit PCM WAV is supported, got {8 * w.getsampwidth()}-bit")
         channels, rate = w.getnchannels(), w.getframerate()
@@ -196,6 +197,35 @@ def caller_packets(wav: Path | str | np.ndarray, sample_rate: int = RATE) -> lis
     return packetize(to_line_rate(audio, rate))
 
 
+@runtime_checkable
+class CallerScript(Protocol):
+    """What the caller says, packet by packet: `next_packet(t, playout)` is asked at each 20 ms slot
+    (t: seconds since `start`) and answers (160 mu-law bytes, is it speech) or None to hang up. It may
+    listen first: `playout` holds the bot audio queued so far (see `Playout.sound_between`)."""
+
+    def next_packet(self, t: float, playout: Playout) -> tuple[bytes, bool] | None: ...
+
+
+@dataclass(eq=False)
+class WavThenHold:
+    """The plain call: the caller's packets, then `hold_s` of silence, then hang up."""
+
+    packets: list[bytes]
+    hold_s: float = 2.0
+    _voiced: list[bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._voiced = voiced_flags(self.packets)
+
+    def next_packet(self, t: float, playout: Playout) -> tuple[bytes, bool] | None:
+        k = round(t / PACKET_SECONDS)
+        if k < len(self.packets):
+            return self.packets[k], self._voiced[k]
+        if k < len(self.packets) + round(self.hold_s / PACKET_SECONDS):
+            return SILENCE_PACKET, False
+        return None
+
+
 def format_summary(r: CallReport) -> str:
     """A few human lines about the call."""
 
@@ -311,6 +341,9 @@ class Playout:
     _chunks: list[_Chunk] = field(init=False, default_factory=list)
     _marks: deque[tuple[int, str]] = field(init=False, default_factory=deque)  # (due sample, name), in order
     _end: int = field(init=False, default=0)  # playout clock: sample where the queued audio runs out
+    # Where queued audio is sound (20 ms RMS over SOUND_RMS), as merged [start, end) sample spans: a caller
+    # that waits for the bot to fall quiet, or barges in while it talks, asks `sound_between`.
+    _sound: list[list[int]] = field(init=False, default_factory=list)
     received_samples: int = field(init=False, default=0)
 
     @staticmethod
@@ -324,7 +357,24 @@ class Playout:
         self._chunks.append(_Chunk(start, pcm))
         self._end = start + len(pcm)
         self.received_samples += len(pcm)
+        for i in range(0, len(payload), PACKET_BYTES):
+            if packet_rms(payload[i : i + PACKET_BYTES]) > SOUND_RMS:
+                s, e = start + i, start + min(len(pcm), i + PACKET_BYTES)
+                if self._sound and self._sound[-1][1] >= s:
+                    self._sound[-1][1] = max(self._sound[-1][1], e)
+                else:
+                    self._sound.append([s, e])
         return start
+
+    def sound_between(self, t0: float, t1: float) -> bool:
+        """Does bot audio queued to play between t0 and t1 (seconds) hold sound? Future audio counts."""
+        a, b = self._sample(t0), self._sample(t1)
+        for s, e in reversed(self._sound):
+            if e <= a:
+                return False
+            if s < b:
+                return True
+        return False
 
     def enqueue_mark(self, name: str, now: float) -> None:
         # Due when the audio queued so far has played; with nothing queued, that is now.
@@ -348,6 +398,7 @@ class Playout:
         if kept and kept[-1].start + len(kept[-1].pcm) > cut:
             kept[-1] = _Chunk(kept[-1].start, kept[-1].pcm[: cut - kept[-1].start])
         self._chunks = kept
+        self._sound = [[s, min(e, cut)] for s, e in self._sound if s < cut]
         self._end = min(self._end, cut)  # a backlog now ends here; an idle buffer is untouched
         return played, dropped
 

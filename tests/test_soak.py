@@ -16,7 +16,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kame_phone.node_bench import QUESTIONS, _free_port, _llm_server, _scrape, _service, _speak
+from kame_phone.node_bench import QUESTIONS, _llm_server, _scrape, _speak
+from kame_phone.serve_process import free_port, serve_process
 from telephony.sim_caller import CallReport, simulate_call
 
 from .redis_support import RedisServer
@@ -88,7 +89,7 @@ async def test_calls_in_a_loop_keep_memory_and_files_flat_and_every_record(tmp_p
     from engine.tiny_checkpoint import make_tiny_checkpoint
 
     checkpoint = await asyncio.to_thread(make_tiny_checkpoint, tmp_path / "tiny")
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     base, metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
     ws_url = base.replace("http://", "ws://") + "/twilio/media"
     argv = ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port), "--insecure-dev",
@@ -110,7 +111,7 @@ async def test_calls_in_a_loop_keep_memory_and_files_flat_and_every_record(tmp_p
             env = dict(os.environ, OPENAI_BASE_URL=llm_url, OPENAI_API_KEY="none", KAME_LLM_MODEL="soak",
                        REDIS_URL=redis.url, ADMIN_TOKEN="soak-admin")  # fmt: skip
             env.pop("TWILIO_AUTH_TOKEN", None)
-            async with _service(argv, env, base, tmp_path / "serve.log"), aiohttp.ClientSession() as session:
+            async with serve_process(argv, env, base, tmp_path / "serve.log"), aiohttp.ClientSession() as session:
                 serve = _serve_pid(port)
                 engine_pids = _children(serve)
                 await asyncio.gather(*(caller(i, time.monotonic() + WARMUP_S) for i in range(CALLERS)))

@@ -1,0 +1,71 @@
+"""`kame-phone eval compare A B`: what changed between two runs, per delay and category, with a note
+when the samples are too small (or too noisy) to tell a change from chance."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from scipy import stats
+
+from .report import TOO_FEW, load_report
+
+
+def _values(report: dict[str, Any], delay: float, category: str | None, key: str) -> list[float]:
+    return [
+        r[key] for r in report["results"]
+        if r["forced_delay_ms"] == delay and (category is None or r["category"] == category) and r[key] is not None
+    ]
+
+
+def _verdict(a: list[float], b: list[float], test: str) -> str:
+    if len(a) < TOO_FEW or len(b) < TOO_FEW:
+        return f"too few to tell (n={len(a)} vs {len(b)}; need {TOO_FEW}+ each)"
+    if test == "t":  # scores: means, Welch's t-test
+        p = stats.ttest_ind(a, b, equal_var=False).pvalue
+    else:  # latencies: skewed, Mann-Whitney U
+        p = stats.mannwhitneyu(a, b).pvalue
+    return f"p={p:.3f}" + ("" if p < 0.05 else ", could be chance")
+
+
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _fmt(x: float | None, unit: str = "") -> str:
+    return "–" if x is None else f"{x:.2f}{unit}"
+
+
+def compare(a_path: Path, b_path: Path) -> str:
+    a, b = load_report(a_path), load_report(b_path)
+    da = {blk["forced_delay_ms"] for blk in a["summary"]["by_delay"]}
+    db = {blk["forced_delay_ms"] for blk in b["summary"]["by_delay"]}
+    pairs = [(d, d) for d in sorted(da & db)]
+    lines = [f"A: {a_path}", f"B: {b_path}"]
+    if not pairs and len(da) == 1 and len(db) == 1:  # one run each at different delays: compare them anyway
+        pairs = [(next(iter(da)), next(iter(db)))]
+        lines.append(f"note: A ran at {pairs[0][0]:.0f} ms, B at {pairs[0][1]:.0f} ms")
+    if not pairs:
+        return "\n".join(lines + [f"no forced delay in common (A: {sorted(da)}, B: {sorted(db)})"])
+    if a.get("random_weights") or b.get("random_weights"):
+        lines.append("note: a run used random weights; its scores mean nothing")
+    for d_a, d_b in pairs:
+        lines.append(f"\nforced delay {d_a:.0f} ms" + (f" vs {d_b:.0f} ms" if d_a != d_b else ""))
+        cats = sorted({r["category"] for r in a["results"] + b["results"]})
+        for cat in [None, *cats]:
+            sa, sb = _values(a, d_a, cat, "score"), _values(b, d_b, cat, "score")
+            la, lb = _values(a, d_a, cat, "latency_s"), _values(b, d_b, cat, "latency_s")
+            ma, mb, ka, kb = _mean(sa), _mean(sb), _median(la), _median(lb)
+            ds = None if ma is None or mb is None else mb - ma
+            dl = None if ka is None or kb is None else kb - ka
+            lines.append(
+                f"  {cat or 'all':<12} score {_fmt(ma)} -> {_fmt(mb)} ({'+' if (ds or 0) >= 0 else ''}{_fmt(ds)}; "
+                f"{_verdict(sa, sb, 't')})   median latency {_fmt(ka, ' s')} -> {_fmt(kb, ' s')} "
+                f"({'+' if (dl or 0) >= 0 else ''}{_fmt(dl, ' s')}; {_verdict(la, lb, 'u')})"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,288 @@
+"""Run an eval: speak the questions, dial each as a call (own service per forced delay, or a running one),
+transcribe and judge the replies, write the report, the plots and every call's audio."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+from tqdm import tqdm
+
+from telephony import sim_playout as sp
+from telephony.sim_caller import simulate_call
+
+from .judge import Judge
+from .line_caller import AskAndListen, Listening, answer_latency, speech_spans, talk_after_barge_in, took_turn_in_pause
+from .plots import write_plots
+from .questions import Question
+from .report import Probe, Result, build_report, render_markdown
+from .transcribe import AsrError, Transcriber
+from .voices import Voice, write_wav
+
+log = logging.getLogger("kame-phone.eval")
+BARGE_IN_TEXT = "Sorry, wait a second, can I ask something else?"
+
+
+@dataclass
+class Target:
+    """Where the calls go: a running service (--url), or one this run starts (--checkpoint)."""
+
+    checkpoint: str | None = None
+    url: str | None = None  # https://host[/prefix] or http://127.0.0.1:port
+    auth_token: str | None = None  # signs like Twilio (url: TWILIO_AUTH_TOKEN)
+    public_url: str | None = None  # what the service calls itself (url: PUBLIC_URL, else the url)
+    serve_args: list[str] = field(default_factory=list)  # flags for the started service
+    random_weights: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint} if self.checkpoint else {"url": self.url}
+
+
+@dataclass
+class EvalPlan:
+    questions: list[Question]
+    source: str  # the file or suite they came from
+    out: Path
+    voice: Voice
+    transcriber: Transcriber
+    judge: Judge
+    target: Target
+    delays: list[float | None]  # None: the service's own setting (a --url run)
+    concurrency: int = 1
+    probes: int = 3  # the first N questions also get an interaction probe call per delay
+    pause_s: float = 1.5
+    listening: Listening = field(default_factory=Listening)
+    from_number: str = "+15005550006"
+    to_number: str = "+15005550001"
+
+
+@dataclass(frozen=True)
+class _Spoken:
+    question: Question
+    packets: list[bytes]
+    first_half: list[bytes] | None  # the probe's two parts, split mid-sentence
+    second_half: list[bytes] | None
+
+
+def _split_mid_sentence(text: str) -> tuple[str, str] | None:
+    """Cut a question near its middle, at a comma if one is close: the probe's pause goes there."""
+    words = text.split()
+    if len(words) < 6:
+        return None
+    mid = len(words) // 2
+    near = [i + 1 for i, w in enumerate(words[:-2]) if w.endswith(",") and i >= 1 and abs(i + 1 - mid) <= 3]
+    cut = min(near, key=lambda c: abs(c - mid)) if near else mid
+    return " ".join(words[:cut]), " ".join(words[cut:])
+
+
+def _packets(audio: np.ndarray, rate: int) -> list[bytes]:
+    return sp.caller_packets(audio, rate)
+
+
+async def _speak_all(plan: EvalPlan, audio_dir: Path) -> tuple[list[_Spoken], list[bytes]]:
+    async def one(i: int, q: Question) -> _Spoken:
+        audio, rate = await asyncio.to_thread(plan.voice.speak, q.text)
+        await asyncio.to_thread(write_wav, audio_dir / f"q{q.question_id}.wav", audio, rate)
+        halves: tuple[list[bytes] | None, list[bytes] | None] = (None, None)
+        parts = _split_mid_sentence(q.text) if i < plan.probes else None
+        if parts is not None:
+            a = await asyncio.to_thread(plan.voice.speak, parts[0])
+            b = await asyncio.to_thread(plan.voice.speak, parts[1])
+            halves = (_packets(*a), _packets(*b))
+        return _Spoken(q, _packets(audio, rate), *halves)
+
+    sem = asyncio.Semaphore(4)
+
+    async def bounded(i: int, q: Question) -> _Spoken:
+        async with sem:
+            return await one(i, q)
+
+    spoken = await asyncio.gather(*(bounded(i, q) for i, q in enumerate(plan.questions)))
+    barge = _packets(*await asyncio.to_thread(plan.voice.speak, BARGE_IN_TEXT)) if plan.probes else []
+    return list(spoken), barge
+
+
+@dataclass
+class _Line:
+    ws_url: str
+    voice_url: str | None
+    public_url: str | None
+    token: str | None
+
+
+def _line_for_url(t: Target) -> _Line:
+    assert t.url is not None
+    parts = urlsplit(t.url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"--url must be https://host[/prefix] (http:// for loopback), got {t.url!r}")
+    prefix = parts.path.rstrip("/")
+    ws = ("wss" if parts.scheme == "https" else "ws") + f"://{parts.netloc}{prefix}/twilio/media"
+    return _Line(ws, f"{parts.scheme}://{parts.netloc}{prefix}/twilio/voice", t.public_url or t.url, t.auth_token)
+
+
+@contextlib.asynccontextmanager
+async def _own_service(plan: EvalPlan, delay: float, log_dir: Path) -> AsyncIterator[_Line]:
+    from kame_phone.serve_process import free_port, serve_process
+
+    t = plan.target
+    assert t.checkpoint is not None
+    port, metrics_port = free_port(), free_port()
+    base = f"http://127.0.0.1:{port}"
+    token = secrets.token_hex(16)  # signatures are checked, as in production
+    argv = ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
+            "--checkpoint", t.checkpoint, "--forced-delay-ms", f"{delay:g}"]
+    if "--max-calls" not in t.serve_args:
+        argv += ["--max-calls", str(max(2, plan.concurrency))]
+    argv += t.serve_args
+    env = dict(os.environ, TWILIO_AUTH_TOKEN=token, PUBLIC_URL=base, KAME_ENV_FILE="")
+    async with serve_process(argv, env, base, log_dir / f"serve_{delay:g}ms.log"):
+        yield _Line(base.replace("http://", "ws://") + "/twilio/media", None, base, token)
+
+
+async def run_eval(plan: EvalPlan, progress: bool = True) -> dict[str, Any]:
+    out = plan.out
+    audio_dir = out / "audio"
+    audio_dir.mkdir(parents=True, exist_ok=True)
+    spoken, barge = await _speak_all(plan, audio_dir)
+    probes_per_delay = sum(s.first_half is not None for s in spoken)
+    total = len(plan.delays) * (len(spoken) + probes_per_delay)
+    bar = tqdm(total=total, desc="eval calls", unit="call", disable=not progress, file=sys.stderr)
+    results: list[Result] = []
+    probes: list[Probe] = []
+    scores: list[float] = []
+
+    def done(score: float | None = None) -> None:
+        if score is not None:
+            scores.append(score)
+        bar.update(1)
+        bar.set_postfix_str(f"mean score {np.mean(scores):.2f}" if scores else "mean score –")
+
+    try:
+        for delay in plan.delays:
+            async with _line(plan, delay, out) as line:
+                sem = asyncio.Semaphore(plan.concurrency)
+                tasks = [_ask(plan, line, delay, s, audio_dir, sem, done) for s in spoken]
+                tasks += [_probe(plan, line, delay, s, barge, audio_dir, sem, done) for s in spoken
+                          if s.first_half is not None]
+                for item in await asyncio.gather(*tasks):
+                    (results if isinstance(item, Result) else probes).append(item)  # type: ignore[arg-type]
+    finally:
+        bar.close()
+        await plan.judge.aclose()
+    report = build_report(
+        results, probes, target=plan.target.describe(), random_weights=plan.target.random_weights,
+        settings={
+            "questions": len(plan.questions), "source": plan.source, "tts": plan.voice.name,
+            "asr": plan.transcriber.name, "judge_model": plan.judge.model, "concurrency": plan.concurrency,
+            "forced_delays_ms": [d for d in plan.delays if d is not None], "probes": probes_per_delay,
+            "pause_s": plan.pause_s, "listening": dataclasses.asdict(plan.listening),
+        },
+    )
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    plots = await asyncio.to_thread(write_plots, report, out)
+    (out / "report.md").write_text(render_markdown(report, plots))
+    return report
+
+
+@contextlib.asynccontextmanager
+async def _line(plan: EvalPlan, delay: float | None, out: Path) -> AsyncIterator[_Line]:
+    if plan.target.checkpoint is None:
+        yield _line_for_url(plan.target)
+        return
+    async with _own_service(plan, delay or 0.0, out) as line:
+        yield line
+
+
+def _delay_of(delay: float | None) -> float:
+    return -1.0 if delay is None else delay  # -1: the service's own
+
+
+async def _dial(plan: EvalPlan, line: _Line, script: AskAndListen, wav: Path, sem: asyncio.Semaphore):  # type: ignore[no-untyped-def]
+    async with sem:
+        report = await simulate_call(
+            line.ws_url, script, auth_token=line.token, public_url=line.public_url, out_wav=wav,
+            voice_url=line.voice_url, from_number=plan.from_number, to_number=plan.to_number,
+        )
+    return report, await asyncio.to_thread(_read_heard, wav)
+
+
+def _read_heard(wav: Path) -> np.ndarray:
+    """The call as the caller heard it (int16, 8 kHz); empty when the call never streamed."""
+    if not wav.is_file():
+        return np.zeros(0, dtype=np.int16)
+    audio, _ = sp.read_wav(wav)
+    return np.round(audio * 32768.0).astype(np.int16)
+
+
+async def _ask(
+    plan: EvalPlan, line: _Line, delay: float | None, s: _Spoken, audio_dir: Path, sem: asyncio.Semaphore,
+    done: Callable[[float | None], None],
+) -> Result:
+    q = s.question
+    tag = f"d{_delay_of(delay):g}_q{q.question_id}"
+    r = Result(q.question_id, q.category, q.text, _delay_of(delay), question_wav=f"audio/q{q.question_id}.wav",
+               reply_wav=f"audio/{tag}_call.wav")
+    script = AskAndListen(s.packets, plan.listening)
+    try:
+        report, heard = await _dial(plan, line, script, audio_dir / f"{tag}_call.wav", sem)
+        r.outcome, r.call_sid, r.errors = report.outcome, report.call_sid, list(report.errors)
+        r.first_audio_s, r.hung_up_because = report.first_audio_latency_s, script.hung_up_because
+        if report.outcome == "completed" and script.question_end_s is not None:
+            start = round((script.question_start_s or 0.0) * sp.RATE)
+            reply = heard[start:]
+            r.reply_s = float(len(reply) / sp.RATE)
+            r.latency_s = answer_latency(speech_spans(heard), script.question_end_s)
+            transcript = await asyncio.to_thread(plan.transcriber.transcribe, reply)
+            r.transcript = transcript.text
+            if transcript.first_word_s is not None:
+                heard_at = (script.question_start_s or 0.0) + transcript.first_word_s
+                r.first_word_latency_s = heard_at - script.question_end_s
+            verdict = await plan.judge.grade(q, r.transcript or "(the assistant said nothing)")
+            r.score, r.judge_explanation, r.judge_error = verdict.score, verdict.explanation, verdict.error
+            if verdict.error:
+                log.warning("question %s: no score from the judge after %d tries: %s", q.question_id,
+                            verdict.attempts, verdict.error)
+    except (AsrError, OSError, ValueError) as exc:
+        r.errors.append(f"{type(exc).__name__}: {exc}")
+    done(r.score)
+    return r
+
+
+async def _probe(
+    plan: EvalPlan, line: _Line, delay: float | None, s: _Spoken, barge: list[bytes], audio_dir: Path,
+    sem: asyncio.Semaphore, done: Callable[[float | None], None],
+) -> Probe:
+    q = s.question
+    tag = f"d{_delay_of(delay):g}_q{q.question_id}_probe"
+    p = Probe(q.question_id, _delay_of(delay), pause_s=plan.pause_s, call_wav=f"audio/{tag}.wav")
+    assert s.first_half is not None and s.second_half is not None
+    script = AskAndListen(s.first_half, plan.listening, second_part=s.second_half, pause_s=plan.pause_s,
+                          barge_in=barge)
+    try:
+        report, heard = await _dial(plan, line, script, audio_dir / f"{tag}.wav", sem)
+        p.outcome, p.call_sid, p.errors = report.outcome, report.call_sid, list(report.errors)
+        if report.outcome == "completed":
+            spans = speech_spans(heard)
+            if script.pause_start_s is not None and script.pause_end_s is not None:
+                p.took_turn_in_pause = took_turn_in_pause(spans, script.pause_start_s, script.pause_end_s)
+            if script.barge_in_start_s is not None:
+                talk, stopped = talk_after_barge_in(speech_spans(heard, merge_gap_s=0.3), script.barge_in_start_s,
+                                                    len(heard) / sp.RATE)
+                p.barge_in_talk_s, p.barge_in_stopped = talk, stopped
+    except (OSError, ValueError) as exc:
+        p.errors.append(f"{type(exc).__name__}: {exc}")
+    done(None)
+    return p
+

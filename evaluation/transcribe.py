@@ -1,0 +1,114 @@
+"""What the bot said: its reply audio (8 kHz, as the caller heard it) as words with start times.
+
+`--asr pocketsphinx` is offline (the default); `--asr openai` is any OpenAI-compatible
+`/v1/audio/transcriptions` (e.g. a Whisper server), asked for word timestamps when it has them.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+from scipy.signal import resample_poly
+
+from telephony.sim_playout import RATE
+
+
+class AsrError(RuntimeError):
+    """The ASR could not transcribe a reply; the message says why, without secrets."""
+
+
+@dataclass(frozen=True, slots=True)
+class Word:
+    text: str
+    start_s: float  # from the start of the transcribed audio
+
+
+@dataclass(frozen=True)
+class Transcript:
+    text: str
+    words: list[Word] = field(default_factory=list)  # empty when the ASR gives no timings
+
+    @property
+    def first_word_s(self) -> float | None:
+        return self.words[0].start_s if self.words else None
+
+
+class Transcriber(Protocol):
+    name: str
+
+    def transcribe(self, pcm8k: np.ndarray) -> Transcript: ...
+
+
+_FILLER = re.compile(r"^(<.*>|\[.*\])$")  # <s>, </s>, <sil>, [NOISE]: not words
+_VARIANT = re.compile(r"\(\d+\)$")  # the(2): a pronunciation variant of "the"
+
+
+class PocketsphinxTranscriber:
+    """pocketsphinx's US English model at 16 kHz (the reply is upsampled), with its second pass on:
+    slower than the service's streaming settings, a little more accurate."""
+
+    name = "pocketsphinx"
+    FRAMES_PER_S = 100
+
+    def __init__(self) -> None:
+        self._local = threading.local()  # a decoder per thread: they are not thread-safe
+
+    def _decoder(self):  # type: ignore[no-untyped-def]
+        d = getattr(self._local, "decoder", None)
+        if d is None:
+            import pocketsphinx
+
+            d = self._local.decoder = pocketsphinx.Decoder(samprate=16000, loglevel="ERROR")
+        return d
+
+    def transcribe(self, pcm8k: np.ndarray) -> Transcript:
+        if len(pcm8k) == 0:
+            return Transcript("")
+        x = resample_poly(np.asarray(pcm8k, dtype=np.float32) / 32768.0, 2, 1)
+        raw = (np.clip(x, -1.0, 1.0) * 32767).astype("<i2").tobytes()
+        d = self._decoder()
+        d.start_utt()
+        d.process_raw(raw, full_utt=True)
+        d.end_utt()
+        words = [
+            Word(_VARIANT.sub("", s.word), s.start_frame / self.FRAMES_PER_S)
+            for s in d.seg()
+            if not _FILLER.match(s.word)
+        ]
+        return Transcript(" ".join(w.text for w in words), words)
+
+
+@dataclass(frozen=True)
+class OpenAITranscriber:
+    base_url: str | None
+    api_key: str | None
+    model: str = "whisper-1"
+    name: str = "openai"
+
+    def transcribe(self, pcm8k: np.ndarray) -> Transcript:
+        import openai
+
+        from .voices import write_wav
+
+        buf = io.BytesIO()
+        write_wav(buf, np.asarray(pcm8k, dtype=np.float32) / 32768.0, RATE)
+        client = openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=3, timeout=120)
+        try:
+            resp = client.audio.transcriptions.create(
+                model=self.model,
+                file=("reply.wav", buf.getvalue(), "audio/wav"),
+                response_format="verbose_json",
+                timestamp_granularities=["word"],
+            )
+        except openai.OpenAIError as exc:
+            raise AsrError(f"--asr openai failed: {type(exc).__name__}: {str(exc)[:200]}") from None
+        finally:
+            client.close()
+        text = (getattr(resp, "text", "") or "").strip()
+        words = [Word(str(w.word).strip(), float(w.start)) for w in (getattr(resp, "words", None) or [])]
+        return Transcript(text, words)

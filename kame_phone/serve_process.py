@@ -1,0 +1,56 @@
+"""`kame-phone serve` in a child process, for the commands that test the service as deployed (the node
+bench, the eval): started with the given flags and environment, waited for until /readyz says 200,
+its output drained all along and written to a log file when it stops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def serve_process(argv: list[str], env: dict[str, str], base: str, log_path: Path) -> AsyncIterator[None]:
+    """`kame-phone serve` in its own process, until its /readyz says 200."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kame_phone.cli", "serve", *argv, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    assert proc.stdout is not None
+    logged = asyncio.create_task(proc.stdout.read())  # drained all along: a full pipe would stall the service
+    try:
+        async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + 180
+            while True:
+                if proc.returncode is not None or logged.done():
+                    await proc.wait()
+                    raise RuntimeError(f"serve exited with {proc.returncode}: {(await logged).decode()[-2000:]}")
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(base + "/readyz") as resp:
+                        if resp.status == 200:
+                            break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("serve did not become ready in 180 s")
+                await asyncio.sleep(0.25)
+        yield
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        await asyncio.to_thread(log_path.write_bytes, await logged)
