@@ -18,6 +18,7 @@ from moshi.models.lm import LMGen
 from moshi.utils import compile as moshi_compile
 
 from .interface import FRAME_SAMPLES
+from .kv_cache import set_kv_dtype
 from .model import KameLM, KameStreamingState
 from .sampling import SamplingConfig
 
@@ -33,7 +34,10 @@ class StepResult:
 
 
 class KameBatch:
-    def __init__(self, lm: KameLM, mimi: MimiModel, batch_size: int, sampling: SamplingConfig | None = None):
+    def __init__(
+        self, lm: KameLM, mimi: MimiModel, batch_size: int, sampling: SamplingConfig | None = None,
+        kv_dtype: str = "auto",
+    ):
         sampling = sampling or SamplingConfig()
         self.sampling = sampling
         if lm.device.type != "cuda":
@@ -54,6 +58,9 @@ class KameBatch:
             top_k_text=sampling.top_k_text,
             support_out_of_sync=True,
         )
+        # Before streaming allocates them: the main transformer's KV caches in 8 bits, or moshi's own.
+        self.kv_dtype = kv_dtype
+        set_kv_dtype(lm.transformer, kv_dtype)
         # Entered for the life of this object; `close()` leaves streaming so the modules can be reused.
         self._streaming = [self.lm_gen.streaming(batch_size), self.mimi.streaming(batch_size)]
         state = lm._streaming_state

@@ -20,6 +20,7 @@ import torch
 from .batch import KameBatch
 from .checkpoint import load_random
 from .interface import FRAME_SAMPLES, FRAME_SECONDS
+from .kv_cache import bytes_per_value
 from .model import KameLM
 from .sampling import SamplingConfig
 
@@ -46,6 +47,7 @@ class BenchReport:
     context: int
     torch: str
     cuda_graphs: bool
+    kv_dtype: str = "auto"
     results: list[BatchResult] = field(default_factory=list)
     max_batch_realtime: int | None = None  # largest batch with p99 <= 80 ms
 
@@ -59,17 +61,18 @@ def _device_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
-def kv_cache_bytes(lm: KameLM, batch: int) -> int:
-    """Main transformer KV cache: layers x (K and V) x batch x heads x context x head_dim."""
+def kv_cache_bytes(lm: KameLM, batch: int, kv_dtype: str = "auto") -> int:
+    """Main transformer KV cache: layers x (K and V) x batch x heads x context x head_dim x bytes per value
+    (8-bit formats: one byte plus a float32 scale per head and position)."""
     layer = lm.transformer.layers[0].self_attn
     heads, dim = layer.num_heads, lm.dim
-    itemsize = torch.finfo(lm.dtype).bits // 8
-    return len(lm.transformer.layers) * 2 * batch * heads * layer.context * (dim // heads) * itemsize
+    per_value = bytes_per_value(kv_dtype, lm.dtype, dim // heads)
+    return int(len(lm.transformer.layers) * 2 * batch * heads * layer.context * (dim // heads) * per_value)
 
 
-def bench_batch(lm: KameLM, mimi, batch: int, ticks: int, warmup: int) -> BatchResult:
+def bench_batch(lm: KameLM, mimi, batch: int, ticks: int, warmup: int, kv_dtype: str = "auto") -> BatchResult:
     device = lm.device
-    kb = KameBatch(lm, mimi, batch, SamplingConfig())
+    kb = KameBatch(lm, mimi, batch, SamplingConfig(), kv_dtype=kv_dtype)
     rng = np.random.default_rng(0)
     pcm = (0.1 * rng.standard_normal((batch, FRAME_SAMPLES))).astype(np.float32)
     active = np.ones(batch, dtype=bool)
@@ -101,7 +104,7 @@ def bench_batch(lm: KameLM, mimi, batch: int, ticks: int, warmup: int) -> BatchR
         max_ms=float(ms.max()),
         realtime_factor=float(FRAME_SECONDS * 1000 / ms.mean()),
         peak_gpu_mem_gb=peak,
-        kv_cache_gb=kv_cache_bytes(lm, batch) / 1e9,
+        kv_cache_gb=kv_cache_bytes(lm, batch, kv_dtype) / 1e9,
     )
 
 
@@ -113,6 +116,7 @@ def run_engine_bench(
     warmup: int = 8,
     context: int | None = None,
     dtype: str | None = None,
+    kv_dtype: str = "auto",
     log=print,
 ) -> BenchReport:
     dev = torch.device(device)
@@ -132,12 +136,14 @@ def run_engine_bench(
         context=lm.transformer.layers[0].self_attn.context,
         torch=torch.__version__,
         cuda_graphs=dev.type == "cuda",
+        kv_dtype=kv_dtype,
     )
-    log(f"# {size} on {report.device_name}, {report.dtype}, context {report.context} frames, torch {torch.__version__}")
+    log(f"# {size} on {report.device_name}, {report.dtype}, context {report.context} frames, "
+        f"KV {kv_dtype}, torch {torch.__version__}")
     log(f"{'batch':>5} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'RTF':>6} {'peak GB':>8} {'KV GB':>7}")
     for b in batches:
         try:
-            r = bench_batch(lm, mimi, b, ticks, warmup)
+            r = bench_batch(lm, mimi, b, ticks, warmup, kv_dtype)
         except torch.OutOfMemoryError:
             log(f"{b:>5} out of GPU memory")
             gc.collect()

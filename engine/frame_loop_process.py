@@ -49,6 +49,7 @@ class ChildSpec:
     forced_delay_ms: float
     max_queued_frames: int
     torch_threads: int = 0  # 0: torch's default
+    kv_dtype: str = "auto"
 
 
 @dataclass
@@ -304,7 +305,8 @@ def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
         bundle = load_kame(spec.checkpoint, spec.device, None, spec.context)
         loop = _ChildFrameLoop(
             send,
-            KameBatch(bundle.lm, bundle.mimi, spec.max_calls, spec.sampling.resolve(bundle.lm_gen_config)),
+            KameBatch(bundle.lm, bundle.mimi, spec.max_calls, spec.sampling.resolve(bundle.lm_gen_config),
+                      kv_dtype=spec.kv_dtype),
             bundle.tokenizer,
             max_queued_frames=spec.max_queued_frames,
             forced_delay_ms=spec.forced_delay_ms,

@@ -68,6 +68,7 @@ class EngineConfig:
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     max_calls: int = 8
     context: int | None = None  # KV window in frames (3000 = 240 s)
+    kv_dtype: str = "auto"  # the main transformer's KV cache: auto (the model's dtype), int8 or fp8
     forced_delay_ms: float = 0.0
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)  # over the checkpoint's lm_gen_config
     warmup_ticks: int = 4
@@ -176,6 +177,7 @@ class LocalEngine:
                 device=config.device,
                 max_calls=config.max_calls,
                 context=config.context,
+                kv_dtype=config.kv_dtype,
                 sampling=config.sampling,
                 forced_delay_ms=config.forced_delay_ms,
                 max_queued_frames=config.max_queued_frames,
@@ -188,7 +190,7 @@ class LocalEngine:
             if config.torch_threads > 0:
                 torch.set_num_threads(config.torch_threads)
             sampling = config.sampling.resolve(bundle.lm_gen_config)
-            batch = KameBatch(bundle.lm, bundle.mimi, config.max_calls, sampling)
+            batch = KameBatch(bundle.lm, bundle.mimi, config.max_calls, sampling, kv_dtype=config.kv_dtype)
             self.frame_loop = FrameLoop(
                 batch,
                 bundle.tokenizer,

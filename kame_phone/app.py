@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 
+from engine.kv_cache import KV_DTYPES
 from engine.remote import Address, LinkError, LinkRefused, RemoteEngine, edge_tls
 from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
@@ -39,6 +40,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     env_flag(g, "--device", "KAME_DEVICE", help="cuda, cuda:1 or cpu (default: cuda if available)")
     env_flag(g, "--max-calls", "KAME_MAX_CALLS", default=8, parse=parse_int, help="call slots in the batch")
     env_flag(g, "--context", "KAME_CONTEXT", parse=parse_int, help="KV window in 80 ms frames (3000 = 4 min)")
+    env_flag(g, "--kv-dtype", "KAME_KV_DTYPE", default="auto", choices=KV_DTYPES,
+             help="the main transformer's KV cache: auto (the model's dtype) or 8-bit int8/fp8 (about half the "
+                  "memory per call; accuracy cost in docs/benchmarks.md)")
     env_flag(g, "--forced-delay-ms", "KAME_FORCED_DELAY_MS", default=0.0, parse=parse_float,
              help="hold the reply until N ms after a turn")
     # On by default: in the service's process the STT and the phone edge starve the 80 ms loop (6 calls on
@@ -77,6 +81,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         checkpoint=args.checkpoint,
         max_calls=args.max_calls,
         context=args.context,
+        kv_dtype=args.kv_dtype,
         forced_delay_ms=args.forced_delay_ms,
         sampling=SamplingOverrides(
             greedy=args.greedy, temp=args.temp, temp_text=args.temp_text, top_k=args.top_k, top_k_text=args.top_k_text

@@ -104,9 +104,24 @@ def _bench(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             context=args.context,
             dtype=args.dtype,
+            kv_dtype=args.kv_dtype,
         )
         if args.json:
             Path(args.json).write_text(report.to_json() + "\n")
+        return 0
+    if args.what == "kv":
+        from engine.kv_accuracy import run_kv_accuracy
+        from engine.kv_cache import KV_DTYPES
+
+        kinds = [k for k in args.kv_dtype.split(",") if k != "auto"] or ["int8", "fp8"]
+        if any(k not in KV_DTYPES for k in kinds):
+            print(f"kame-phone bench kv: --kv-dtype takes {', '.join(KV_DTYPES[1:])}, got {args.kv_dtype!r}",
+                  file=sys.stderr)
+            return 2
+        results = run_kv_accuracy(args.size, args.device or ("cuda" if _cuda() else "cpu"), kinds, steps=args.steps,
+                                  context=args.context, dtype=args.dtype, checkpoint=args.checkpoint)
+        if args.json:
+            Path(args.json).write_text(json.dumps([r.to_dict() for r in results], indent=1) + "\n")
         return 0
     if args.what == "oracle":
         from .oracle_bench import run_oracle_bench
@@ -239,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
-    bench.add_argument("what", choices=["engine", "media", "oracle", "node"])
+    bench.add_argument("what", choices=["engine", "media", "oracle", "node", "kv"])
     bench.add_argument("--size", choices=["tiny", "moshi-7b"], default="tiny")
     bench.add_argument("--batch", default="1,8,16,32,48,64", help="comma-separated batch sizes")
     bench.add_argument("--ticks", type=int, default=100)
@@ -247,6 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default=None)
     bench.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
     bench.add_argument("--context", type=int, default=None, help="KV window in frames (moshi-7b: 3000)")
+    bench.add_argument("--kv-dtype", default="auto",
+                       help="engine bench: auto, int8 or fp8; kv bench: the 8-bit formats to compare with auto "
+                            "(comma-separated, default int8,fp8)")
+    bench.add_argument("--steps", type=int, default=500, help="kv bench: greedy steps per run")
     bench.add_argument("--calls", type=int, default=200, help="media/oracle bench: concurrent calls")
     bench.add_argument("--seconds", type=float, default=20.0, help="media/oracle bench: how long")
     bench.add_argument("--llm-ttft-ms", type=float, default=300.0, help="oracle bench: the LLM's fixed TTFT")
@@ -260,7 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--torch-threads", type=int, default=0, help="oracle bench: the model's intra-op threads")
     bench.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
                        help="node bench: a flag for the service under test (repeat; e.g. --serve-arg=--engine-process)")
-    bench.add_argument("--checkpoint", default=None, help="node bench: the service's checkpoint (default: tiny)")
+    bench.add_argument("--checkpoint", default=None,
+                       help="node bench: the service's checkpoint (default: tiny); kv bench: measure this "
+                            "checkpoint's weights instead of --size's random ones")
     bench.add_argument("--json", default=None, help="also write the figures here")
     bench.set_defaults(func=_bench)
 

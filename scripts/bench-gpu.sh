@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The benchmarks that need a GPU, at full size with random weights (speed does not depend on the weights'
-# values). Usage: scripts/bench-gpu.sh OUTDIR [engine|oracle|media|all]
+# values). Usage: scripts/bench-gpu.sh OUTDIR [engine|capacity|kv|oracle|media|all]
 # Needs the package importable (an installed venv, or PYTHONPATH=repo root) and a CUDA GPU with ~80 GB.
 # Each part writes OUTDIR/<part>.txt (what it printed) and OUTDIR/<part>.json (the figures).
 set -uo pipefail
-out=${1:?usage: scripts/bench-gpu.sh OUTDIR [engine|oracle|media|all]}
+out=${1:?usage: scripts/bench-gpu.sh OUTDIR [engine|capacity|kv|oracle|media|all]}
 what=${2:-all}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -14,6 +14,19 @@ if [[ $what == engine || $what == all ]]; then
   # context 2000 frames (160 s) is what lets 48 calls' KV caches fit 80 GB (docs/benchmarks.md).
   timeout 540 "$py" -m kame_phone.cli bench engine --size moshi-7b --batch 1,8,16,32,48,64 --context 2000 \
     --json "$out/engine.json" 2>&1 | tee "$out/engine.txt"
+fi
+if [[ $what == capacity || $what == all ]]; then
+  # Calls per GPU at the full 4-minute context (issue 15): 8-bit KV caches against the model's bf16.
+  for kv in int8 fp8 auto; do
+    case $kv in int8) batches=1,48,64,72 ;; fp8) batches=1,64 ;; auto) batches=1,32,48 ;; esac
+    timeout 240 "$py" -m kame_phone.cli bench engine --size moshi-7b --batch "$batches" --context 3000 \
+      --kv-dtype "$kv" --json "$out/capacity-$kv.json" 2>&1 | tee "$out/capacity-$kv.txt"
+  done
+fi
+if [[ $what == kv || $what == all ]]; then
+  # What the 8-bit caches cost in accuracy at full size: 500 greedy steps against the bf16 cache.
+  timeout 300 "$py" -m kame_phone.cli bench kv --size moshi-7b --context 3000 --steps 500 \
+    --json "$out/kv.json" 2>&1 | tee "$out/kv.txt"
 fi
 if [[ $what == oracle || $what == all ]]; then
   # 32 calls, the engine in its own process as served: a fixed TTFT (the target's setting), then varying.

@@ -122,12 +122,13 @@ async def running_phone(
     backend: BackendProvider | None = None,
     agents: AgentDirectory | None = None,
     twilio_rest: TwilioRest | None = None,
+    kv_dtype: str = "auto",
     **config: object,
 ) -> AsyncIterator[Phone]:
     token = secrets.token_hex(16)
     engine = await LocalEngine.load(
         EngineConfig(checkpoint=str(checkpoint), device="cpu", max_calls=max_calls, warmup_ticks=2,
-                     sampling=SamplingOverrides(greedy=True)),
+                     sampling=SamplingOverrides(greedy=True), kv_dtype=kv_dtype),
         backend,
     )
     await engine.start()

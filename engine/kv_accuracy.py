@@ -1,0 +1,126 @@
+"""What an 8-bit KV cache costs in accuracy: the same model, the same inputs, greedy, once with the
+cache in the compute dtype and once per 8-bit format.
+
+Reported per format: token agreement (the share of text and audio tokens equal to the reference's over
+all steps and rows), the first step where any token differs, and the text-logit error while the two
+runs still agree (after a difference the runs see different tokens, and their logits stop being
+comparable): max |Δ| and ‖Δ‖/‖ref‖ per step, the worst step. `kame-phone bench kv` runs it; the tests run
+it at tiny size on CPU; docs/benchmarks.md has the full-size figures when a GPU was at hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from moshi.utils.compile import no_cuda_graph
+
+from .batch import KameBatch
+from .interface import FRAME_SAMPLES
+from .model import KameLM
+from .sampling import SamplingConfig
+
+GREEDY = SamplingConfig(use_sampling=False)
+
+
+@dataclass
+class KvAccuracy:
+    kv_dtype: str
+    steps: int
+    batch: int
+    token_agreement: float  # share of (text + audio) tokens equal to the reference run's
+    text_agreement: float
+    first_divergence_step: int | None  # None: identical throughout
+    logit_max_abs_err: float  # over the steps before the first divergence
+    logit_rel_err: float  # worst step's ||delta|| / ||reference||
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass
+class _Run:
+    tokens: np.ndarray  # [steps, B, 1 + dep_q]
+    logits: list[torch.Tensor]  # per step [B, card] float32 (CPU)
+
+
+def _inputs(lm: KameLM, batch: int, steps: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    pcm = (0.1 * rng.standard_normal((steps, batch, FRAME_SAMPLES))).astype(np.float32)
+    oracle = rng.integers(4, min(lm.text_card, 30000), size=(steps, batch))
+    return pcm, oracle
+
+
+def _run(lm: KameLM, mimi, kv_dtype: str, pcm: np.ndarray, oracle: np.ndarray) -> _Run:  # type: ignore[no-untyped-def]
+    steps, batch = oracle.shape
+    captured: list[torch.Tensor] = []
+    hook = lm.text_linear.register_forward_hook(
+        lambda _m, _i, out: captured.append(out.reshape(out.shape[0], -1).float().cpu())
+    )
+    kb = KameBatch(lm, mimi, batch, GREEDY, kv_dtype=kv_dtype)
+    try:
+        # Eager on a GPU: a CUDA graph's replay would not call the hook (and its capture refuses the copy).
+        with no_cuda_graph():
+            active = np.ones(batch, dtype=bool)
+            kb.reset_rows(active)
+            tokens = []
+            for t in range(steps):
+                out = kb.step(pcm[t], active, oracle[t])
+                tokens.append(np.concatenate([out.text[:, None], out.codes], axis=1))
+    finally:
+        kb.close()
+        hook.remove()
+    return _Run(np.stack(tokens), captured)
+
+
+def measure(
+    lm: KameLM, mimi, kv_dtypes: list[str], steps: int = 500, batch: int = 2, seed: int = 0,  # type: ignore[no-untyped-def]
+    log: Callable[[str], None] = print,
+) -> list[KvAccuracy]:
+    pcm, oracle = _inputs(lm, batch, steps, seed)
+    ref = _run(lm, mimi, "auto", pcm, oracle)
+    results = []
+    for kind in kv_dtypes:
+        run = _run(lm, mimi, kind, pcm, oracle)
+        same = run.tokens == ref.tokens
+        differs = np.flatnonzero(~same.all(axis=(1, 2)))
+        first = int(differs[0]) if len(differs) else None
+        # The text head runs once per step: logits[i] belongs to step i. From the first differing step on,
+        # the two runs may be fed different tokens, so only the steps before it are compared.
+        upto = len(ref.logits) if first is None else first
+        max_abs, rel = 0.0, 0.0
+        for a, b in zip(ref.logits[:upto], run.logits[:upto], strict=True):
+            d = (b - a).abs()
+            max_abs = max(max_abs, float(d.max()))
+            rel = max(rel, float((b - a).norm() / a.norm().clamp_min(1e-12)))
+        r = KvAccuracy(kind, steps, batch, float(same.mean()), float(same[:, :, 0].mean()), first, max_abs, rel)
+        log(f"kv {kind}: token agreement {r.token_agreement:.4f} (text {r.text_agreement:.4f}), first divergence "
+            f"at step {first}, text logits before it: max |d| {max_abs:.4g}, worst relative {rel:.4g}")
+        results.append(r)
+    return results
+
+
+def run_kv_accuracy(
+    size: str, device: str, kv_dtypes: list[str], steps: int = 500, context: int | None = None,
+    dtype: str | None = None, batch: int = 2, checkpoint: str | None = None, log: Callable[[str], None] = print,
+) -> list[KvAccuracy]:
+    """`kame-phone bench kv`: a checkpoint's weights when one is named (the figure that transfers to a
+    deployment), else the named size with random weights (tiny on CPU; moshi-7b on a GPU)."""
+    from .checkpoint import load_kame, load_random
+
+    dev = torch.device(device)
+    if checkpoint is None and size != "tiny" and dev.type != "cuda":
+        raise SystemExit(f"size {size} needs a CUDA GPU; use --size tiny on CPU")
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        dtype or ("bf16" if dev.type == "cuda" else "fp32")
+    ]
+    torch.set_grad_enabled(False)
+    if checkpoint is not None:
+        bundle = load_kame(checkpoint, dev, torch_dtype, context)
+    else:
+        bundle = load_random(size, dev, torch_dtype, context)
+    log(f"# kv accuracy: {checkpoint or size} on {device}, {torch_dtype}, {steps} greedy steps x {batch} rows, "
+        f"against the {torch_dtype} cache")
+    return measure(bundle.lm, bundle.mimi, kv_dtypes, steps=steps, batch=batch, log=log)

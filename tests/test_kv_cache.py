@@ -1,0 +1,217 @@
+"""8-bit KV caches (`--kv-dtype int8|fp8`, engine/kv_cache.py): moshi's ring bookkeeping kept exactly, values
+within each format's rounding, attention over the codes equal to SDPA over the dequantized window, every
+main-transformer layer switched (and back with auto), the accuracy measurement, and a real call served with it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from moshi.modules.transformer import RingKVCache, StreamingMultiheadAttention
+
+from engine.batch import KameBatch
+from engine.checkpoint import load_kame
+from engine.interface import FRAME_SAMPLES
+from engine.kv_accuracy import measure
+from engine.kv_cache import QuantizedKVAttention, QuantizedRingKVCache, quantized_attention, set_kv_dtype
+from engine.sampling import SamplingConfig
+from kame_phone.cli import build_parser, main
+from telephony.sim_caller import simulate_call
+
+from .phone_fixtures import running_phone
+
+CPU = torch.device("cpu")
+FP8 = torch.float8_e4m3fn
+
+
+def _decoded(codes: torch.Tensor, kind: str) -> torch.Tensor:
+    return (codes.view(FP8) if kind == "fp8" else codes).float()
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_the_8bit_ring_keeps_moshis_positions_and_rounds_within_the_format(kind: str) -> None:
+    torch.manual_seed(0)
+    B, H, D, capacity = 3, 2, 16, 24
+    plain = RingKVCache(B, H, D, capacity, True, CPU, torch.float32)
+    eight = QuantizedRingKVCache(kind, B, H, D, capacity, True, CPU, torch.float32)
+    rng = np.random.default_rng(1)
+    for step in range(70):  # past two wraps of the ring
+        if step == 40:  # a new call on row 1
+            reset = torch.tensor([False, True, False])
+            plain.reset(reset)
+            eight.reset(reset)
+        exec_mask = torch.from_numpy(rng.random(B) > 0.2)  # rows skip steps, as moshi's exec mask makes them
+        k = torch.randn(B, H, 1, D) * torch.rand(B, H, 1, 1) * 4
+        v = torch.randn(B, H, 1, D)
+        want = plain.complete(k, v, exec_mask)
+        got = eight.complete(k, v, exec_mask)
+        assert torch.equal(got.positions, want.positions)
+        filled = (want.positions >= 0)[:, None, :, None]
+        for x, y in ((want.keys, got.keys), (want.values, got.values)):
+            absmax = x.abs().amax(-1, keepdim=True)
+            bound = absmax / 254 if kind == "int8" else x.abs() / 16 + absmax / 448 * 2**-9
+            assert bool(((y - x).abs() <= bound + 1e-6)[filled.expand_as(x)].all()), step
+    assert eight.codes.dtype == (torch.int8 if kind == "int8" else torch.uint8)
+    assert eight.cache.dtype == torch.float32 and eight.cache.shape[-1] == 1  # the scales, one per vector
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("tq", [1, 3])
+def test_attention_over_the_codes_is_sdpa_over_the_dequantized_window(kind: str, tq: int) -> None:
+    torch.manual_seed(2)
+    B, H, S, D = 2, 4, 40, 32
+    if kind == "int8":
+        k_codes = torch.randint(-127, 128, (B, H, S, D), dtype=torch.int8)
+        v_codes = torch.randint(-127, 128, (B, H, S, D), dtype=torch.int8)
+    else:
+        k_codes = (torch.randn(B, H, S, D) * 100).to(FP8).view(torch.uint8)
+        v_codes = (torch.randn(B, H, S, D) * 100).to(FP8).view(torch.uint8)
+    k_scales, v_scales = torch.rand(B, H, S, 1) / 50, torch.rand(B, H, S, 1) / 50
+    q = torch.randn(B, H, tq, D)
+    allowed = torch.rand(B, 1, tq, S) > 0.3
+    allowed[..., 0] = True  # never a fully masked row
+    got = quantized_attention(q, k_codes, k_scales, v_codes, v_scales, allowed, kind)
+    want = F.scaled_dot_product_attention(
+        q, _decoded(k_codes, kind) * k_scales, _decoded(v_codes, kind) * v_scales, allowed
+    )
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    # The mask matters: a slot it hides does not count.
+    hidden = ~allowed[0, 0, 0]
+    if hidden.any():
+        v2 = v_codes.clone()
+        v2[0, :, hidden] = 0
+        again = quantized_attention(q, k_codes, k_scales, v2, v_scales, allowed, kind)
+        assert torch.allclose(again[0, :, 0], got[0, :, 0], atol=1e-6)
+
+
+def _kv_caches(module: torch.nn.Module) -> list[object]:
+    return [m._streaming_state.kv_cache for m in module.modules()
+            if hasattr(m, "_streaming_state") and getattr(m._streaming_state, "kv_cache", None) is not None]
+
+
+def _greedy_tokens(batch: KameBatch, steps: int) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    active = np.ones(batch.batch_size, dtype=bool)
+    batch.reset_rows(active)
+    out = []
+    for _ in range(steps):
+        pcm = (0.1 * rng.standard_normal((batch.batch_size, FRAME_SAMPLES))).astype(np.float32)
+        step = batch.step(pcm, active, rng.integers(4, 200, size=batch.batch_size))
+        out.append(np.concatenate([step.text[:, None], step.codes], axis=1))
+    return np.stack(out)
+
+
+def test_kv_dtype_switches_every_main_layer_and_auto_switches_back(tiny_checkpoint: Path) -> None:
+    greedy = SamplingConfig(use_sampling=False)
+    fresh = load_kame(str(tiny_checkpoint))
+    baseline = KameBatch(fresh.lm, fresh.mimi, 2, greedy)
+    want = _greedy_tokens(baseline, 12)
+    baseline.close()
+
+    bundle = load_kame(str(tiny_checkpoint))
+    layers = len(bundle.lm.transformer.layers)
+    eight = KameBatch(bundle.lm, bundle.mimi, 2, greedy, kv_dtype="int8")
+    main_caches = _kv_caches(bundle.lm.transformer)
+    assert len(main_caches) == layers and all(isinstance(c, QuantizedRingKVCache) for c in main_caches)
+    assert all(isinstance(m.self_attn, QuantizedKVAttention) for m in bundle.lm.transformer.layers)
+    depformer = [m for m in bundle.lm.depformer.modules() if isinstance(m, StreamingMultiheadAttention)]
+    assert depformer and all(type(m) is StreamingMultiheadAttention for m in depformer)  # left as it is
+    with pytest.raises(RuntimeError, match="before streaming"):
+        set_kv_dtype(bundle.lm.transformer, "fp8")
+    _greedy_tokens(eight, 12)  # runs
+    eight.close()
+
+    # The same modules, back to moshi's own caches: token for token what a model never switched gives.
+    again = KameBatch(bundle.lm, bundle.mimi, 2, greedy, kv_dtype="auto")
+    assert all(type(c) is RingKVCache for c in _kv_caches(bundle.lm.transformer))
+    assert np.array_equal(_greedy_tokens(again, 12), want)
+    again.close()
+    with pytest.raises(ValueError, match="unknown KV dtype"):
+        set_kv_dtype(bundle.lm.transformer, "int4")
+
+
+def test_accuracy_is_measured_against_the_models_own_cache(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    bundle = load_kame(str(tiny_checkpoint))
+    same = measure(bundle.lm, bundle.mimi, ["auto"], steps=40, log=lambda _line: None)[0]
+    # The baseline is deterministic, so any difference below is the cache's.
+    assert same.token_agreement == 1.0 and same.first_divergence_step is None and same.logit_max_abs_err == 0.0
+
+    out = tmp_path / "kv.json"
+    # The checkpoint's own weights (the figure to take for a real model), past its 64-frame ring's wrap.
+    assert main(["bench", "kv", "--checkpoint", str(tiny_checkpoint), "--steps", "80", "--json", str(out)]) == 0
+    results = {r["kv_dtype"]: r for r in json.loads(out.read_text())}
+    assert set(results) == {"int8", "fp8"}
+    for kind, r in results.items():
+        assert r["steps"] == 80 and r["batch"] == 2
+        assert 0.0 <= r["token_agreement"] <= 1.0 and 0.0 <= r["text_agreement"] <= 1.0
+        # Close, not equal: the logits move by about the format's rounding, until a token flips.
+        assert 0.0 < r["logit_rel_err"] < 0.1, (kind, r)
+    assert main(["bench", "kv", "--kv-dtype", "int4"]) == 2
+
+
+def test_the_serve_flag_and_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kame_phone.app import engine_config_from_args
+    from kame_phone.env_flags import EnvError, resolve_env_defaults
+
+    def config(*argv: str):  # type: ignore[no-untyped-def]
+        args = build_parser().parse_args(["serve", *argv])
+        resolve_env_defaults(args)
+        return engine_config_from_args(args)
+
+    monkeypatch.delenv("KAME_KV_DTYPE", raising=False)
+    assert config().kv_dtype == "auto" and config("--kv-dtype", "int8").kv_dtype == "int8"
+    monkeypatch.setenv("KAME_KV_DTYPE", "fp8")
+    assert config().kv_dtype == "fp8" and config("--kv-dtype", "auto").kv_dtype == "auto"  # the flag wins
+    monkeypatch.setenv("KAME_KV_DTYPE", "int4")
+    with pytest.raises(EnvError, match="KAME_KV_DTYPE"):
+        config()
+
+
+def test_engine_bench_reports_its_kv_dtype(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "engine", "--size", "tiny", "--batch", "2", "--ticks", "3", "--warmup", "1",
+                 "--device", "cpu", "--kv-dtype", "fp8", "--json", str(out)]) == 0
+    auto = tmp_path / "auto.json"
+    assert main(["bench", "engine", "--size", "tiny", "--batch", "2", "--ticks", "3", "--warmup", "1",
+                 "--device", "cpu", "--json", str(auto)]) == 0
+    report, plain = json.loads(out.read_text()), json.loads(auto.read_text())
+    assert report["kv_dtype"] == "fp8" and plain["kv_dtype"] == "auto"
+    # One byte and a float32 scale per head-dim vector, against the tiny model's float32 (4 bytes): 5/16 at
+    # its head dim of 16; (1 + 4/128)/2 against bf16 at full size.
+    ratio = report["results"][0]["kv_cache_gb"] / plain["results"][0]["kv_cache_gb"]
+    assert 0.25 < ratio <= 0.32, ratio
+
+
+async def test_a_phone_call_on_an_int8_kv_cache(tiny_checkpoint: Path, question_wav: Path) -> None:
+    async with running_phone(tiny_checkpoint, kv_dtype="int8") as phone:
+        caches = _kv_caches(phone.engine.frame_loop.batch.lm.transformer)
+        assert caches and all(isinstance(c, QuantizedRingKVCache) for c in caches)
+        report = await simulate_call(phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base,
+                                     hold_after=1.0)
+    assert report.outcome == "completed", report.errors
+    assert report.bot_seconds_received > 0.6 * report.call_seconds  # in real time, on the 8-bit cache
+    assert report.first_audio_latency_s is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel is CUDA-only")
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_the_compiled_kernel_matches_the_eager_one_on_a_gpu(kind: str) -> None:
+    from engine.kv_cache import _attend
+
+    dev = torch.device("cuda")
+    B, H, S, D = 4, 8, 300, 128
+    cache = QuantizedRingKVCache(kind, B, H, D, S, True, dev, torch.bfloat16)
+    k, v = torch.randn(2, B, H, S, D, device=dev, dtype=torch.bfloat16)
+    stored = cache.store(k, v, torch.ones(B, dtype=torch.bool, device=dev))
+    q = torch.randn(B, H, 1, D, device=dev, dtype=torch.bfloat16)
+    allowed = torch.ones(B, 1, 1, S, dtype=torch.bool, device=dev)
+    got = _attend(q, *stored[:4], allowed, kind).float()
+    want = quantized_attention(q, *stored[:4], allowed, kind).float()
+    assert torch.allclose(got, want, atol=2e-3, rtol=1e-2)
+    assert math.isfinite(float(got.abs().max()))
