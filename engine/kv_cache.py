@@ -205,6 +205,9 @@ def set_kv_dtype(transformer: torch.nn.Module, kind: str) -> int:
         if module._streaming_state is not None:
             raise RuntimeError("set_kv_dtype must be called before streaming() is entered")
         if type(module) is StreamingMultiheadAttention:
+            if kind == "auto":  # never switched: moshi's own class, untouched
+                count += 1
+                continue
             module.__class__ = QuantizedKVAttention
         assert isinstance(module, QuantizedKVAttention)
         module.kv_dtype = kind

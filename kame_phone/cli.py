@@ -141,7 +141,9 @@ def _bench(args: argparse.Namespace) -> int:
         from .node_bench import run_node_bench
 
         result = asyncio.run(run_node_bench(calls=args.calls, serve_args=args.serve_arg, checkpoint=args.checkpoint,
-                                            ttft_ms=args.llm_ttft_ms))
+                                            ttft_ms=args.llm_ttft_ms,
+                                            voices=Path(args.voices) if args.voices else None,
+                                            serve_log=Path(args.json).with_suffix(".serve.log") if args.json else None))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         return 0
@@ -282,7 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--checkpoint", default=None,
                        help="node bench: the service's checkpoint (default: tiny); kv bench: measure this "
                             "checkpoint's weights instead of --size's random ones")
-    bench.add_argument("--json", default=None, help="also write the figures here")
+    bench.add_argument("--voices", default=None, metavar="DIR",
+                       help="node bench: the callers' WAVs (q0.wav ...), used if there, else spoken with flite and "
+                            "kept there (make them where flite is, carry them to a GPU box)")
+    bench.add_argument("--json", default=None, help="also write the figures here (node bench: and the service's "
+                                                     "log beside them, .serve.log)")
     bench.set_defaults(func=_bench)
 
     twilio = sub.add_parser("twilio", help="set up a Twilio number to call this service")

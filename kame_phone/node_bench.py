@@ -5,10 +5,15 @@
 Starts `kame-phone serve` in its own process with its defaults (the STT, engine layout and flags an
 operator gets; `--serve-arg` adds flags), the tiny checkpoint unless `--checkpoint` names another, and a
 local OpenAI-compatible LLM with a fixed TTFT (a process of its own, `--llm-ttft-ms`). N simulated Twilio
-callers in this process dial at once, each says a flite question and holds the line. Reported per call: the
+callers in this process dial within 2 s, each says a flite question and holds the line. Reported per call: the
 share of real time its bot audio kept (received / call length; 1.0 = every 80 ms frame in time), first
 audio and turn latency; from the service's own /metrics (its metrics listener): engine tick p50/p99,
-deadline misses, input overruns, oracle lag; and /readyz as sampled every 0.5 s during the calls.
+deadline misses, input overruns, STT dropped frames and errors, oracle lag; and /readyz as sampled every
+0.5 s during the calls.
+
+At full size on a GPU (issue 15), with no weights there: `--checkpoint random:moshi-7b`, the STT shaped like
+Kyutai's on the same GPU (`--serve-arg=--stt=kyutai`, `KAME_STT_CHECKPOINT=random:stt-2.6b-en`), and
+`--voices DIR` made beforehand where flite is (scripts/bench-gpu.sh node).
 """
 
 from __future__ import annotations
@@ -47,6 +52,18 @@ def _speak(text: str, out: Path) -> Path:
         raise SystemExit("kame-phone bench node needs Debian's flite for the callers' voices: apt-get install flite")
     subprocess.run(["flite", "-voice", "rms", "-t", text, "-o", str(out)], check=True)
     return out
+
+
+def caller_voices(directory: Path) -> list[Path]:
+    """The callers' questions as WAVs in `directory` (q0.wav, q1.wav, ...): those already there are used as
+    they are, so a machine without flite (a GPU box) runs on voices made elsewhere; missing ones are
+    spoken with flite and kept."""
+    directory.mkdir(parents=True, exist_ok=True)
+    wavs = [directory / f"q{i}.wav" for i in range(len(QUESTIONS))]
+    for question, wav in zip(QUESTIONS, wavs, strict=True):
+        if not wav.is_file():
+            _speak(question, wav)
+    return wavs
 
 
 async def _scrape(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
@@ -109,6 +126,9 @@ async def run_node_bench(
     checkpoint: str | None = None,
     ttft_ms: float = 300.0,
     hold_s: float = 5.0,
+    voices: Path | None = None,
+    serve_log: Path | None = None,
+    ramp_s: float = 2.0,
     log=print,  # type: ignore[no-untyped-def]
 ) -> dict[str, Any]:
     serve_args = list(serve_args or [])
@@ -118,7 +138,7 @@ async def run_node_bench(
             from engine.tiny_checkpoint import make_tiny_checkpoint
 
             checkpoint = str(await asyncio.to_thread(make_tiny_checkpoint, work / "tiny"))
-        wavs = [await asyncio.to_thread(_speak, q, work / f"q{i}.wav") for i, q in enumerate(QUESTIONS)]
+        wavs = await asyncio.to_thread(caller_voices, voices or work / "voices")
         port, metrics_port = free_port(), free_port()
         base, metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
         argv = ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port), "--insecure-dev",
@@ -129,17 +149,25 @@ async def run_node_bench(
         async with _llm_server(ttft_ms) as llm_url:
             env = dict(os.environ, OPENAI_BASE_URL=llm_url, OPENAI_API_KEY="none", KAME_LLM_MODEL="bench")
             env.pop("TWILIO_AUTH_TOKEN", None)
+            # `--stt kyutai` serves this many calls at once (its batch); every caller needs a row.
+            env.setdefault("KAME_STT_MAX_STREAMS", str(max(calls, 16)))
             log(f"serve {' '.join(argv)}")
-            async with serve_process(argv, env, base, work / "serve.log"), aiohttp.ClientSession() as session:
+            serving = serve_process(argv, env, base, serve_log or work / "serve.log")
+            async with serving, aiohttp.ClientSession() as session:
                 before = await _scrape(session, metrics_url)
                 ready: list[int] = []
                 sampler = asyncio.create_task(_sample_readyz(session, base, ready))
-                log(f"{calls} callers dialling at once ...")
-                reports: list[CallReport] = await asyncio.gather(*(
-                    simulate_call(base.replace("http://", "ws://") + "/twilio/media", wavs[i % len(wavs)],
-                                  auth_token=None, public_url=None, hold_after=hold_s)
-                    for i in range(calls)
-                ))
+                log(f"{calls} callers dialling within {ramp_s:g} s ...")
+                # Spread over the ramp, as calls arrive: all in one instant, more sockets would await
+                # their start than the service admits (max_unstarted_streams, 16), and it refuses the rest.
+                starts = np.sort(np.random.default_rng(0).uniform(0.0, ramp_s, calls))
+
+                async def dial(i: int) -> CallReport:
+                    await asyncio.sleep(float(starts[i]))
+                    return await simulate_call(base.replace("http://", "ws://") + "/twilio/media", wavs[i % len(wavs)],
+                                               auth_token=None, public_url=None, hold_after=hold_s)
+
+                reports: list[CallReport] = await asyncio.gather(*(dial(i) for i in range(calls)))
                 sampler.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await sampler
@@ -172,6 +200,8 @@ def _summarise(calls, serve_args, reports, before, after, ready, log) -> dict[st
         "tick_p99_ms": quantile("kame_engine_tick_seconds", 0.99),
         "deadline_misses": delta("kame_engine_deadline_misses_total"),
         "input_overruns": delta("kame_engine_input_overruns_total"),
+        "stt_dropped_frames": delta("kame_stt_dropped_frames_total"),
+        "stt_errors": delta("kame_stt_errors_total"),
         "oracle_lag_p50_ms": quantile("kame_oracle_lag_seconds", 0.5),
         "oracle_lag_p99_ms": quantile("kame_oracle_lag_seconds", 0.99),
         "readyz_not_ready": sum(s != 200 for s in ready),
@@ -181,7 +211,8 @@ def _summarise(calls, serve_args, reports, before, after, ready, log) -> dict[st
     log(f"real-time share of bot audio per call: {result['realtime_share']} (min {result['realtime_share_min']:.2f})")
     log(f"first audio p50/p99 ms: {result['first_audio']}; turn latency: {result['turn_latency']}")
     log(f"engine tick p50/p99 ms: {result['tick_p50_ms']}/{result['tick_p99_ms']}, deadline misses "
-        f"{result['deadline_misses']:.0f}, input overruns {result['input_overruns']:.0f}; oracle lag p50/p99 ms: "
+        f"{result['deadline_misses']:.0f}, input overruns {result['input_overruns']:.0f}; STT dropped frames "
+        f"{result['stt_dropped_frames']:.0f}, errors {result['stt_errors']:.0f}; oracle lag p50/p99 ms: "
         f"{result['oracle_lag_p50_ms']}/{result['oracle_lag_p99_ms']}; /readyz not ready "
         f"{result['readyz_not_ready']}/{result['readyz_samples']}")
     return result

@@ -63,6 +63,7 @@ from engine.ticker import FrameTicker
 
 from . import metrics
 from .stt import SttResult
+from .stt_random import RANDOM_PREFIX, random_stt_info
 
 log = logging.getLogger(__name__)
 
@@ -495,7 +496,10 @@ class KyutaiStreamingSTT:
 
 
 def _load_info(source: str, revision: str | None) -> loaders.CheckpointInfo:
-    """Resolve like our KAME checkpoints (local dir or HF repo id), then hand moshi a `CheckpointInfo`."""
+    """Resolve like our KAME checkpoints (local dir or HF repo id), then hand moshi a `CheckpointInfo`;
+    `random:SIZE` builds the named layout with random weights (knowledge/stt_random.py)."""
+    if source.startswith(RANDOM_PREFIX):
+        return random_stt_info(source)
     try:
         files = resolve_checkpoint(source, revision)
     except CheckpointError as e:

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The benchmarks that need a GPU, at full size with random weights (speed does not depend on the weights'
-# values). Usage: scripts/bench-gpu.sh OUTDIR [engine|capacity|kv|oracle|media|all]
+# values). Usage: scripts/bench-gpu.sh OUTDIR [engine|capacity|kv|node|oracle|media|all]
 # Needs the package importable (an installed venv, or PYTHONPATH=repo root) and a CUDA GPU with ~80 GB.
 # Each part writes OUTDIR/<part>.txt (what it printed) and OUTDIR/<part>.json (the figures).
 set -uo pipefail
-out=${1:?usage: scripts/bench-gpu.sh OUTDIR [engine|capacity|kv|oracle|media|all]}
+out=${1:?usage: scripts/bench-gpu.sh OUTDIR [engine|capacity|kv|node|oracle|media|all]}
 what=${2:-all}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -27,6 +27,17 @@ if [[ $what == kv || $what == all ]]; then
   # What the 8-bit caches cost in accuracy at full size: 500 greedy steps against the bf16 cache.
   timeout 300 "$py" -m kame_phone.cli bench kv --size moshi-7b --context 3000 --steps 500 \
     --json "$out/kv.json" 2>&1 | tee "$out/kv.txt"
+fi
+if [[ $what == node || $what == all ]]; then
+  # The whole node (issue 15) with no weights on the box: KAME random at full size, the STT in Kyutai's
+  # 2.6B layout with random weights on the same GPU, a local LLM stand-in; the callers' voices come from
+  # VOICES (made beforehand where flite is: kame-phone bench node --voices DIR makes them). 64 calls
+  # with the STT need more than an 80 GB H100 holds at context 3000 (docs/benchmarks.md).
+  for calls in 48 64; do
+    KAME_STT_CHECKPOINT=random:stt-2.6b-en timeout 280 "$py" -m kame_phone.cli bench node --calls "$calls" \
+      --checkpoint random:moshi-7b --voices "${VOICES:-$out/voices}" --serve-arg=--stt=kyutai \
+      --serve-arg=--kv-dtype=int8 --serve-arg=--context=3000 --json "$out/node-$calls.json" 2>&1 | tee "$out/node-$calls.txt"
+  done
 fi
 if [[ $what == oracle || $what == all ]]; then
   # 32 calls, the engine in its own process as served: a fixed TTFT (the target's setting), then varying.

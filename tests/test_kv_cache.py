@@ -111,6 +111,8 @@ def test_kv_dtype_switches_every_main_layer_and_auto_switches_back(tiny_checkpoi
     greedy = SamplingConfig(use_sampling=False)
     fresh = load_kame(str(tiny_checkpoint))
     baseline = KameBatch(fresh.lm, fresh.mimi, 2, greedy)
+    # auto, the default, leaves moshi's attention as it is: the step the official code runs.
+    assert all(type(layer.self_attn) is StreamingMultiheadAttention for layer in fresh.lm.transformer.layers)
     want = _greedy_tokens(baseline, 12)
     baseline.close()
 

@@ -99,6 +99,34 @@ def test_no_network_and_no_local_copy_says_what_to_do(tmp_path: Path, monkeypatc
     assert "Traceback" not in msg
 
 
+def test_random_sizes_need_no_files_and_keep_the_layout() -> None:
+    """`random:SIZE` (knowledge/stt_random.py): the capacity tests' STT on a GPU box with no weights."""
+    import torch
+    from moshi.models import loaders
+
+    from knowledge.stt_random import SIZES
+
+    engine = KyutaiSttEngine("random:tiny", "cpu", 2, start=False)
+    try:
+        assert engine.lm.dep_q == 0 and engine.lm.n_q == engine.mimi.num_codebooks == 32
+        assert engine.stt_config == TINY_STT_CONFIG
+        row = engine.open_stream()
+        for frame in audio(5, 12):
+            row.feed(frame)
+        assert engine.tick() > 0 and engine.steps > 0  # it steps (catching up its 12 frames) like a real one
+        row.close()
+    finally:
+        engine.close()
+    # stt-2.6b-en's layout, built without memory: 2.6 B parameters, 48 layers of 2048, 375-frame window.
+    size = SIZES["stt-2.6b-en"]
+    lm = loaders.get_moshi_lm(None, lm_kwargs=dict(size.lm_kwargs), device="meta", dtype=torch.bfloat16)
+    assert 2.55e9 < sum(p.numel() for p in lm.parameters()) < 2.65e9
+    assert len(lm.transformer.layers) == 48 and lm.dep_q == 0 and lm.transformer.layers[0].self_attn.context == 375
+    assert size.stt_config == {"audio_delay_seconds": 2.5, "audio_silence_prefix_seconds": 1.0}
+    with pytest.raises(CheckpointError, match="unknown size; choose one of random:stt-2.6b-en, random:tiny"):
+        KyutaiSttEngine("random:stt-9b", "cpu", 2, start=False)
+
+
 # --- rows ------------------------------------------------------------------------------------------
 def test_calls_share_one_engine_one_row_each_and_capacity_is_clear(make_engine) -> None:
     engine = make_engine(max_streams=3)
