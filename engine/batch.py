@@ -8,6 +8,7 @@ thread: the frame loop drives it, and tests step it directly.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,9 +19,11 @@ from moshi.models.lm import LMGen
 from moshi.utils import compile as moshi_compile
 
 from .interface import FRAME_SAMPLES
-from .kv_cache import set_kv_dtype
+from .kv_cache import kv_cache_bytes, set_kv_dtype
 from .model import KameLM, KameStreamingState
 from .sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
 
 UNGENERATED = -2  # moshi's "not generated yet" token
 
@@ -61,6 +64,9 @@ class KameBatch:
         # Before streaming allocates them: the main transformer's KV caches in 8 bits, or moshi's own.
         self.kv_dtype = kv_dtype
         set_kv_dtype(lm.transformer, kv_dtype)
+        # What sizes a node: the operator sees it once at start (docs/benchmarks.md has the table).
+        log.info("KV cache: %s, %.2f GB for %d slots at context %s frames", kv_dtype,
+                 kv_cache_bytes(lm, batch_size, kv_dtype) / 1e9, batch_size, lm.transformer.layers[0].self_attn.context)
         # Entered for the life of this object; `close()` leaves streaming so the modules can be reused.
         self._streaming = [self.lm_gen.streaming(batch_size), self.mimi.streaming(batch_size)]
         state = lm._streaming_state

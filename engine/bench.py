@@ -20,7 +20,7 @@ import torch
 from .batch import KameBatch
 from .checkpoint import load_random
 from .interface import FRAME_SAMPLES, FRAME_SECONDS
-from .kv_cache import bytes_per_value
+from .kv_cache import kv_cache_bytes
 from .model import KameLM
 from .sampling import SamplingConfig
 
@@ -59,15 +59,6 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
-
-
-def kv_cache_bytes(lm: KameLM, batch: int, kv_dtype: str = "auto") -> int:
-    """Main transformer KV cache: layers x (K and V) x batch x heads x context x head_dim x bytes per value
-    (8-bit formats: one byte plus a float32 scale per head and position)."""
-    layer = lm.transformer.layers[0].self_attn
-    heads, dim = layer.num_heads, lm.dim
-    per_value = bytes_per_value(kv_dtype, lm.dtype, dim // heads)
-    return int(len(lm.transformer.layers) * 2 * batch * heads * layer.context * (dim // heads) * per_value)
 
 
 def bench_batch(lm: KameLM, mimi, batch: int, ticks: int, warmup: int, kv_dtype: str = "auto") -> BatchResult:

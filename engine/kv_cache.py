@@ -191,6 +191,16 @@ def bytes_per_value(kv_dtype: str, compute_dtype: torch.dtype, dim_per_head: int
     return 1.0 + 4.0 / dim_per_head
 
 
+def kv_cache_bytes(lm: torch.nn.Module, batch: int, kv_dtype: str = "auto") -> int:
+    """The main transformer's KV cache for `batch` calls: layers x (K and V) x batch x heads x context x
+    head_dim x bytes per value."""
+    layers = lm.transformer.layers  # type: ignore[union-attr]
+    attn = layers[0].self_attn
+    heads, dim = attn.num_heads, attn.embed_dim
+    per_value = bytes_per_value(kv_dtype, lm.dtype, dim // heads)  # type: ignore[arg-type]
+    return int(len(layers) * 2 * batch * heads * attn.context * (dim // heads) * per_value)
+
+
 def set_kv_dtype(transformer: torch.nn.Module, kind: str) -> int:
     """Makes `transformer`'s self-attention layers keep their KV caches in `kind` from their next
     `streaming()` on (call it before entering streaming: swapping caches after would first allocate them

@@ -6,6 +6,7 @@ main-transformer layer switched (and back with auto), the accuracy measurement, 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -19,7 +20,13 @@ from engine.batch import KameBatch
 from engine.checkpoint import load_kame
 from engine.interface import FRAME_SAMPLES
 from engine.kv_accuracy import measure
-from engine.kv_cache import QuantizedKVAttention, QuantizedRingKVCache, quantized_attention, set_kv_dtype
+from engine.kv_cache import (
+    QuantizedKVAttention,
+    QuantizedRingKVCache,
+    kv_cache_bytes,
+    quantized_attention,
+    set_kv_dtype,
+)
 from engine.sampling import SamplingConfig
 from kame_phone.cli import build_parser, main
 from telephony.sim_caller import simulate_call
@@ -107,7 +114,9 @@ def _greedy_tokens(batch: KameBatch, steps: int) -> np.ndarray:
     return np.stack(out)
 
 
-def test_kv_dtype_switches_every_main_layer_and_auto_switches_back(tiny_checkpoint: Path) -> None:
+def test_kv_dtype_switches_every_main_layer_and_auto_switches_back(
+    tiny_checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     greedy = SamplingConfig(use_sampling=False)
     fresh = load_kame(str(tiny_checkpoint))
     baseline = KameBatch(fresh.lm, fresh.mimi, 2, greedy)
@@ -118,7 +127,11 @@ def test_kv_dtype_switches_every_main_layer_and_auto_switches_back(tiny_checkpoi
 
     bundle = load_kame(str(tiny_checkpoint))
     layers = len(bundle.lm.transformer.layers)
-    eight = KameBatch(bundle.lm, bundle.mimi, 2, greedy, kv_dtype="int8")
+    with caplog.at_level(logging.INFO, logger="engine.batch"):
+        eight = KameBatch(bundle.lm, bundle.mimi, 2, greedy, kv_dtype="int8")
+    # The operator sees what the cache takes: tiny's 2 layers x K,V x 2 calls x 4 heads x 64 x 16 x (1 + 4/16) B.
+    assert "KV cache: int8, 0.00 GB for 2 slots at context 64 frames" in caplog.text
+    assert kv_cache_bytes(bundle.lm, 2, "int8") == 2 * 2 * 2 * 4 * 64 * 16 * 1.25
     main_caches = _kv_caches(bundle.lm.transformer)
     assert len(main_caches) == layers and all(isinstance(c, QuantizedRingKVCache) for c in main_caches)
     assert all(isinstance(m.self_attn, QuantizedKVAttention) for m in bundle.lm.transformer.layers)
