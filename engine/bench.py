@@ -99,6 +99,13 @@ def bench_batch(lm: KameLM, mimi, batch: int, ticks: int, warmup: int, kv_dtype:
     )
 
 
+def bench_dtype(device: torch.device, name: str | None) -> torch.dtype:
+    """`--dtype` (bf16, fp16, fp32), by default bf16 on a GPU and fp32 on CPU."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        name or ("bf16" if device.type == "cuda" else "fp32")
+    ]
+
+
 def run_engine_bench(
     size: str,
     batches: list[int],
@@ -113,9 +120,7 @@ def run_engine_bench(
     dev = torch.device(device)
     if size != "tiny" and dev.type != "cuda":
         raise SystemExit(f"size {size} needs a CUDA GPU (it is ~16 GB in bf16); use --size tiny on CPU")
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
-        dtype or ("bf16" if dev.type == "cuda" else "fp32")
-    ]
+    torch_dtype = bench_dtype(dev, dtype)
     torch.set_grad_enabled(False)
     bundle = load_random(size, dev, torch_dtype, context)
     lm, mimi = bundle.lm, bundle.mimi

@@ -108,14 +108,13 @@ def run_kv_accuracy(
 ) -> list[KvAccuracy]:
     """`kame-phone bench kv`: a checkpoint's weights when one is named (the figure that transfers to a
     deployment), else the named size with random weights (tiny on CPU; moshi-7b on a GPU)."""
+    from .bench import bench_dtype
     from .checkpoint import load_kame, load_random
 
     dev = torch.device(device)
     if checkpoint is None and size != "tiny" and dev.type != "cuda":
         raise SystemExit(f"size {size} needs a CUDA GPU; use --size tiny on CPU")
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
-        dtype or ("bf16" if dev.type == "cuda" else "fp32")
-    ]
+    torch_dtype = bench_dtype(dev, dtype)
     torch.set_grad_enabled(False)
     if checkpoint is not None:
         bundle = load_kame(checkpoint, dev, torch_dtype, context)

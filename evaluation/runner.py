@@ -29,7 +29,7 @@ from .plots import write_plots
 from .questions import Question
 from .report import Probe, Result, build_report, render_markdown
 from .transcribe import AsrError, Transcriber
-from .voices import Voice, write_wav
+from .voices import Voice, write_float_wav
 
 log = logging.getLogger("kame-phone.eval")
 BARGE_IN_TEXT = "Sorry, wait a second, can I ask something else?"
@@ -94,7 +94,7 @@ def _packets(audio: np.ndarray, rate: int) -> list[bytes]:
 async def _speak_all(plan: EvalPlan, audio_dir: Path) -> tuple[list[_Spoken], list[bytes]]:
     async def one(i: int, q: Question) -> _Spoken:
         audio, rate = await asyncio.to_thread(plan.voice.speak, q.text)
-        await asyncio.to_thread(write_wav, audio_dir / f"q{q.question_id}.wav", audio, rate)
+        await asyncio.to_thread(write_float_wav, audio_dir / f"q{q.question_id}.wav", audio, rate)
         halves: tuple[list[bytes] | None, list[bytes] | None] = (None, None)
         parts = _split_mid_sentence(q.text) if i < plan.probes else None
         if parts is not None:

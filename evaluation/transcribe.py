@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 from scipy.signal import resample_poly
 
-from telephony.sim_playout import RATE
+from telephony.sim_playout import RATE, write_wav
 
 
 class AsrError(RuntimeError):
@@ -93,10 +93,8 @@ class OpenAITranscriber:
     def transcribe(self, pcm8k: np.ndarray) -> Transcript:
         import openai
 
-        from .voices import write_wav
-
         buf = io.BytesIO()
-        write_wav(buf, np.asarray(pcm8k, dtype=np.float32) / 32768.0, RATE)
+        write_wav(buf, np.asarray(pcm8k, dtype=np.int16), RATE)
         client = openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=3, timeout=120)
         try:
             resp = client.audio.transcriptions.create(

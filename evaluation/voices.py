@@ -15,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
-from telephony.sim_playout import read_wav
+from telephony.sim_playout import read_wav, write_wav
 
 
 class VoiceError(RuntimeError):
@@ -78,16 +78,6 @@ def read_wav_bytes(data: bytes) -> tuple[np.ndarray, int]:
     return read_wav(io.BytesIO(data))
 
 
-def write_wav(path: Path | io.BytesIO, audio: np.ndarray, rate: int) -> None:
-    """Mono float audio as a 16-bit WAV, to a file or a buffer."""
-    pcm = (np.clip(audio, -1.0, 1.0) * 32767).astype("<i2")
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm.tobytes())
-    if isinstance(path, io.BytesIO):
-        path.write(buf.getvalue())
-    else:
-        path.write_bytes(buf.getvalue())
+def write_float_wav(path: Path, audio: np.ndarray, rate: int) -> None:
+    """Mono float audio in [-1, 1] as a 16-bit WAV (the phone simulator's writer)."""
+    write_wav(path, (np.clip(audio, -1.0, 1.0) * 32767).astype("<i2"), rate)

@@ -105,12 +105,12 @@ def first_sound_at(pcm: np.ndarray, start: int, window: int = PACKET_BYTES, hop:
     return None
 
 
-def write_wav(path: Path, pcm: np.ndarray) -> None:
-    """8 kHz 16-bit mono WAV."""
-    with wave.open(str(path), "wb") as w:
+def write_wav(path: Path | BinaryIO, pcm: np.ndarray, rate: int = RATE) -> None:
+    """16-bit mono WAV of int16 samples (8 kHz unless `rate` says otherwise), to a path or a binary file."""
+    with wave.open(path if hasattr(path, "write") else str(path), "wb") as w:  # type: ignore[arg-type]
         w.setnchannels(1)
         w.setsampwidth(2)
-        w.setframerate(RATE)
+        w.setframerate(rate)
         w.writeframes(np.asarray(pcm, dtype="<i2").tobytes())
 
 
