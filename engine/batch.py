@@ -18,6 +18,7 @@ from moshi.models.compression import MimiModel
 from moshi.models.lm import LMGen
 from moshi.utils import compile as moshi_compile
 
+from .compiled_step import compile_tick
 from .interface import FRAME_SAMPLES
 from .kv_cache import kv_cache_bytes, set_kv_dtype
 from .model import KameLM, KameStreamingState
@@ -39,7 +40,7 @@ class StepResult:
 class KameBatch:
     def __init__(
         self, lm: KameLM, mimi: MimiModel, batch_size: int, sampling: SamplingConfig | None = None,
-        kv_dtype: str = "auto",
+        kv_dtype: str = "auto", compile_mode: str = "off",
     ):
         sampling = sampling or SamplingConfig()
         self.sampling = sampling
@@ -69,6 +70,9 @@ class KameBatch:
                  kv_cache_bytes(lm, batch_size, kv_dtype) / 1e9, batch_size, lm.transformer.layers[0].self_attn.context)
         # Entered for the life of this object; `close()` leaves streaming so the modules can be reused.
         self._streaming = [self.lm_gen.streaming(batch_size), self.mimi.streaming(batch_size)]
+        self.compile_mode = compile_mode
+        if compile_mode != "off":
+            self._streaming.append(compile_tick(self.lm_gen, self.mimi, batch_size, compile_mode))
         state = lm._streaming_state
         assert isinstance(state, KameStreamingState) and state.oracle is not None
         self._oracle = state.oracle  # [B, 1], read by the (graphed) LM step

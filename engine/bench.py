@@ -3,7 +3,9 @@
 Speed does not depend on the weights' values, so random weights give true timings. Every slot is busy
 with (random) caller audio and an oracle, as in production, with sampling on. Reported per batch size:
 tick p50/p99, real-time factor (80 ms / mean tick), peak GPU memory, and the largest batch whose p99
-tick stays within the 80 ms frame.
+tick stays within the 80 ms frame. `--phases` then runs more ticks with the device synchronised around
+each phase (Mimi encode, main transformer, depformer steps, Mimi decode; the rest is masks, sampling the
+text token, bookkeeping and the copy out), to say where a tick goes; those ticks are not in the figures.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import gc
 import json
 import platform
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -36,6 +40,8 @@ class BatchResult:
     realtime_factor: float  # 80 ms / mean tick: > 1 keeps up with real time
     peak_gpu_mem_gb: float | None
     kv_cache_gb: float | None
+    phases_p50_ms: dict[str, float] | None = None  # with --phases: per phase, then "other" (the rest)
+    warmup_s: float | None = None  # the warm-up ticks: CUDA graph capture, and compiling with --compile
 
 
 @dataclass
@@ -48,6 +54,7 @@ class BenchReport:
     torch: str
     cuda_graphs: bool
     kv_dtype: str = "auto"
+    compile_mode: str = "off"
     results: list[BatchResult] = field(default_factory=list)
     max_batch_realtime: int | None = None  # largest batch with p99 <= 80 ms
 
@@ -61,9 +68,55 @@ def _device_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
-def bench_batch(lm: KameLM, mimi, batch: int, ticks: int, warmup: int, kv_dtype: str = "auto") -> BatchResult:
+PHASES = ("encode", "main", "depformer", "decode")
+
+
+class _PhaseClock:
+    """Wall time of each phase of `KameBatch.step`, the device synchronised before and after each."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.ms: dict[str, list[float]] = {p: [] for p in PHASES}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def wrap(self, phase: str, fn: Callable[..., object]) -> Callable[..., object]:
+        def timed(*args: object) -> object:
+            self._sync()
+            t0 = time.perf_counter()
+            out = fn(*args)
+            self._sync()
+            self.ms[phase].append((time.perf_counter() - t0) * 1000)
+            return out
+
+        return timed
+
+
+@contextmanager
+def _timing_phases(kb: KameBatch, clock: _PhaseClock) -> Iterator[None]:
+    """Route the step's four phases through `clock` (instance attributes shadow the methods; removed after)."""
+    state = kb.lm_gen._streaming_state
+    assert state is not None and state.graphed_depth is not None
+    main, depth = state.graphed_main, state.graphed_depth
+    kb.mimi.encode = clock.wrap("encode", kb.mimi.encode)  # type: ignore[method-assign]
+    kb.mimi.decode = clock.wrap("decode", kb.mimi.decode)  # type: ignore[method-assign]
+    state.graphed_main = clock.wrap("main", main)  # type: ignore[assignment]
+    state.graphed_depth = clock.wrap("depformer", depth)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        del kb.mimi.encode, kb.mimi.decode
+        state.graphed_main, state.graphed_depth = main, depth
+
+
+def bench_batch(
+    lm: KameLM, mimi, batch: int, ticks: int, warmup: int, kv_dtype: str = "auto",  # type: ignore[no-untyped-def]
+    compile_mode: str = "off", phases: bool = False,
+) -> BatchResult:
     device = lm.device
-    kb = KameBatch(lm, mimi, batch, SamplingConfig(), kv_dtype=kv_dtype)
+    kb = KameBatch(lm, mimi, batch, SamplingConfig(), kv_dtype=kv_dtype, compile_mode=compile_mode)
     rng = np.random.default_rng(0)
     pcm = (0.1 * rng.standard_normal((batch, FRAME_SAMPLES))).astype(np.float32)
     active = np.ones(batch, dtype=bool)
@@ -71,15 +124,26 @@ def bench_batch(lm: KameLM, mimi, batch: int, ticks: int, warmup: int, kv_dtype:
     kb.reset_rows(active)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for i in range(warmup + ticks):
+
+    def tick(kb: KameBatch, i: int) -> float:
         oracle = np.full(batch, oracle_seq[i % len(oracle_seq)], dtype=np.int64)
         t0 = time.perf_counter()
         kb.step(pcm, active, oracle)  # ends with a device->host copy, so the GPU work is done
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(dt)
+        return time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        tick(kb, i)
+    warmup_s = time.perf_counter() - t0
+    times = [tick(kb, warmup + i) for i in range(ticks)]
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    phases_p50 = None
+    if phases:
+        clock = _PhaseClock(device)
+        with _timing_phases(kb, clock):
+            totals = [tick(kb, warmup + ticks + i) * 1000 for i in range(ticks)]
+        phases_p50 = {p: float(np.median(clock.ms[p])) for p in PHASES}
+        phases_p50["other"] = float(np.median(np.array(totals) - sum(np.array(clock.ms[p]) for p in PHASES)))
     kb.close()
     del kb
     gc.collect()
@@ -96,6 +160,8 @@ def bench_batch(lm: KameLM, mimi, batch: int, ticks: int, warmup: int, kv_dtype:
         realtime_factor=float(FRAME_SECONDS * 1000 / ms.mean()),
         peak_gpu_mem_gb=peak,
         kv_cache_gb=kv_cache_bytes(lm, batch, kv_dtype) / 1e9,
+        phases_p50_ms=phases_p50,
+        warmup_s=warmup_s,
     )
 
 
@@ -115,6 +181,8 @@ def run_engine_bench(
     context: int | None = None,
     dtype: str | None = None,
     kv_dtype: str = "auto",
+    compile_mode: str = "off",
+    phases: bool = False,
     log=print,
 ) -> BenchReport:
     dev = torch.device(device)
@@ -133,13 +201,14 @@ def run_engine_bench(
         torch=torch.__version__,
         cuda_graphs=dev.type == "cuda",
         kv_dtype=kv_dtype,
+        compile_mode=compile_mode,
     )
     log(f"# {size} on {report.device_name}, {report.dtype}, context {report.context} frames, "
-        f"KV {kv_dtype}, torch {torch.__version__}")
+        f"KV {kv_dtype}, compile {compile_mode}, torch {torch.__version__}")
     log(f"{'batch':>5} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'RTF':>6} {'peak GB':>8} {'KV GB':>7}")
     for b in batches:
         try:
-            r = bench_batch(lm, mimi, b, ticks, warmup, kv_dtype)
+            r = bench_batch(lm, mimi, b, ticks, warmup, kv_dtype, compile_mode, phases)
         except torch.OutOfMemoryError:
             log(f"{b:>5} out of GPU memory")
             gc.collect()
@@ -149,6 +218,11 @@ def run_engine_bench(
         peak = f"{r.peak_gpu_mem_gb:.1f}" if r.peak_gpu_mem_gb is not None else "-"
         log(f"{b:>5} {r.p50_ms:>8.1f} {r.p99_ms:>8.1f} {r.max_ms:>8.1f} {r.realtime_factor:>6.2f} "
             f"{peak:>8} {r.kv_cache_gb:>7.2f}")
+        if compile_mode != "off":
+            log(f"      warm-up (compiling, capturing): {r.warmup_s:.1f} s")
+        if r.phases_p50_ms is not None:
+            log("      phases p50 ms (device synchronised around each): "
+                + ", ".join(f"{p} {ms:.2f}" for p, ms in r.phases_p50_ms.items()))
     fitting = [r.batch for r in report.results if r.p99_ms <= FRAME_SECONDS * 1000]
     report.max_batch_realtime = max(fitting) if fitting else None
     log(f"largest batch with p99 <= 80 ms: {report.max_batch_realtime}")

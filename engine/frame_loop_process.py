@@ -35,6 +35,7 @@ from .sampling import SamplingConfig, SamplingOverrides
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # loading a 7B checkpoint from a cold disk takes minutes
+COMPILE_TIMEOUT_S = 1800.0  # and with --compile, compiling the tick in the warm-up (autotuning: many minutes)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class ChildSpec:
     max_queued_frames: int
     torch_threads: int = 0  # 0: torch's default
     kv_dtype: str = "auto"
+    compile_mode: str = "off"
 
 
 @dataclass
@@ -100,9 +102,10 @@ class FrameLoopProcess:
         self._process.start()
         theirs.close()
         self._conn = ours
-        if not ours.poll(START_TIMEOUT_S):
+        timeout = START_TIMEOUT_S + (COMPILE_TIMEOUT_S if self.spec.compile_mode != "off" else 0.0)
+        if not ours.poll(timeout):
             self._process.kill()
-            raise EngineError(f"the engine process did not come up in {START_TIMEOUT_S:.0f}s")
+            raise EngineError(f"the engine process did not come up in {timeout:.0f}s")
         try:
             kind, *rest = ours.recv()
         except EOFError:
@@ -306,7 +309,7 @@ def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
         loop = _ChildFrameLoop(
             send,
             KameBatch(bundle.lm, bundle.mimi, spec.max_calls, spec.sampling.resolve(bundle.lm_gen_config),
-                      kv_dtype=spec.kv_dtype),
+                      kv_dtype=spec.kv_dtype, compile_mode=spec.compile_mode),
             bundle.tokenizer,
             max_queued_frames=spec.max_queued_frames,
             forced_delay_ms=spec.forced_delay_ms,

@@ -123,19 +123,26 @@ def quantized_attention(
 _compiled: Callable[..., torch.Tensor] | None = None
 
 
-def _attend(*args: object) -> torch.Tensor:
-    """`quantized_attention`, compiled on CUDA (first use, per shape: the frame loop's warm-up pays it);
-    eager on CPU, where compiling costs tens of seconds for no gain."""
+@torch.compiler.disable
+def _attend_cuda(*args: object) -> torch.Tensor:
+    # Kept out of an enclosing `--compile` graph (a deliberate break there, free inside a CUDA graph): it
+    # would inline this function and lose the autotuning, 2.37 ms a layer at 64 calls instead of 0.79.
     global _compiled
-    q = args[0]
-    assert isinstance(q, torch.Tensor)
-    if q.device.type != "cuda":
-        return quantized_attention(*args)  # type: ignore[arg-type]
     if _compiled is None:
         # Autotuned (13-28 s per shape at warm-up): on an H100 at 64 calls and context 3000, 0.79 ms a layer
         # against 2.37 with the default kernels and 1.04 for bf16 SDPA (docs/benchmarks.md).
         _compiled = torch.compile(quantized_attention, fullgraph=True, dynamic=False, mode="max-autotune-no-cudagraphs")
     return _compiled(*args)
+
+
+def _attend(*args: object) -> torch.Tensor:
+    """`quantized_attention`, compiled on CUDA (first use, per shape: the frame loop's warm-up pays it);
+    eager on CPU, where compiling it alone costs tens of seconds for no gain."""
+    q = args[0]
+    assert isinstance(q, torch.Tensor)
+    if q.device.type != "cuda":
+        return quantized_attention(*args)  # type: ignore[arg-type]
+    return _attend_cuda(*args)
 
 
 class QuantizedKVAttention(StreamingMultiheadAttention):

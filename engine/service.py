@@ -69,6 +69,7 @@ class EngineConfig:
     max_calls: int = 8
     context: int | None = None  # KV window in frames (3000 = 240 s)
     kv_dtype: str = "auto"  # the main transformer's KV cache: auto (the model's dtype), int8 or fp8
+    compile_mode: str = "off"  # torch.compile the LM step: off, default, max-autotune (engine/compiled_step.py)
     forced_delay_ms: float = 0.0
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)  # over the checkpoint's lm_gen_config
     warmup_ticks: int = 4
@@ -178,6 +179,7 @@ class LocalEngine:
                 max_calls=config.max_calls,
                 context=config.context,
                 kv_dtype=config.kv_dtype,
+                compile_mode=config.compile_mode,
                 sampling=config.sampling,
                 forced_delay_ms=config.forced_delay_ms,
                 max_queued_frames=config.max_queued_frames,
@@ -190,7 +192,8 @@ class LocalEngine:
             if config.torch_threads > 0:
                 torch.set_num_threads(config.torch_threads)
             sampling = config.sampling.resolve(bundle.lm_gen_config)
-            batch = KameBatch(bundle.lm, bundle.mimi, config.max_calls, sampling, kv_dtype=config.kv_dtype)
+            batch = KameBatch(bundle.lm, bundle.mimi, config.max_calls, sampling, kv_dtype=config.kv_dtype,
+                              compile_mode=config.compile_mode)
             self.frame_loop = FrameLoop(
                 batch,
                 bundle.tokenizer,

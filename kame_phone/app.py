@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 
+from engine.compiled_step import COMPILE_MODES
 from engine.kv_cache import KV_DTYPES
 from engine.remote import Address, LinkError, LinkRefused, RemoteEngine, edge_tls
 from engine.sampling import SamplingOverrides
@@ -45,6 +46,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                   "memory per call; accuracy cost in docs/benchmarks.md)")
     env_flag(g, "--forced-delay-ms", "KAME_FORCED_DELAY_MS", default=0.0, parse=parse_float,
              help="hold the reply until N ms after a turn")
+    env_flag(g, "--compile", "KAME_COMPILE", default="off", choices=COMPILE_MODES,
+             help="torch.compile the LM step (GPU: fewer, fused kernels a tick, for batch-1 latency; compiles in "
+                  "the warm-up, max-autotune for minutes); off: the official step, token for token")
     # On by default: in the service's process the STT and the phone edge starve the 80 ms loop (6 calls on
     # 2 cores: 0.39-0.56 of real time in process, 0.97-0.98 in its own; docs/benchmarks.md section 4).
     env_flag(g, "--engine-process", "KAME_ENGINE_PROCESS", switch=True, default=True,
@@ -82,6 +86,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_calls=args.max_calls,
         context=args.context,
         kv_dtype=args.kv_dtype,
+        compile_mode=args.compile,
         forced_delay_ms=args.forced_delay_ms,
         sampling=SamplingOverrides(
             greedy=args.greedy, temp=args.temp, temp_text=args.temp_text, top_k=args.top_k, top_k_text=args.top_k_text

@@ -105,6 +105,8 @@ def _bench(args: argparse.Namespace) -> int:
             context=args.context,
             dtype=args.dtype,
             kv_dtype=args.kv_dtype,
+            compile_mode=args.compile,
+            phases=args.phases,
         )
         if args.json:
             Path(args.json).write_text(report.to_json() + "\n")
@@ -192,6 +194,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine.compiled_step import COMPILE_MODES
     from evaluation.command import add_compare_arguments, add_eval_arguments
     from telephony.sim_caller import add_call_arguments
 
@@ -267,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--kv-dtype", default="auto",
                        help="engine bench: auto, int8 or fp8; kv bench: the 8-bit formats to compare with auto "
                             "(comma-separated, default int8,fp8)")
+    bench.add_argument("--compile", choices=COMPILE_MODES, default="off",
+                       help="engine bench: torch.compile the LM step (engine/compiled_step.py)")
+    bench.add_argument("--phases", action="store_true",
+                       help="engine bench: then time each phase of a tick (device synchronised between them)")
     bench.add_argument("--steps", type=int, default=500, help="kv bench: greedy steps per run")
     bench.add_argument("--calls", type=int, default=200, help="media/oracle bench: concurrent calls")
     bench.add_argument("--seconds", type=float, default=20.0, help="media/oracle bench: how long")

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The benchmarks that need a GPU, at full size with random weights (speed does not depend on the weights'
-# values). Usage: scripts/bench-gpu.sh OUTDIR [engine|capacity|kv|node|oracle|media|all]
+# values). Usage: scripts/bench-gpu.sh OUTDIR [engine|capacity|batch1|batch1-autotune|kv|node|oracle|media|all]
 # Needs the package importable (an installed venv, or PYTHONPATH=repo root) and a CUDA GPU with ~80 GB.
 # Each part writes OUTDIR/<part>.txt (what it printed) and OUTDIR/<part>.json (the figures).
 set -uo pipefail
-out=${1:?usage: scripts/bench-gpu.sh OUTDIR [engine|capacity|kv|node|oracle|media|all]}
+out=${1:?usage: scripts/bench-gpu.sh OUTDIR [engine|capacity|batch1|batch1-autotune|kv|node|oracle|media|all]}
 what=${2:-all}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -22,6 +22,21 @@ if [[ $what == capacity || $what == all ]]; then
     timeout 240 "$py" -m kame_phone.cli bench engine --size moshi-7b --batch "$batches" --context 3000 \
       --kv-dtype "$kv" --json "$out/capacity-$kv.json" 2>&1 | tee "$out/capacity-$kv.txt"
   done
+fi
+if [[ $what == batch1 || $what == all ]]; then
+  # Batch-1 latency (issue 15): the official step against --compile (engine/compiled_step.py), phase by
+  # phase, at the 4-minute context; then the compiled tick with the 8-bit cache at 64 calls.
+  for c in off default; do
+    timeout 540 "$py" -m kame_phone.cli bench engine --size moshi-7b --batch 1 --context 3000 --ticks 300 \
+      --compile "$c" --phases --json "$out/batch1-$c.json" 2>&1 | tee "$out/batch1-$c.txt"
+  done
+  timeout 540 "$py" -m kame_phone.cli bench engine --size moshi-7b --batch 1,64 --context 3000 --kv-dtype int8 \
+    --compile default --phases --json "$out/compiled-int8.json" 2>&1 | tee "$out/compiled-int8.txt"
+fi
+if [[ $what == batch1-autotune ]]; then
+  # Inductor's autotuned kernels (minutes of warm-up): only worth a deployment's start-up if it beats default.
+  timeout 590 "$py" -m kame_phone.cli bench engine --size moshi-7b --batch 1 --context 3000 --ticks 300 \
+    --compile max-autotune --phases --json "$out/batch1-max-autotune.json" 2>&1 | tee "$out/batch1-max-autotune.txt"
 fi
 if [[ $what == kv || $what == all ]]; then
   # What the 8-bit caches cost in accuracy at full size: 500 greedy steps against the bf16 cache.

@@ -1,0 +1,150 @@
+"""`--compile` (engine/compiled_step.py): the compiled tick gives the uncompiled tick's tokens, sampled and
+seeded, through joins, idle rows and a reset, on moshi's bf16-style cache and on int8; nothing recompiles
+once warm; the depformer that streams for the batch's life gives moshi's own step's tokens; the flag reaches
+a real phone call.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo
+from moshi.utils import compile as moshi_compile
+
+from engine.batch import KameBatch
+from engine.checkpoint import load_kame
+from engine.compiled_step import PersistentDepformerStep
+from engine.interface import FRAME_SAMPLES
+from engine.sampling import SamplingConfig
+from kame_phone.cli import build_parser, main
+from telephony.sim_caller import simulate_call
+
+from .phone_fixtures import running_phone
+
+SLOTS, TICKS = 3, 24
+
+
+def _script(text_card: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Caller audio, oracle tokens and who is active each tick: row 2 idles every third tick (idle rows
+    are the norm in a frame loop with free slots)."""
+    rng = np.random.default_rng(3)
+    pcm = (0.1 * rng.standard_normal((TICKS, SLOTS, FRAME_SAMPLES))).astype(np.float32)
+    oracle = rng.integers(4, text_card, size=(TICKS, SLOTS))
+    active = np.ones((TICKS, SLOTS), dtype=bool)
+    active[::3, 2] = False
+    return pcm, oracle, active
+
+
+def _tokens(kb: KameBatch, warm: int = 0) -> np.ndarray:
+    """Steps the script (a reset of row 1 halfway) with sampling seeded; ticks after `warm` must not
+    recompile anything."""
+    pcm, oracle, active = _script(kb.lm.text_card)
+    torch.manual_seed(0)
+    kb.reset_rows(np.ones(SLOTS, dtype=bool))
+    out = []
+    for t in range(TICKS):
+        if t == TICKS // 2:
+            kb.reset_rows(np.array([False, True, False]))  # a new call takes row 1
+        with torch._dynamo.config.patch(error_on_recompile=t >= warm):
+            r = kb.step(pcm[t], active[t], oracle[t])
+        out.append(np.concatenate([r.text[:, None], r.codes, r.voiced[:, None]], axis=1))
+    return np.stack(out)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint: Path):  # type: ignore[no-untyped-def]
+    return load_kame(str(tiny_checkpoint), "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_the_depformer_streaming_for_the_batchs_life_gives_moshis_tokens(tiny, kv_dtype: str) -> None:  # type: ignore[no-untyped-def]
+    want = _run(tiny, kv_dtype, "off")
+    kb = KameBatch(tiny.lm, tiny.mimi, SLOTS, SamplingConfig(), kv_dtype=kv_dtype)
+    state = kb.lm_gen._streaming_state
+    with ExitStack() as stack:
+        state.graphed_depth.func = PersistentDepformerStep(kb.lm_gen, SLOTS, stack)  # uncompiled
+        got = _tokens(kb)
+        kb.close()
+    # int8 is the case that catches a stale ring: an idle row's all-masked softmax leaves NaN in it.
+    assert np.array_equal(got, want)
+
+
+def _run(tiny, kv_dtype: str, compile_mode: str, warm: int = 0) -> np.ndarray:  # type: ignore[no-untyped-def]
+    kb = KameBatch(tiny.lm, tiny.mimi, SLOTS, SamplingConfig(), kv_dtype=kv_dtype, compile_mode=compile_mode)
+    # As on a GPU, where moshi compiles its norms, rotary embedding and gating itself, lazily (KameBatch
+    # turns that off on CPU): the compiled tick must take them in as plain code all the same.
+    disabled, moshi_compile._compile_disabled = moshi_compile._compile_disabled, compile_mode == "off"
+    try:
+        return _tokens(kb, warm)
+    finally:
+        moshi_compile._compile_disabled = disabled
+        kb.close()
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_the_compiled_tick_gives_the_same_tokens_and_never_recompiles(tiny, kv_dtype: str) -> None:  # type: ignore[no-untyped-def]
+    want = _run(tiny, kv_dtype, "off")
+    torch._dynamo.utils.counters.clear()
+    # Warm after the first tick: joins, idle rows and the reset later on are all the same compiled code.
+    got = _run(tiny, kv_dtype, "default", warm=1)
+    assert np.array_equal(got, want)
+    assert got[:, :, -1].any()  # voiced ticks were compared, not only silence
+    # Whole graphs (main transformer, depformer steps, Mimi's encoder, decoder and two transformers: six
+    # when nothing was compiled before; the other cache's run reuses all but the main transformer's).
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert 1 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 6
+    # A second batch of the same shape reuses the compiled code (the frame loop's warm-up already paid).
+    torch._dynamo.utils.counters.clear()
+    assert np.array_equal(_run(tiny, kv_dtype, "default", warm=0), want)
+    assert not torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_compile_modes_are_checked() -> None:
+    from kame_phone.app import engine_config_from_args
+    from kame_phone.env_flags import EnvError, resolve_env_defaults
+
+    def config(*argv: str):  # type: ignore[no-untyped-def]
+        args = build_parser().parse_args(["serve", *argv])
+        resolve_env_defaults(args)
+        return engine_config_from_args(args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("KAME_COMPILE", raising=False)
+        assert config().compile_mode == "off" and config("--compile", "default").compile_mode == "default"
+        mp.setenv("KAME_COMPILE", "max-autotune")
+        assert config().compile_mode == "max-autotune" and config("--compile", "off").compile_mode == "off"
+        mp.setenv("KAME_COMPILE", "yes")
+        with pytest.raises(EnvError, match="KAME_COMPILE"):
+            config()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "engine", "--compile", "fast"])
+
+
+def test_the_engine_bench_splits_a_tick_into_phases(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "engine", "--size", "tiny", "--batch", "2", "--ticks", "5", "--warmup", "1",
+                 "--device", "cpu", "--phases", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["compile_mode"] == "off"
+    (result,) = report["results"]
+    phases = result["phases_p50_ms"]
+    assert set(phases) == {"encode", "main", "depformer", "decode", "other"}
+    assert all(phases[p] > 0 for p in ("encode", "main", "depformer", "decode"))
+    assert phases["other"] >= 0
+    # The four phases are most of a tick (p50s of different ticks, so only roughly the tick's p50).
+    assert 0.5 * result["p50_ms"] < sum(phases.values()) < 2 * result["p50_ms"]
+
+
+async def test_a_phone_call_on_the_compiled_tick(tiny_checkpoint: Path, question_wav: Path) -> None:
+    async with running_phone(tiny_checkpoint, compile_mode="default") as phone:
+        assert phone.engine.frame_loop.batch.compile_mode == "default"
+        report = await simulate_call(phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base,
+                                     hold_after=1.0)
+    assert report.outcome == "completed", report.errors
+    assert report.bot_seconds_received > 0.6 * report.call_seconds  # in real time
+    assert report.first_audio_latency_s is not None
