@@ -377,9 +377,13 @@ class FrameLoop:
         everyone = np.ones(B, dtype=bool)
         self.batch.reset_rows(everyone)
         pad = np.full(B, self.batch.lm.text_padding_token_id, dtype=np.int64)
+        t0 = time.monotonic()
         for _ in range(ticks):
             self.batch.step(np.zeros((B, FRAME_SAMPLES), dtype=np.float32), everyone, pad)
         self.batch.reset_rows(everyone)
+        # With --compile this is where start-up goes (minutes for the 7B step on a cold compile cache).
+        log.info("engine warm-up: %d ticks in %.1f s (compile %s)", ticks, time.monotonic() - t0,
+                 self.batch.compile_mode)
 
     def start(self, warmup_ticks: int = 4) -> None:
         if self._ticker.running:

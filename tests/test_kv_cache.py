@@ -64,7 +64,8 @@ def test_the_8bit_ring_keeps_moshis_positions_and_rounds_within_the_format(kind:
             absmax = x.abs().amax(-1, keepdim=True)
             bound = absmax / 254 if kind == "int8" else x.abs() / 16 + absmax / 448 * 2**-9
             assert bool(((y - x).abs() <= bound + 1e-6)[filled.expand_as(x)].all()), step
-    assert eight.codes.dtype == (torch.int8 if kind == "int8" else torch.uint8)
+    assert eight.k_codes.dtype == eight.v_codes_t.dtype == (torch.int8 if kind == "int8" else torch.uint8)
+    assert eight.v_codes_t.shape == (B, H, D, capacity)  # V transposed: the weighted sum reads along positions
     assert eight.cache.dtype == torch.float32 and eight.cache.shape[-1] == 1  # the scales, one per vector
 
 
@@ -83,7 +84,7 @@ def test_attention_over_the_codes_is_sdpa_over_the_dequantized_window(kind: str,
     q = torch.randn(B, H, tq, D)
     allowed = torch.rand(B, 1, tq, S) > 0.3
     allowed[..., 0] = True  # never a fully masked row
-    got = quantized_attention(q, k_codes, k_scales, v_codes, v_scales, allowed, kind)
+    got = quantized_attention(q, k_codes, k_scales, v_codes.transpose(-1, -2), v_scales, allowed, kind)
     want = F.scaled_dot_product_attention(
         q, _decoded(k_codes, kind) * k_scales, _decoded(v_codes, kind) * v_scales, allowed
     )
@@ -93,7 +94,7 @@ def test_attention_over_the_codes_is_sdpa_over_the_dequantized_window(kind: str,
     if hidden.any():
         v2 = v_codes.clone()
         v2[0, :, hidden] = 0
-        again = quantized_attention(q, k_codes, k_scales, v2, v_scales, allowed, kind)
+        again = quantized_attention(q, k_codes, k_scales, v2.transpose(-1, -2), v_scales, allowed, kind)
         assert torch.allclose(again[0, :, 0], got[0, :, 0], atol=1e-6)
 
 
