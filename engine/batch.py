@@ -23,6 +23,7 @@ from .interface import FRAME_SAMPLES
 from .kv_cache import kv_cache_bytes, set_kv_dtype
 from .model import KameLM, KameStreamingState
 from .sampling import SamplingConfig
+from .weight_quant import Int8Linear, weights_bytes
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,22 @@ class StepResult:
     text: np.ndarray  # [B] int64 text token, UNGENERATED where the row produced nothing
     voiced: np.ndarray  # [B] bool: the row produced audio codes this step
     codes: np.ndarray  # [B, dep_q] int64 audio codes the row's audio was decoded from (0 where not voiced)
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """What sizes a node, as served: the model's weights and its KV cache for every slot."""
+
+    weights_dtype: str
+    weights_bytes: int
+    kv_dtype: str
+    kv_cache_bytes: int
+    slots: int
+    context: int
+
+    def describe(self) -> str:
+        return (f"weights {self.weights_dtype} {self.weights_bytes / 1e9:.2f} GB, KV cache {self.kv_dtype} "
+                f"{self.kv_cache_bytes / 1e9:.2f} GB ({self.slots} slots at context {self.context} frames)")
 
 
 class KameBatch:
@@ -65,9 +82,17 @@ class KameBatch:
         # Before streaming allocates them: the main transformer's KV caches in 8 bits, or moshi's own.
         self.kv_dtype = kv_dtype
         set_kv_dtype(lm.transformer, kv_dtype)
-        # What sizes a node: the operator sees it once at start (docs/benchmarks.md has the table).
-        log.info("KV cache: %s, %.2f GB for %d slots at context %s frames", kv_dtype,
-                 kv_cache_bytes(lm, batch_size, kv_dtype) / 1e9, batch_size, lm.transformer.layers[0].self_attn.context)
+        # What sizes a node: the operator sees it once at start (docs/benchmarks.md has the table), and the
+        # frame loop exports it (kame_engine_model_bytes).
+        self.memory = ModelMemory(
+            weights_dtype="int8" if any(isinstance(m, Int8Linear) for m in lm.modules()) else "auto",
+            weights_bytes=weights_bytes(lm),
+            kv_dtype=kv_dtype,
+            kv_cache_bytes=kv_cache_bytes(lm, batch_size, kv_dtype),
+            slots=batch_size,
+            context=lm.transformer.layers[0].self_attn.context,
+        )
+        log.info("model memory: %s", self.memory.describe())
         # Entered for the life of this object; `close()` leaves streaming so the modules can be reused.
         self._streaming = [self.lm_gen.streaming(batch_size), self.mimi.streaming(batch_size)]
         self.compile_mode = compile_mode

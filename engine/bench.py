@@ -27,6 +27,7 @@ from .interface import FRAME_SAMPLES, FRAME_SECONDS
 from .kv_cache import kv_cache_bytes
 from .model import KameLM
 from .sampling import SamplingConfig
+from .weight_quant import Int8Linear, set_int8_matmul, weights_bytes
 
 
 @dataclass
@@ -54,6 +55,9 @@ class BenchReport:
     torch: str
     cuda_graphs: bool
     kv_dtype: str = "auto"
+    weights_dtype: str = "auto"
+    int8_matmul: str | None = None  # with int8 weights: the kernel that ran (engine/weight_quant.py)
+    weights_gb: float | None = None  # the model's parameters and buffers, as served
     compile_mode: str = "off"
     results: list[BatchResult] = field(default_factory=list)
     max_batch_realtime: int | None = None  # largest batch with p99 <= 80 ms
@@ -183,6 +187,8 @@ def run_engine_bench(
     kv_dtype: str = "auto",
     compile_mode: str = "off",
     phases: bool = False,
+    weights_dtype: str = "auto",
+    int8_matmul: str = "aten",
     log=print,
 ) -> BenchReport:
     dev = torch.device(device)
@@ -190,8 +196,10 @@ def run_engine_bench(
         raise SystemExit(f"size {size} needs a CUDA GPU (it is ~16 GB in bf16); use --size tiny on CPU")
     torch_dtype = bench_dtype(dev, dtype)
     torch.set_grad_enabled(False)
-    bundle = load_random(size, dev, torch_dtype, context)
+    set_int8_matmul(int8_matmul)  # before the layers are made: each checks its kernel once
+    bundle = load_random(size, dev, torch_dtype, context, weights_dtype)
     lm, mimi = bundle.lm, bundle.mimi
+    kernels = {m.kernel for m in lm.modules() if isinstance(m, Int8Linear)}
     report = BenchReport(
         size=size,
         device=str(dev),
@@ -201,10 +209,15 @@ def run_engine_bench(
         torch=torch.__version__,
         cuda_graphs=dev.type == "cuda",
         kv_dtype=kv_dtype,
+        weights_dtype=weights_dtype,
+        int8_matmul=",".join(sorted(kernels)) or None,
+        weights_gb=weights_bytes(lm) / 1e9,
         compile_mode=compile_mode,
     )
+    weights = f"weights {weights_dtype} ({report.weights_gb:.2f} GB" + (
+        f", int8 matmul {report.int8_matmul})" if report.int8_matmul else ")")
     log(f"# {size} on {report.device_name}, {report.dtype}, context {report.context} frames, "
-        f"KV {kv_dtype}, compile {compile_mode}, torch {torch.__version__}")
+        f"KV {kv_dtype}, {weights}, compile {compile_mode}, torch {torch.__version__}")
     log(f"{'batch':>5} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'RTF':>6} {'peak GB':>8} {'KV GB':>7}")
     for b in batches:
         try:

@@ -77,6 +77,7 @@ class KameBundle:
     tokenizer: sentencepiece.SentencePieceProcessor
     lm_gen_config: dict[str, Any] = field(default_factory=dict)
     source: str = ""
+    weights_dtype: str = "auto"  # the transformers' linear layers: auto (as loaded) or int8
 
 
 def _file_names(config: dict[str, Any]) -> dict[str, str | None]:
@@ -245,7 +246,9 @@ def load_tokenizer(files: CheckpointFiles, text_card: int) -> sentencepiece.Sent
 RANDOM_PREFIX = "random:"
 
 
-def load_random(size: str, device: torch.device, dtype: torch.dtype, context: int | None = None) -> KameBundle:
+def load_random(
+    size: str, device: torch.device, dtype: torch.dtype, context: int | None = None, weights_dtype: str = "auto"
+) -> KameBundle:
     """`random:SIZE`: the named architecture with random weights, no files needed.
 
     For capacity tests of a GPU node before the real weights are there: speed does not depend on the
@@ -264,9 +267,20 @@ def load_random(size: str, device: torch.device, dtype: torch.dtype, context: in
         kwargs["context"] = context
     torch.manual_seed(0)
     lm = KameLM(device=device, dtype=dtype, **kwargs).eval()
+    _quantize(lm, weights_dtype)
     mimi = loaders.get_mimi(None, mimi_config_for(size), device=device, num_codebooks=kwargs["dep_q"])
     tokenizer = sentencepiece.SentencePieceProcessor(model_proto=train_tiny_tokenizer())
-    return KameBundle(lm=lm, mimi=mimi, tokenizer=tokenizer, source=RANDOM_PREFIX + size)
+    return KameBundle(lm=lm, mimi=mimi, tokenizer=tokenizer, source=RANDOM_PREFIX + size, weights_dtype=weights_dtype)
+
+
+def _quantize(lm: KameLM, weights_dtype: str) -> None:
+    from .weight_quant import quantize_weights, weights_bytes
+
+    before = weights_bytes(lm)
+    layers = quantize_weights(lm, weights_dtype)
+    if layers:
+        log.info("weights: %s in %d linear layers, %.2f GB (%.2f GB as loaded)", weights_dtype, layers,
+                 weights_bytes(lm) / 1e9, before / 1e9)
 
 
 def load_kame(
@@ -275,20 +289,24 @@ def load_kame(
     dtype: torch.dtype | None = None,
     context: int | None = None,
     revision: str | None = None,
+    weights_dtype: str = "auto",
 ) -> KameBundle:
     """Load LM, Mimi and tokenizer from a directory, a Hugging Face repo id or `random:SIZE` (see
-    load_random). `context` caps the KV cache in frames (the call-length window)."""
+    load_random). `context` caps the KV cache in frames (the call-length window); `weights_dtype` int8
+    stores the transformers' linear layers in 8 bits (engine/weight_quant.py)."""
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if source.startswith(RANDOM_PREFIX):
-        return load_random(source.removeprefix(RANDOM_PREFIX), device, dtype, context)
+        return load_random(source.removeprefix(RANDOM_PREFIX), device, dtype, context, weights_dtype)
     files = resolve_checkpoint(source, revision)
     lm = load_lm(files, device, dtype, {"context": context} if context else None)
+    _quantize(lm, weights_dtype)
     return KameBundle(
         lm=lm,
         mimi=load_mimi(files, device),
         tokenizer=load_tokenizer(files, lm.text_card),
         lm_gen_config=files.lm_gen_config,
         source=files.source,
+        weights_dtype=weights_dtype,
     )

@@ -22,7 +22,7 @@ import numpy as np
 import sentencepiece
 
 from . import metrics
-from .batch import UNGENERATED, KameBatch
+from .batch import UNGENERATED, KameBatch, ModelMemory
 from .interface import FRAME_SAMPLES, FRAME_SECONDS, EngineClosed, EngineFull
 from .oracle_buffer import OracleBuffer, tokenize_draft
 from .sampling import SamplingConfig
@@ -31,6 +31,12 @@ from .ticker import FrameTicker
 log = logging.getLogger(__name__)
 
 _SILENCE = np.zeros(FRAME_SAMPLES, dtype=np.float32)
+
+
+def publish_memory(memory: ModelMemory) -> None:
+    """The model's memory as served, in this process's metrics (the one scraped)."""
+    metrics.ENGINE_MODEL_BYTES.labels(part="weights").set(memory.weights_bytes)
+    metrics.ENGINE_MODEL_BYTES.labels(part="kv_cache").set(memory.kv_cache_bytes)
 
 
 class OracleFed(NamedTuple):
@@ -152,6 +158,7 @@ class FrameLoop:
         self._vocab = tokenizer.vocab_size()
         self._silent_pieces = {batch.lm.text_padding_token_id, batch.lm.end_of_text_padding_id}
         metrics.ENGINE_SLOTS.set(self.max_calls)
+        publish_memory(batch.memory)
 
     @property
     def sampling(self) -> SamplingConfig:

@@ -27,7 +27,18 @@ from typing import Any
 import numpy as np
 
 from . import metrics
-from .frame_loop import FrameLoop, LoopStats, OracleFed, ResetHook, Slot, SlotOutput, SlotSink, TickSink
+from .batch import ModelMemory
+from .frame_loop import (
+    FrameLoop,
+    LoopStats,
+    OracleFed,
+    ResetHook,
+    Slot,
+    SlotOutput,
+    SlotSink,
+    TickSink,
+    publish_memory,
+)
 from .interface import FRAME_SAMPLES, EngineClosed, EngineError, EngineFull
 from .oracle_buffer import OracleBuffer
 from .sampling import SamplingConfig, SamplingOverrides
@@ -51,6 +62,7 @@ class ChildSpec:
     max_queued_frames: int
     torch_threads: int = 0  # 0: torch's default
     kv_dtype: str = "auto"
+    weights_dtype: str = "auto"
     compile_mode: str = "off"
 
 
@@ -73,6 +85,7 @@ class FrameLoopProcess:
         self.max_calls = spec.max_calls
         self.stats = LoopStats()
         self.sampling: SamplingConfig | None = None  # in force in the child, known once it is ready
+        self.memory: ModelMemory | None = None  # the child's model as served, known once it is ready
         self.oracle_fed: deque[OracleFed] = deque(maxlen=10_000)
         self._rows: list[_Row | None] = [None] * spec.max_calls
         self._lock = threading.Lock()  # the slot table and the pipe's sending end
@@ -116,13 +129,14 @@ class FrameLoopProcess:
             raise CheckpointError(rest[0].removeprefix("CheckpointError: "))
         if kind != "ready":
             raise EngineError(f"the engine process failed to start: {rest[0] if rest else kind}")
-        (self.sampling,) = rest
+        self.sampling, self.memory = rest
+        publish_memory(self.memory)
         self.alive = True
         self._reader = threading.Thread(target=self._read_forever, name="kame-engine-reader", daemon=True)
         self._reader.start()
         self._sender = threading.Thread(target=self._send_forever, name="kame-engine-sender", daemon=True)
         self._sender.start()
-        log.info("engine process %d ready: %d slots", self._process.pid, self.max_calls)
+        log.info("engine process %d ready: %d slots; %s", self._process.pid, self.max_calls, self.memory.describe())
 
     def stop(self) -> None:
         with self._lock:
@@ -305,7 +319,7 @@ def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
             conn.send(message)
 
     try:
-        bundle = load_kame(spec.checkpoint, spec.device, None, spec.context)
+        bundle = load_kame(spec.checkpoint, spec.device, None, spec.context, weights_dtype=spec.weights_dtype)
         loop = _ChildFrameLoop(
             send,
             KameBatch(bundle.lm, bundle.mimi, spec.max_calls, spec.sampling.resolve(bundle.lm_gen_config),
@@ -320,7 +334,7 @@ def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
         return
     # This process's heap is mostly torch and the model; a full collection over it stalls every call's tick.
     freeze_startup_heap()
-    send(("ready", loop.sampling))
+    send(("ready", loop.sampling, loop.batch.memory))
     _serve_commands(conn, loop)
 
 

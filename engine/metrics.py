@@ -39,6 +39,15 @@ ENGINE_DEADLINE_MISSES = Counter(
 ENGINE_SLOTS_BUSY = Gauge("kame_engine_slots_busy", "Call slots in use.")
 # A gauge: no `_total` suffix (Prometheus reserves it for counters; `promtool check metrics` refuses it).
 ENGINE_SLOTS = Gauge("kame_engine_slots", "Call slots configured (--max-calls).")
+ENGINE_MODEL_BYTES = zero_series(
+    Gauge(
+        "kame_engine_model_bytes",
+        "What the model holds on its device: part=weights (as served: int8 codes and scales with "
+        "--weights-dtype int8), part=kv_cache (the main transformer's, every slot at --context).",
+        ["part"],
+    ),
+    part=("weights", "kv_cache"),
+)
 ENGINE_FALLING_BEHIND = Gauge(
     "kame_engine_falling_behind",
     "1 while over a fifth of the last 2 s of ticks missed their 80 ms frame (the node takes no new calls).",

@@ -69,6 +69,7 @@ class EngineConfig:
     max_calls: int = 8
     context: int | None = None  # KV window in frames (3000 = 240 s)
     kv_dtype: str = "auto"  # the main transformer's KV cache: auto (the model's dtype), int8 or fp8
+    weights_dtype: str = "auto"  # the transformers' linear layers: auto (as loaded) or int8
     compile_mode: str = "off"  # torch.compile the LM step: off, default, max-autotune (engine/compiled_step.py)
     forced_delay_ms: float = 0.0
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)  # over the checkpoint's lm_gen_config
@@ -179,6 +180,7 @@ class LocalEngine:
                 max_calls=config.max_calls,
                 context=config.context,
                 kv_dtype=config.kv_dtype,
+                weights_dtype=config.weights_dtype,
                 compile_mode=config.compile_mode,
                 sampling=config.sampling,
                 forced_delay_ms=config.forced_delay_ms,
@@ -216,7 +218,8 @@ class LocalEngine:
         engine process loads it in `start` instead."""
         if config.engine_process:
             return cls(None, config, backend)
-        bundle = await asyncio.to_thread(load_kame, config.checkpoint, config.device, None, config.context)
+        bundle = await asyncio.to_thread(load_kame, config.checkpoint, config.device, None, config.context,
+                                         weights_dtype=config.weights_dtype)
         return cls(bundle, config, backend)
 
     async def start(self) -> None:

@@ -12,6 +12,7 @@ from engine.kv_cache import KV_DTYPES
 from engine.remote import Address, LinkError, LinkRefused, RemoteEngine, edge_tls
 from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
+from engine.weight_quant import WEIGHTS_DTYPES
 from knowledge.agents import AgentDirectory
 from knowledge.backend import BackendConfig, BackendServices
 
@@ -44,6 +45,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     env_flag(g, "--kv-dtype", "KAME_KV_DTYPE", default="auto", choices=KV_DTYPES,
              help="the main transformer's KV cache: auto (the model's dtype) or 8-bit int8/fp8 (about half the "
                   "memory per call; accuracy cost in docs/benchmarks.md)")
+    env_flag(g, "--weights-dtype", "KAME_WEIGHTS_DTYPE", default="auto", choices=WEIGHTS_DTYPES,
+             help="the transformers' linear layers: auto (as loaded) or int8 (half their memory, ~7.4 GB less "
+                  "for the 7B model; accuracy cost in docs/benchmarks.md)")
     env_flag(g, "--forced-delay-ms", "KAME_FORCED_DELAY_MS", default=0.0, parse=parse_float,
              help="hold the reply until N ms after a turn")
     env_flag(g, "--compile", "KAME_COMPILE", default="off", choices=COMPILE_MODES,
@@ -86,6 +90,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_calls=args.max_calls,
         context=args.context,
         kv_dtype=args.kv_dtype,
+        weights_dtype=args.weights_dtype,
         compile_mode=args.compile,
         forced_delay_ms=args.forced_delay_ms,
         sampling=SamplingOverrides(

@@ -95,6 +95,13 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "engine":
         from engine.bench import run_engine_bench
+        from engine.kv_cache import KV_DTYPES
+        from engine.weight_quant import WEIGHTS_DTYPES
+
+        if (args.kv_dtype or "auto") not in KV_DTYPES or (args.weights_dtype or "auto") not in WEIGHTS_DTYPES:
+            print(f"kame-phone bench engine: --kv-dtype takes one of {', '.join(KV_DTYPES)} and --weights-dtype one "
+                  f"of {', '.join(WEIGHTS_DTYPES)}, got {args.kv_dtype!r} and {args.weights_dtype!r}", file=sys.stderr)
+            return 2
 
         report = run_engine_bench(
             args.size,
@@ -104,7 +111,9 @@ def _bench(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             context=args.context,
             dtype=args.dtype,
-            kv_dtype=args.kv_dtype,
+            kv_dtype=args.kv_dtype or "auto",
+            weights_dtype=args.weights_dtype or "auto",
+            int8_matmul=args.int8_matmul,
             compile_mode=args.compile,
             phases=args.phases,
         )
@@ -112,16 +121,23 @@ def _bench(args: argparse.Namespace) -> int:
             Path(args.json).write_text(report.to_json() + "\n")
         return 0
     if args.what == "kv":
-        from engine.kv_accuracy import run_kv_accuracy
         from engine.kv_cache import KV_DTYPES
+        from engine.quant_accuracy import run_quant_accuracy
+        from engine.weight_quant import WEIGHTS_DTYPES
 
-        kinds = [k for k in args.kv_dtype.split(",") if k != "auto"] or ["int8", "fp8"]
-        if any(k not in KV_DTYPES for k in kinds):
-            print(f"kame-phone bench kv: --kv-dtype takes {', '.join(KV_DTYPES[1:])}, got {args.kv_dtype!r}",
+        kinds = [k for k in (args.kv_dtype or "int8,fp8").split(",") if k != "auto"]
+        weights = [w for w in (args.weights_dtype or "int8").split(",") if w != "auto"]
+        if any(k not in KV_DTYPES for k in kinds) or any(w not in WEIGHTS_DTYPES for w in weights):
+            print(f"kame-phone bench kv: --kv-dtype takes {', '.join(KV_DTYPES[1:])} and --weights-dtype "
+                  f"{', '.join(WEIGHTS_DTYPES[1:])} (or auto: none), got {args.kv_dtype!r} and {args.weights_dtype!r}",
                   file=sys.stderr)
             return 2
-        results = run_kv_accuracy(args.size, args.device or ("cuda" if _cuda() else "cpu"), kinds, steps=args.steps,
-                                  context=args.context, dtype=args.dtype, checkpoint=args.checkpoint)
+        if not kinds and not weights:
+            print("kame-phone bench kv: nothing to compare (--kv-dtype auto and --weights-dtype auto)", file=sys.stderr)
+            return 2
+        results = run_quant_accuracy(args.size, args.device or ("cuda" if _cuda() else "cpu"), kinds, weights,
+                                     steps=args.steps, context=args.context, dtype=args.dtype,
+                                     checkpoint=args.checkpoint)
         if args.json:
             Path(args.json).write_text(json.dumps([r.to_dict() for r in results], indent=1) + "\n")
         return 0
@@ -195,6 +211,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from engine.compiled_step import COMPILE_MODES
+    from engine.weight_quant import INT8_MATMULS
     from evaluation.command import add_compare_arguments, add_eval_arguments
     from telephony.sim_caller import add_call_arguments
 
@@ -259,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
+    # kv: the accuracy cost of 8-bit KV caches and weights (engine/quant_accuracy.py)
     bench.add_argument("what", choices=["engine", "media", "oracle", "node", "kv"])
     bench.add_argument("--size", choices=["tiny", "moshi-7b"], default="tiny")
     bench.add_argument("--batch", default="1,8,16,32,48,64", help="comma-separated batch sizes")
@@ -267,9 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default=None)
     bench.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
     bench.add_argument("--context", type=int, default=None, help="KV window in frames (moshi-7b: 3000)")
-    bench.add_argument("--kv-dtype", default="auto",
-                       help="engine bench: auto, int8 or fp8; kv bench: the 8-bit formats to compare with auto "
-                            "(comma-separated, default int8,fp8)")
+    bench.add_argument("--kv-dtype", default=None,
+                       help="engine bench: auto (default), int8 or fp8; kv bench: the 8-bit formats to compare with "
+                            "the model's own cache (comma-separated, default int8,fp8; auto: none)")
+    bench.add_argument("--weights-dtype", default=None,
+                       help="engine bench: auto (default) or int8; kv bench: the 8-bit weights to compare with the "
+                            "model's own, alone and with each --kv-dtype (default int8; auto: none)")
+    bench.add_argument("--int8-matmul", choices=INT8_MATMULS, default="aten",
+                       help="engine bench with --weights-dtype int8: torch's int8 kernel, or dequantize in the matmul "
+                            "(engine/weight_quant.py)")
     bench.add_argument("--compile", choices=COMPILE_MODES, default="off",
                        help="engine bench: torch.compile the LM step (engine/compiled_step.py)")
     bench.add_argument("--phases", action="store_true",

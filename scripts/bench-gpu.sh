@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The benchmarks that need a GPU, at full size with random weights (speed does not depend on the weights'
-# values). Usage: scripts/bench-gpu.sh OUTDIR [engine|capacity|batch1|batch1-autotune|kv|node|oracle|media|all]
+# values). Usage: scripts/bench-gpu.sh OUTDIR [engine|capacity|weights|batch1|batch1-autotune|kv|node|oracle|media|all]
 # Needs the package importable (an installed venv, or PYTHONPATH=repo root) and a CUDA GPU with ~80 GB.
 # Each part writes OUTDIR/<part>.txt (what it printed) and OUTDIR/<part>.json (the figures).
 set -uo pipefail
-out=${1:?usage: scripts/bench-gpu.sh OUTDIR [engine|capacity|batch1|batch1-autotune|kv|node|oracle|media|all]}
+out=${1:?usage: scripts/bench-gpu.sh OUTDIR [engine|capacity|weights|batch1|batch1-autotune|kv|node|oracle|media|all]}
 what=${2:-all}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -22,6 +22,16 @@ if [[ $what == capacity || $what == all ]]; then
     timeout 240 "$py" -m kame_phone.cli bench engine --size moshi-7b --batch "$batches" --context 3000 \
       --kv-dtype "$kv" --json "$out/capacity-$kv.json" 2>&1 | tee "$out/capacity-$kv.txt"
   done
+fi
+if [[ $what == weights || $what == all ]]; then
+  # 8-bit weights (engine/weight_quant.py): ~7.4 GB freed for KV caches (calls past 64 on an H100 with the
+  # int8 cache), and fewer bytes a batch-1 step reads. Both int8 kernels, since which wins is device-specific.
+  for mm in aten dequant; do
+    timeout 300 "$py" -m kame_phone.cli bench engine --size moshi-7b --batch 1,64,80 --context 3000 --kv-dtype int8 \
+      --weights-dtype int8 --int8-matmul "$mm" --json "$out/weights-$mm.json" 2>&1 | tee "$out/weights-$mm.txt"
+  done
+  timeout 540 "$py" -m kame_phone.cli bench engine --size moshi-7b --batch 1 --context 3000 --ticks 300 \
+    --weights-dtype int8 --compile default --phases --json "$out/batch1-int8w-default.json" 2>&1 | tee "$out/batch1-int8w-default.txt"
 fi
 if [[ $what == batch1 || $what == all ]]; then
   # Batch-1 latency (issue 15): the official step against --compile (engine/compiled_step.py), phase by
@@ -46,12 +56,14 @@ fi
 if [[ $what == node || $what == all ]]; then
   # The whole node (issue 15) with no weights on the box: KAME random at full size, the STT in Kyutai's
   # 2.6B layout with random weights on the same GPU, a local LLM stand-in; the callers' voices come from
-  # VOICES (made beforehand where flite is: kame-phone bench node --voices DIR makes them). 64 calls
-  # with the STT need more than an 80 GB H100 holds at context 3000 (docs/benchmarks.md).
+  # VOICES (made beforehand where flite is: kame-phone bench node --voices DIR makes them). With bf16
+  # weights, 64 calls and the STT need more than an 80 GB H100 holds at context 3000 (docs/benchmarks.md):
+  # WEIGHTS=int8 (the default here) frees ~7.4 GB for them.
   for calls in 48 64; do
     KAME_STT_CHECKPOINT=random:stt-2.6b-en timeout 280 "$py" -m kame_phone.cli bench node --calls "$calls" \
       --checkpoint random:moshi-7b --voices "${VOICES:-$out/voices}" --serve-arg=--stt=kyutai \
-      --serve-arg=--kv-dtype=int8 --serve-arg=--context=3000 --json "$out/node-$calls.json" 2>&1 | tee "$out/node-$calls.txt"
+      --serve-arg=--kv-dtype=int8 --serve-arg=--weights-dtype="${WEIGHTS:-int8}" --serve-arg=--context=3000 \
+      --json "$out/node-$calls.json" 2>&1 | tee "$out/node-$calls.txt"
   done
 fi
 if [[ $what == oracle || $what == all ]]; then

@@ -123,14 +123,16 @@ async def running_phone(
     agents: AgentDirectory | None = None,
     twilio_rest: TwilioRest | None = None,
     kv_dtype: str = "auto",
+    weights_dtype: str = "auto",
     compile_mode: str = "off",
+    engine_process: bool = False,
     **config: object,
 ) -> AsyncIterator[Phone]:
     token = secrets.token_hex(16)
     engine = await LocalEngine.load(
         EngineConfig(checkpoint=str(checkpoint), device="cpu", max_calls=max_calls, warmup_ticks=2,
-                     sampling=SamplingOverrides(greedy=True), kv_dtype=kv_dtype,
-                     compile_mode=compile_mode),
+                     sampling=SamplingOverrides(greedy=True), kv_dtype=kv_dtype, weights_dtype=weights_dtype,
+                     compile_mode=compile_mode, engine_process=engine_process),
         backend,
     )
     await engine.start()

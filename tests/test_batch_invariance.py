@@ -40,8 +40,11 @@ class Call:
         return [x[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES] for i in range(self.leaves - self.joins)]
 
 
-def _run(checkpoint: Path, slots: int, calls: dict[str, Call], kv_dtype: str = "auto") -> dict[str, Call]:
-    bundle = load_kame(str(checkpoint))  # moshi keeps streaming state on the modules: a fresh model per run
+def _run(
+    checkpoint: Path, slots: int, calls: dict[str, Call], kv_dtype: str = "auto", weights_dtype: str = "auto"
+) -> dict[str, Call]:
+    # moshi keeps streaming state on the modules: a fresh model per run
+    bundle = load_kame(str(checkpoint), weights_dtype=weights_dtype)
     batch = KameBatch(bundle.lm, bundle.mimi, slots, GREEDY, kv_dtype=kv_dtype)
     pad = bundle.lm.text_padding_token_id
     audio = {name: call.frames() for name, call in calls.items()}
@@ -69,15 +72,16 @@ def _oracle(start: int, tokens: list[int]) -> list[int]:
     return [3, 3, start, *tokens]
 
 
-# int8: the 8-bit cache's scales are per call, head and position, so it must keep calls apart as well.
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+# int8 KV: the 8-bit cache's scales are per call, head and position, so it must keep calls apart as well;
+# int8 weights (with it, as a dense deployment runs): weight-only, so nothing is shared across rows either.
+@pytest.mark.parametrize(("kv_dtype", "weights_dtype"), [("auto", "auto"), ("int8", "auto"), ("int8", "int8")])
 def test_a_call_alone_and_in_a_busy_batch_gives_identical_tokens_and_codes(
-    tiny_checkpoint: Path, kv_dtype: str
+    tiny_checkpoint: Path, kv_dtype: str, weights_dtype: str
 ) -> None:
     torch.manual_seed(0)
     x_oracle = _oracle(256, [40, 41, 42, 43, 44, 45, 46, 47])
     x_ticks = 80  # past the KV ring buffer's wrap (context 64)
-    alone = _run(tiny_checkpoint, 1, {"X": Call(0, 0, x_ticks, seed=7, oracle=x_oracle)}, kv_dtype)["X"]
+    alone = _run(tiny_checkpoint, 1, {"X": Call(0, 0, x_ticks, seed=7, oracle=x_oracle)}, kv_dtype, weights_dtype)["X"]
     busy = _run(tiny_checkpoint, 4, {
         "A": Call(0, 0, 50, seed=1, oracle=_oracle(256, [60, 61, 62])),
         "B": Call(1, 9, 30, seed=2, oracle=_oracle(256, [70, 71])),  # joins and leaves while X talks
@@ -85,7 +89,7 @@ def test_a_call_alone_and_in_a_busy_batch_gives_identical_tokens_and_codes(
         "C": Call(1, 40, 85, seed=3, oracle=_oracle(256, [80, 81, 82, 83])),  # takes B's old row
         "D": Call(3, 60, 85, seed=4, oracle=[]),
         "E": Call(0, 70, 85, seed=5, oracle=_oracle(256, [90])),  # takes A's old row
-    }, kv_dtype)
+    }, kv_dtype, weights_dtype)
     x = busy["X"]
     assert x.text == alone.text
     assert x.codes == alone.codes

@@ -19,7 +19,6 @@ from moshi.modules.transformer import RingKVCache, StreamingMultiheadAttention
 from engine.batch import KameBatch
 from engine.checkpoint import load_kame
 from engine.interface import FRAME_SAMPLES
-from engine.kv_accuracy import measure
 from engine.kv_cache import (
     QuantizedKVAttention,
     QuantizedRingKVCache,
@@ -27,6 +26,7 @@ from engine.kv_cache import (
     quantized_attention,
     set_kv_dtype,
 )
+from engine.quant_accuracy import measure
 from engine.sampling import SamplingConfig
 from kame_phone.cli import build_parser, main
 from telephony.sim_caller import simulate_call
@@ -131,7 +131,8 @@ def test_kv_dtype_switches_every_main_layer_and_auto_switches_back(
     with caplog.at_level(logging.INFO, logger="engine.batch"):
         eight = KameBatch(bundle.lm, bundle.mimi, 2, greedy, kv_dtype="int8")
     # The operator sees what the cache takes: tiny's 2 layers x K,V x 2 calls x 4 heads x 64 x 16 x (1 + 4/16) B.
-    assert "KV cache: int8, 0.00 GB for 2 slots at context 64 frames" in caplog.text
+    assert "KV cache int8 0.00 GB (2 slots at context 64 frames)" in caplog.text
+    assert eight.memory.kv_cache_bytes == kv_cache_bytes(bundle.lm, 2, "int8") and eight.memory.weights_dtype == "auto"
     assert kv_cache_bytes(bundle.lm, 2, "int8") == 2 * 2 * 2 * 4 * 64 * 16 * 1.25
     main_caches = _kv_caches(bundle.lm.transformer)
     assert len(main_caches) == layers and all(isinstance(c, QuantizedRingKVCache) for c in main_caches)
@@ -160,7 +161,8 @@ def test_accuracy_is_measured_against_the_models_own_cache(tiny_checkpoint: Path
 
     out = tmp_path / "kv.json"
     # The checkpoint's own weights (the figure to take for a real model), past its 64-frame ring's wrap.
-    assert main(["bench", "kv", "--checkpoint", str(tiny_checkpoint), "--steps", "80", "--json", str(out)]) == 0
+    assert main(["bench", "kv", "--checkpoint", str(tiny_checkpoint), "--steps", "80", "--weights-dtype", "auto",
+                 "--json", str(out)]) == 0
     results = {r["kv_dtype"]: r for r in json.loads(out.read_text())}
     assert set(results) == {"int8", "fp8"}
     for kind, r in results.items():

@@ -1,0 +1,155 @@
+"""What 8-bit storage costs in accuracy: the same model, the same inputs, greedy, once as it is (the
+reference: weights and KV cache in the compute dtype) and once per variant: an 8-bit KV cache
+(`--kv-dtype`), 8-bit weights (`--weights-dtype`), or both (what a dense deployment runs).
+
+Reported per variant: token agreement (the share of text and audio tokens equal to the reference's over
+all steps and rows), the first step where any token differs, and the text-logit error while the two
+runs still agree (after a difference the runs see different tokens, and their logits stop being
+comparable): max |Δ| and ‖Δ‖/‖ref‖ per step, the worst step. With random weights greedy decoding is
+chaotic (flat logits: a near tie flips at the first nudge), so agreement says little there and the logit
+error is the figure that transfers. `kame-phone bench kv` runs it; the tests run it at tiny size on CPU;
+docs/benchmarks.md has the full-size figures when a GPU was at hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from moshi.utils.compile import no_cuda_graph
+
+from .batch import KameBatch
+from .interface import FRAME_SAMPLES
+from .model import KameLM
+from .sampling import SamplingConfig
+from .weight_quant import quantize_weights
+
+GREEDY = SamplingConfig(use_sampling=False)
+
+
+@dataclass
+class QuantAccuracy:
+    kv_dtype: str
+    weights_dtype: str
+    steps: int
+    batch: int
+    token_agreement: float  # share of (text + audio) tokens equal to the reference run's
+    text_agreement: float
+    first_divergence_step: int | None  # None: identical throughout
+    logit_max_abs_err: float  # over the steps before the first divergence
+    logit_rel_err: float  # worst step's ||delta|| / ||reference||
+
+    @property
+    def label(self) -> str:
+        parts = [f"weights {self.weights_dtype}"] if self.weights_dtype != "auto" else []
+        if self.kv_dtype != "auto" or not parts:
+            parts.append(f"kv {self.kv_dtype}")
+        return " + ".join(parts)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass
+class _Run:
+    tokens: np.ndarray  # [steps, B, 1 + dep_q]
+    logits: list[torch.Tensor]  # per step [B, card] float32 (CPU)
+
+
+def _inputs(lm: KameLM, batch: int, steps: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    pcm = (0.1 * rng.standard_normal((steps, batch, FRAME_SAMPLES))).astype(np.float32)
+    oracle = rng.integers(4, min(lm.text_card, 30000), size=(steps, batch))
+    return pcm, oracle
+
+
+def _run(lm: KameLM, mimi, kv_dtype: str, pcm: np.ndarray, oracle: np.ndarray) -> _Run:  # type: ignore[no-untyped-def]
+    steps, batch = oracle.shape
+    captured: list[torch.Tensor] = []
+    hook = lm.text_linear.register_forward_hook(
+        lambda _m, _i, out: captured.append(out.reshape(out.shape[0], -1).float().cpu())
+    )
+    kb = KameBatch(lm, mimi, batch, GREEDY, kv_dtype=kv_dtype)
+    try:
+        # Eager on a GPU: a CUDA graph's replay would not call the hook (and its capture refuses the copy).
+        with no_cuda_graph():
+            active = np.ones(batch, dtype=bool)
+            kb.reset_rows(active)
+            tokens = []
+            for t in range(steps):
+                out = kb.step(pcm[t], active, oracle[t])
+                tokens.append(np.concatenate([out.text[:, None], out.codes], axis=1))
+    finally:
+        kb.close()
+        hook.remove()
+    return _Run(np.stack(tokens), captured)
+
+
+def _compare(ref: _Run, run: _Run, kv_dtype: str, weights_dtype: str) -> QuantAccuracy:
+    steps, batch = ref.tokens.shape[:2]
+    same = run.tokens == ref.tokens
+    differs = np.flatnonzero(~same.all(axis=(1, 2)))
+    first = int(differs[0]) if len(differs) else None
+    # The text head runs once per step: logits[i] belongs to step i. From the first differing step on,
+    # the two runs may be fed different tokens, so only the steps before it are compared.
+    upto = len(ref.logits) if first is None else first
+    max_abs, rel = 0.0, 0.0
+    for a, b in zip(ref.logits[:upto], run.logits[:upto], strict=True):
+        d = (b - a).abs()
+        max_abs = max(max_abs, float(d.max()))
+        rel = max(rel, float((b - a).norm() / a.norm().clamp_min(1e-12)))
+    return QuantAccuracy(kv_dtype, weights_dtype, steps, batch, float(same.mean()), float(same[:, :, 0].mean()),
+                         first, max_abs, rel)
+
+
+def measure(
+    lm: KameLM, mimi, kv_dtypes: list[str], weights_dtypes: list[str] | None = None,  # type: ignore[no-untyped-def]
+    steps: int = 500, batch: int = 2, seed: int = 0, log: Callable[[str], None] = print,
+) -> list[QuantAccuracy]:
+    """Each KV format with the weights as they are; then, per weights format, the weights quantized (in
+    place: `lm` keeps them 8-bit afterwards) with the KV cache as it is and with each KV format."""
+    pcm, oracle = _inputs(lm, batch, steps, seed)
+    ref = _run(lm, mimi, "auto", pcm, oracle)
+    variants = [(kv, "auto") for kv in kv_dtypes]
+    for weights in weights_dtypes or []:
+        variants += [(kv, weights) for kv in ["auto", *[k for k in kv_dtypes if k != "auto"]]]
+    results = []
+    quantized = "auto"
+    for kv, weights in variants:
+        if weights != quantized:
+            if quantized != "auto":
+                raise ValueError("one 8-bit weights format per measurement (quantizing is in place)")
+            quantize_weights(lm, weights)
+            quantized = weights
+        r = _compare(ref, _run(lm, mimi, kv, pcm, oracle), kv, weights)
+        log(f"{r.label}: token agreement {r.token_agreement:.4f} (text {r.text_agreement:.4f}), first divergence "
+            f"at step {r.first_divergence_step}, text logits before it: max |d| {r.logit_max_abs_err:.4g}, "
+            f"worst relative {r.logit_rel_err:.4g}")
+        results.append(r)
+    return results
+
+
+def run_quant_accuracy(
+    size: str, device: str, kv_dtypes: list[str], weights_dtypes: list[str], steps: int = 500,
+    context: int | None = None, dtype: str | None = None, batch: int = 2, checkpoint: str | None = None,
+    log: Callable[[str], None] = print,
+) -> list[QuantAccuracy]:
+    """`kame-phone bench kv`: a checkpoint's weights when one is named (the figure that transfers to a
+    deployment), else the named size with random weights (tiny on CPU; moshi-7b on a GPU)."""
+    from .bench import bench_dtype
+    from .checkpoint import load_kame, load_random
+
+    dev = torch.device(device)
+    if checkpoint is None and size != "tiny" and dev.type != "cuda":
+        raise SystemExit(f"size {size} needs a CUDA GPU; use --size tiny on CPU")
+    torch_dtype = bench_dtype(dev, dtype)
+    torch.set_grad_enabled(False)
+    if checkpoint is not None:
+        bundle = load_kame(checkpoint, dev, torch_dtype, context)
+    else:
+        bundle = load_random(size, dev, torch_dtype, context)
+    log(f"# 8-bit accuracy: {checkpoint or size} on {device}, {torch_dtype}, {steps} greedy steps x {batch} rows, "
+        f"against {torch_dtype} weights and cache")
+    return measure(bundle.lm, bundle.mimi, kv_dtypes, weights_dtypes, steps=steps, batch=batch, log=log)
