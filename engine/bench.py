@@ -188,7 +188,7 @@ def run_engine_bench(
     compile_mode: str = "off",
     phases: bool = False,
     weights_dtype: str = "auto",
-    int8_matmul: str = "aten",
+    int8_matmul: str = "auto",
     log=print,
 ) -> BenchReport:
     dev = torch.device(device)

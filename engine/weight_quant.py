@@ -10,11 +10,15 @@ bytes and the logits are what sampling reads. So does everything with `auto`, wh
 for token equal to the official code.
 
 How the matmul runs (`Int8Linear.matmul`, `kame-phone bench engine --int8-matmul`):
-- `aten`: `torch._weight_int8pack_mm`, one kernel reading the int8 codes (CPU and CUDA in torch 2.13;
-  where a device has none, `dequant` is used, checked once per device);
+- `aten`: `torch._weight_int8pack_mm`, one kernel reading the int8 codes. On CPU it is a tuned kernel; on
+  CUDA (torch 2.13) it is a reference kernel, one thread per output element looping over K with strided
+  reads, far slower than cuBLAS: not for serving there;
 - `dequant`: `linear(x, codes.to(dtype)) * scale`. Eager, it writes a bf16 copy of each weight every step
-  (more bytes than bf16 weights); under `--compile`, inductor fuses the conversion into the matmul.
-Which is faster at which batch is a GPU measurement (docs/benchmarks.md); both compute the same values.
+  (5 bytes moved a weight against bf16's 2: slower than bf16 weights, the price of the memory); under
+  `--compile max-autotune`, inductor can fuse the conversion into its matmul template (prologue fusion);
+- `auto` (the default): `aten` on CPU, `dequant` elsewhere.
+Both compute the same values (tested); which is fastest at which batch on a GPU is measured, not assumed
+(docs/benchmarks.md).
 
 Per-output-channel scales come out of the sum: (x · (s·c)ᵀ) = (x · cᵀ)·s, so a row of output needs one
 multiply. The accuracy cost is measured against the unquantized weights by `kame-phone bench kv`
@@ -33,9 +37,9 @@ from torch.nn import functional as F
 log = logging.getLogger(__name__)
 
 WEIGHTS_DTYPES = ("auto", "int8")
-INT8_MATMULS = ("aten", "dequant")
+INT8_MATMULS = ("auto", "aten", "dequant")
 
-_aten_ok: dict[str, bool] = {}  # device type -> torch._weight_int8pack_mm runs there
+_aten_ok: dict[str, bool] = {}  # "device type:dtype" -> torch._weight_int8pack_mm runs there
 
 
 def _aten_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -53,12 +57,18 @@ def _aten_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _aten_ok[key]
 
 
+def _use_aten(kind: str, device: torch.device, dtype: torch.dtype) -> bool:
+    if kind == "auto":
+        kind = "aten" if device.type == "cpu" else "dequant"
+    return kind == "aten" and _aten_available(device, dtype)
+
+
 class Int8Linear(nn.Linear):
     """An `nn.Linear` (no bias in these models) whose weight is int8 codes [out, in] and a scale per output
     channel [out] in the compute dtype. Subclassing nn.Linear keeps moshi's attention accepting it: moshi
     reads `in_proj.weight`'s device and dtype to type the KV cache, which `weight` (empty) still gives."""
 
-    matmul: str = "aten"  # what was asked: `set_int8_matmul`; `_use_aten` says what runs
+    matmul: str = "auto"  # what was asked: `set_int8_matmul`; `_use_aten` says what runs
 
     def __init__(self, linear: nn.Linear) -> None:
         nn.Module.__init__(self)
@@ -73,7 +83,7 @@ class Int8Linear(nn.Linear):
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale.to(w.dtype))
         self.register_parameter("bias", None)
-        self._use_aten = self.matmul == "aten" and _aten_available(w.device, w.dtype)
+        self._use_aten = _use_aten(self.matmul, w.device, w.dtype)
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
@@ -113,7 +123,7 @@ def set_int8_matmul(kind: str, model: nn.Module | None = None) -> None:
     if model is not None:
         for m in model.modules():
             if isinstance(m, Int8Linear):
-                m._use_aten = kind == "aten" and _aten_available(m.codes.device, m.scale.dtype)
+                m._use_aten = _use_aten(kind, m.codes.device, m.scale.dtype)
 
 
 def quantize_weights(lm: nn.Module, kind: str) -> int:

@@ -291,9 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--weights-dtype", default=None,
                        help="engine bench: auto (default) or int8; kv bench: the 8-bit weights to compare with the "
                             "model's own, alone and with each --kv-dtype (default int8; auto: none)")
-    bench.add_argument("--int8-matmul", choices=INT8_MATMULS, default="aten",
-                       help="engine bench with --weights-dtype int8: torch's int8 kernel, or dequantize in the matmul "
-                            "(engine/weight_quant.py)")
+    bench.add_argument("--int8-matmul", choices=INT8_MATMULS, default="auto",
+                       help="engine bench with --weights-dtype int8: torch's int8 kernel (aten), dequantize in the "
+                            "matmul (dequant), or auto: aten on CPU, dequant on a GPU (engine/weight_quant.py)")
     bench.add_argument("--compile", choices=COMPILE_MODES, default="off",
                        help="engine bench: torch.compile the LM step (engine/compiled_step.py)")
     bench.add_argument("--phases", action="store_true",

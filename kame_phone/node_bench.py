@@ -78,6 +78,10 @@ async def _scrape(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
             out[family.name + "_total"] = sum(s.value for s in family.samples if s.name.endswith("_total"))
         elif family.type == "gauge":
             out[family.name] = sum(s.value for s in family.samples)
+            for sample in family.samples:  # labelled gauges part by part too: name{label=value}
+                if sample.labels:
+                    labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                    out[f"{family.name}{{{labels}}}"] = sample.value
     return out
 
 
@@ -204,6 +208,8 @@ def _summarise(calls, serve_args, reports, before, after, ready, log) -> dict[st
         "stt_errors": delta("kame_stt_errors_total"),
         "oracle_lag_p50_ms": quantile("kame_oracle_lag_seconds", 0.5),
         "oracle_lag_p99_ms": quantile("kame_oracle_lag_seconds", 0.99),
+        # What the model holds on the GPU as served (weights and every slot's KV cache): what sizes a node.
+        "model_bytes": {part: after.get(f"kame_engine_model_bytes{{part={part}}}") for part in ("weights", "kv_cache")},
         "readyz_not_ready": sum(s != 200 for s in ready),
         "readyz_samples": len(ready),
         "cores": os.cpu_count(),
@@ -215,4 +221,7 @@ def _summarise(calls, serve_args, reports, before, after, ready, log) -> dict[st
         f"{result['stt_dropped_frames']:.0f}, errors {result['stt_errors']:.0f}; oracle lag p50/p99 ms: "
         f"{result['oracle_lag_p50_ms']}/{result['oracle_lag_p99_ms']}; /readyz not ready "
         f"{result['readyz_not_ready']}/{result['readyz_samples']}")
+    held = result["model_bytes"]
+    if all(v is not None for v in held.values()):
+        log(f"model memory: weights {held['weights'] / 1e9:.2f} GB, KV cache {held['kv_cache'] / 1e9:.2f} GB")
     return result

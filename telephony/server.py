@@ -211,8 +211,10 @@ async def handle_media(request: web.Request) -> web.StreamResponse:
     ctx = _ctx(request)
     if not ctx.websocket_ok(request):  # refused before the upgrade
         return web.Response(status=403, text="invalid Twilio signature")
-    if ctx.engine is None or not ctx.engine.ready:
-        return web.Response(status=503, text="engine not ready")
+    # Only an engine that is gone refuses here. The webhook already admitted this call (its token, its
+    # seat): an engine falling behind, or draining, takes no *new* calls, but one it answered gets its stream.
+    if ctx.engine is None or ctx.engine.failed:
+        return web.Response(status=503, text="engine not serving")
     if ctx.unstarted_sockets >= ctx.config.max_unstarted_streams:  # refused before the upgrade costs anything
         metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason="unstarted_cap").inc()
         log.warning("media upgrade from %s refused: %d sockets await their start", request.remote,

@@ -51,12 +51,15 @@ def test_node_bench_runs_the_service_as_deployed(tmp_path) -> None:
     assert r["first_audio"]["p50_ms"] is not None and 0 < r["tick_p50_ms"] <= r["tick_p99_ms"]
     assert r["oracle_lag_p50_ms"] is not None  # the local LLM answered and its drafts reached the oracle
     assert r["readyz_samples"] > 0 and r["deadline_misses"] >= 0
+    assert r["model_bytes"]["weights"] > 0 and r["model_bytes"]["kv_cache"] > 0
 
 
 def test_node_bench_with_the_stt_shaped_like_kyutais_and_voices_made_beforehand(tmp_path, monkeypatch) -> None:
     """The whole-node figure's layout for a GPU box without flite or weights: callers' voices made here
     and read from a folder, the Kyutai STT in its layout with random weights (`random:tiny` here;
-    `random:stt-2.6b-en` on the GPU), serving every caller."""
+    `random:stt-2.6b-en` on the GPU), serving every caller; KAME's weights in 8 bits, as the script runs it."""
+    from engine.checkpoint import load_kame
+    from engine.weight_quant import weights_bytes
     from kame_phone.node_bench import caller_voices
 
     voices = caller_voices(tmp_path / "voices")
@@ -65,10 +68,12 @@ def test_node_bench_with_the_stt_shaped_like_kyutais_and_voices_made_beforehand(
     monkeypatch.setenv("KAME_STT_DEVICE", "cpu")
     out = tmp_path / "node.json"
     assert main(["bench", "node", "--calls", "2", "--llm-ttft-ms", "100", "--voices", str(tmp_path / "voices"),
-                 "--serve-arg=--stt=kyutai", "--json", str(out)]) == 0
+                 "--serve-arg=--stt=kyutai", "--serve-arg=--weights-dtype=int8", "--json", str(out)]) == 0
     assert [p.stat().st_mtime_ns for p in voices] == stamps  # read, not made again
     r = json.loads(out.read_text())
-    assert r["outcomes"] == ["completed", "completed"] and r["serve_args"] == ["--stt=kyutai"]
+    assert r["outcomes"] == ["completed", "completed"]
+    assert r["serve_args"] == ["--stt=kyutai", "--weights-dtype=int8"]
+    assert 0 < r["model_bytes"]["weights"] < 0.75 * weights_bytes(load_kame("random:tiny").lm)  # int8, as served
     assert r["stt_errors"] == 0 and r["stt_dropped_frames"] == 0
     assert r["oracle_lag_p50_ms"] is not None  # the random STT's words reached the LLM, its drafts the oracle
     assert "random:tiny" in (tmp_path / "node.serve.log").read_text()  # the service's log, kept beside the figures

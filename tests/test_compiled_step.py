@@ -115,23 +115,7 @@ def test_the_compiled_tick_on_int8_weights_and_cache(tiny_checkpoint: Path) -> N
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
-def test_compile_modes_are_checked() -> None:
-    from kame_phone.app import engine_config_from_args
-    from kame_phone.env_flags import EnvError, resolve_env_defaults
-
-    def config(*argv: str):  # type: ignore[no-untyped-def]
-        args = build_parser().parse_args(["serve", *argv])
-        resolve_env_defaults(args)
-        return engine_config_from_args(args)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("KAME_COMPILE", raising=False)
-        assert config().compile_mode == "off" and config("--compile", "default").compile_mode == "default"
-        mp.setenv("KAME_COMPILE", "max-autotune")
-        assert config().compile_mode == "max-autotune" and config("--compile", "off").compile_mode == "off"
-        mp.setenv("KAME_COMPILE", "yes")
-        with pytest.raises(EnvError, match="KAME_COMPILE"):
-            config()
+def test_the_bench_refuses_an_unknown_compile_mode() -> None:  # serve's flag: tests/test_engine_flags.py
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "engine", "--compile", "fast"])
 

@@ -28,7 +28,7 @@ from engine.kv_cache import (
 )
 from engine.quant_accuracy import measure
 from engine.sampling import SamplingConfig
-from kame_phone.cli import build_parser, main
+from kame_phone.cli import main
 from telephony.sim_caller import simulate_call
 
 from .phone_fixtures import running_phone
@@ -171,24 +171,6 @@ def test_accuracy_is_measured_against_the_models_own_cache(tiny_checkpoint: Path
         # Close, not equal: the logits move by about the format's rounding, until a token flips.
         assert 0.0 < r["logit_rel_err"] < 0.1, (kind, r)
     assert main(["bench", "kv", "--kv-dtype", "int4"]) == 2
-
-
-def test_the_serve_flag_and_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kame_phone.app import engine_config_from_args
-    from kame_phone.env_flags import EnvError, resolve_env_defaults
-
-    def config(*argv: str):  # type: ignore[no-untyped-def]
-        args = build_parser().parse_args(["serve", *argv])
-        resolve_env_defaults(args)
-        return engine_config_from_args(args)
-
-    monkeypatch.delenv("KAME_KV_DTYPE", raising=False)
-    assert config().kv_dtype == "auto" and config("--kv-dtype", "int8").kv_dtype == "int8"
-    monkeypatch.setenv("KAME_KV_DTYPE", "fp8")
-    assert config().kv_dtype == "fp8" and config("--kv-dtype", "auto").kv_dtype == "auto"  # the flag wins
-    monkeypatch.setenv("KAME_KV_DTYPE", "int4")
-    with pytest.raises(EnvError, match="KAME_KV_DTYPE"):
-        config()
 
 
 def test_engine_bench_reports_its_kv_dtype(tmp_path: Path) -> None:

@@ -319,6 +319,31 @@ async def test_an_engine_falling_behind_takes_no_calls_until_it_keeps_time(
         assert report.outcome == "completed" and report.bot_seconds_received > 0.9 * report.call_seconds
 
 
+async def test_a_call_answered_before_the_engine_fell_behind_still_gets_its_stream(tiny_checkpoint: Path) -> None:
+    """Falling behind stops new calls at the webhook; a call the webhook already answered (seat reserved,
+    token given) must not then be refused at its stream's upgrade: the caller would hear a failed call
+    (seen in the soak on a loaded 2-core box)."""
+    async with running_phone(tiny_checkpoint, max_calls=2) as phone, aiohttp.ClientSession() as http:
+        sid, params = await phone.answer(http)
+        stats, now = phone.engine.frame_loop.stats, time.monotonic()
+        for i in range(25):  # the last 2 s as a starved loop reports them
+            stats.record_tick(0.12, True, now=now - 1.9 + i * 0.076)
+        assert not phone.engine.ready
+        ws = await phone.open_stream(http)
+        await ws.send_str(tm.start_msg("MZlate", sid, "AC1", params))
+        async with asyncio.timeout(5):
+            while True:
+                msg = await ws.receive()
+                assert msg.type == aiohttp.WSMsgType.TEXT, msg
+                if json.loads(msg.data).get("event") == "media":
+                    break
+        await ws.send_str(tm.stop_msg("MZlate", 99, sid, "AC1"))
+        await ws.close()
+        await phone.settled()
+        record = await phone.store.get(sid)
+        assert record is not None and record.stream_sid == "MZlate"
+
+
 def test_falling_behind_is_judged_on_the_last_two_seconds_of_ticks() -> None:
     from engine.frame_loop import LoopStats
 

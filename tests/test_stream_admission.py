@@ -94,7 +94,10 @@ async def test_one_stream_flooding_control_messages_is_ended_and_the_call_beside
     counted without a log line each, the stream ended as `flooding`; the good call keeps its audio and
     its own digits."""
     caplog.set_level(logging.INFO)
-    async with running_phone(tiny_checkpoint, max_calls=2) as phone, aiohttp.ClientSession() as http:
+    # The engine in its own process, as deployed: the flood runs in this process and would otherwise also take
+    # the GIL from the model's thread.
+    async with running_phone(tiny_checkpoint, max_calls=2, engine_process=True) as phone, \
+            aiohttp.ClientSession() as http:  # fmt: skip
         dropped = metric("kame_stream_messages_dropped_total", event="dtmf")
         sid = new_call_sid()
         good = asyncio.create_task(simulate_call(
@@ -133,7 +136,10 @@ async def test_unstarted_sockets_are_capped_and_closed_while_a_call_runs(
     """Sockets that pass the upgrade (its signature is the same for every call) but never start a stream:
     at most `max_unstarted_streams`, each closed after `start_timeout_s` even if it keeps sending
     `connected`, and a flood of messages on one is cut off. The good call is untouched."""
-    async with running_phone(tiny_checkpoint, max_calls=2, max_unstarted_streams=4, start_timeout_s=1.5) as phone, \
+    # The engine in its own process, as deployed: the attackers below run in this process (a remote one would
+    # not), and in-process their sends would also take the GIL from the model's thread.
+    async with running_phone(tiny_checkpoint, max_calls=2, max_unstarted_streams=4, start_timeout_s=1.5,
+                             engine_process=True) as phone, \
             aiohttp.ClientSession() as http:  # fmt: skip
         capped = metric("kame_webhook_rejections_total", endpoint="media", reason="unstarted_cap")
         # The same call unattacked first: what real time means on this machine, in this process.

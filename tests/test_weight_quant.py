@@ -14,7 +14,7 @@ from torch import nn
 from engine.checkpoint import load_kame
 from engine.quant_accuracy import measure
 from engine.weight_quant import Int8Gating, Int8Linear, quantize_weights, set_int8_matmul, weights_bytes
-from kame_phone.cli import build_parser, main
+from kame_phone.cli import main
 from telephony.sim_caller import simulate_call
 
 from .phone_fixtures import running_phone
@@ -23,7 +23,7 @@ from .phone_fixtures import running_phone
 @pytest.fixture(autouse=True)
 def _default_matmul():  # type: ignore[no-untyped-def]
     yield
-    set_int8_matmul("aten")  # a class-wide default: one test's choice must not leak into the next
+    set_int8_matmul("auto")  # a class-wide default: one test's choice must not leak into the next
 
 
 @pytest.mark.parametrize("matmul", ["aten", "dequant"])
@@ -50,6 +50,8 @@ def test_an_int8_layer_computes_its_dequantized_weights_product(matmul: str, dty
     # What moshi reads of a projection to type its KV cache: the compute dtype and device.
     assert q.weight.dtype == dtype and q.weight.device == w.device and q.weight.numel() == 0
     assert q.kernel == matmul  # both run on CPU
+    set_int8_matmul("auto")
+    assert Int8Linear(linear).kernel == "aten"  # the tuned CPU kernel; on CUDA auto is dequant
 
 
 def test_quantizing_a_model_replaces_the_transformers_linears_and_only_those(tiny_checkpoint: Path) -> None:
@@ -109,24 +111,6 @@ def test_the_accuracy_bench_command(tiny_checkpoint: Path, tmp_path: Path) -> No
     assert only["weights_dtype"] == "int8" and only["kv_dtype"] == "auto" and only["steps"] == 20
     assert main(["bench", "kv", "--weights-dtype", "int4"]) == 2
     assert main(["bench", "kv", "--weights-dtype", "auto", "--kv-dtype", "auto"]) == 2
-
-
-def test_the_serve_flag_and_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kame_phone.app import engine_config_from_args
-    from kame_phone.env_flags import EnvError, resolve_env_defaults
-
-    def config(*argv: str):  # type: ignore[no-untyped-def]
-        args = build_parser().parse_args(["serve", *argv])
-        resolve_env_defaults(args)
-        return engine_config_from_args(args)
-
-    monkeypatch.delenv("KAME_WEIGHTS_DTYPE", raising=False)
-    assert config().weights_dtype == "auto" and config("--weights-dtype", "int8").weights_dtype == "int8"
-    monkeypatch.setenv("KAME_WEIGHTS_DTYPE", "int8")
-    assert config().weights_dtype == "int8" and config("--weights-dtype", "auto").weights_dtype == "auto"
-    monkeypatch.setenv("KAME_WEIGHTS_DTYPE", "int4")
-    with pytest.raises(EnvError, match="KAME_WEIGHTS_DTYPE"):
-        config()
 
 
 def test_engine_bench_reports_its_weights(tmp_path: Path) -> None:
