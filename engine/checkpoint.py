@@ -77,7 +77,6 @@ class KameBundle:
     tokenizer: sentencepiece.SentencePieceProcessor
     lm_gen_config: dict[str, Any] = field(default_factory=dict)
     source: str = ""
-    weights_dtype: str = "auto"  # the transformers' linear layers: auto (as loaded) or int8
 
 
 def _file_names(config: dict[str, Any]) -> dict[str, str | None]:
@@ -270,7 +269,7 @@ def load_random(
     _quantize(lm, weights_dtype)
     mimi = loaders.get_mimi(None, mimi_config_for(size), device=device, num_codebooks=kwargs["dep_q"])
     tokenizer = sentencepiece.SentencePieceProcessor(model_proto=train_tiny_tokenizer())
-    return KameBundle(lm=lm, mimi=mimi, tokenizer=tokenizer, source=RANDOM_PREFIX + size, weights_dtype=weights_dtype)
+    return KameBundle(lm=lm, mimi=mimi, tokenizer=tokenizer, source=RANDOM_PREFIX + size)
 
 
 def _quantize(lm: KameLM, weights_dtype: str) -> None:
@@ -308,5 +307,4 @@ def load_kame(
         tokenizer=load_tokenizer(files, lm.text_card),
         lm_gen_config=files.lm_gen_config,
         source=files.source,
-        weights_dtype=weights_dtype,
     )
