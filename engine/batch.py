@@ -18,7 +18,6 @@ from moshi.models.compression import MimiModel
 from moshi.models.lm import LMGen
 from moshi.utils import compile as moshi_compile
 
-from .compiled_step import compile_tick
 from .interface import FRAME_SAMPLES
 from .kv_cache import kv_cache_bytes, set_kv_dtype
 from .model import KameLM, KameStreamingState
@@ -97,6 +96,8 @@ class KameBatch:
         self._streaming = [self.lm_gen.streaming(batch_size), self.mimi.streaming(batch_size)]
         self.compile_mode = compile_mode
         if compile_mode != "off":
+            from .compiled_step import compile_tick  # torch.compile's machinery only where it is asked for
+
             self._streaming.append(compile_tick(self.lm_gen, self.mimi, batch_size, compile_mode))
         state = lm._streaming_state
         assert isinstance(state, KameStreamingState) and state.oracle is not None

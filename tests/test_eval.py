@@ -81,7 +81,7 @@ async def test_eval_sweeps_delays_on_the_tiny_model_and_reports(tiny_checkpoint:
         required = {"question_id", "category", "question", "transcript", "score", "latency_s", "judge_explanation"}
         assert required <= set(r)
         assert r["outcome"] == "completed" and r["first_audio_s"] is not None and r["reply_s"] > 0
-        assert r["hung_up_because"] in ("quiet", "no_answer", "max_reply")
+        assert r["hung_up_because"] in ("quiet", "no_answer", "max_reply"), {k: r[k] for k in ("forced_delay_ms", "question_id", "outcome", "reply_s", "first_audio_s", "latency_s", "errors", "transcript")}
         assert r["latency_s"] is None or -30 < r["latency_s"] < 10
         with wave.open(str(out / r["reply_wav"])) as w:  # the whole call as heard, 8 kHz
             assert w.getframerate() == 8000 and w.getnframes() > 8000 * 2
@@ -107,7 +107,7 @@ async def test_eval_sweeps_delays_on_the_tiny_model_and_reports(tiny_checkpoint:
         assert b["all"]["mean_score"] == 7.0
         assert b["interaction"]["probes"] == 1
     probes = report["probes"]
-    assert len(probes) == 2 and all(isinstance(p["took_turn_in_pause"], bool) for p in probes)
+    assert len(probes) == 2 and all(isinstance(p["took_turn_in_pause"], bool) for p in probes), probes
     assert all((out / p["call_wav"]).is_file() for p in probes)
     assert report["random_weights"] is True and "random weights" in report["notes"][0]
     assert report["settings"]["forced_delays_ms"] == [0.0, 500.0]
@@ -252,6 +252,37 @@ def test_pocketsphinx_transcribes_a_reply_with_word_times(question_wav: Path) ->
     silent = np.concatenate([np.zeros(8000, dtype=np.int16), pcm])  # a second of silence first
     t = PocketsphinxTranscriber().transcribe(silent)
     assert len(t.text.split()) >= 3 and t.first_word_s is not None and 0.8 < t.first_word_s < 2.0
+
+
+async def test_transcribing_a_long_reply_leaves_the_calls_in_flight_running(question_wav: Path) -> None:
+    """eval transcribes a finished call while others still stream from the same event loop: pocketsphinx holds
+    the GIL for each of its calls, so one call over a whole reply froze the loop for as long as it decoded
+    (20-30 s for a 30 s reply on 2 cores) and the service ended the calls in flight as silent sockets."""
+    from telephony.sim_playout import read_wav, to_line_rate
+
+    audio, rate = read_wav(question_wav)
+    pcm = (to_line_rate(audio, rate) * 32767).astype(np.int16)
+    reply = np.tile(np.concatenate([pcm, np.zeros(4000, dtype=np.int16)]), 8)  # ~30 s of speech
+    transcriber = PocketsphinxTranscriber()
+    await asyncio.to_thread(transcriber.transcribe, pcm[:8000])  # its decoder made, as after the first call
+    gaps: list[float] = []
+
+    async def heartbeat() -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.02)
+            gaps.append(loop.time() - last - 0.02)
+            last = loop.time()
+
+    beat = asyncio.create_task(heartbeat())
+    started = asyncio.get_running_loop().time()
+    t = await asyncio.to_thread(transcriber.transcribe, reply)
+    took = asyncio.get_running_loop().time() - started
+    beat.cancel()
+    assert len(t.text.split()) >= 20  # it did transcribe the reply
+    # A caller stalled this long misses its 20 ms packets but is not cut off (the service allows 10 s).
+    assert max(gaps) < min(2.5, 0.5 * took), (max(gaps), took)
 
 
 async def test_openai_speech_and_transcription_clients() -> None:
