@@ -81,7 +81,8 @@ async def test_eval_sweeps_delays_on_the_tiny_model_and_reports(tiny_checkpoint:
         required = {"question_id", "category", "question", "transcript", "score", "latency_s", "judge_explanation"}
         assert required <= set(r)
         assert r["outcome"] == "completed" and r["first_audio_s"] is not None and r["reply_s"] > 0
-        assert r["hung_up_because"] in ("quiet", "no_answer", "max_reply"), {k: r[k] for k in ("forced_delay_ms", "question_id", "outcome", "reply_s", "first_audio_s", "latency_s", "errors", "transcript")}
+        brief = {k: r[k] for k in ("forced_delay_ms", "question_id", "outcome", "reply_s", "errors", "transcript")}
+        assert r["hung_up_because"] in ("quiet", "no_answer", "max_reply"), brief
         assert r["latency_s"] is None or -30 < r["latency_s"] < 10
         with wave.open(str(out / r["reply_wav"])) as w:  # the whole call as heard, 8 kHz
             assert w.getframerate() == 8000 and w.getnframes() > 8000 * 2
