@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .model import KameLM
+from .weight_quant import quantize_weights, weights_bytes
 
 log = logging.getLogger(__name__)
 
@@ -273,8 +274,6 @@ def load_random(
 
 
 def _quantize(lm: KameLM, weights_dtype: str) -> None:
-    from .weight_quant import quantize_weights, weights_bytes
-
     before = weights_bytes(lm)
     layers = quantize_weights(lm, weights_dtype)
     if layers:

@@ -2,9 +2,9 @@
 
 The main transformer and the depformer hold 7.4 of the 7.8 B parameters (15.6 GB in bf16). Stored as int8
 codes with one scale per output channel (absmax / 127, symmetric, weight-only: activations stay in the
-compute dtype), they take half that. Two reasons to want it on a GPU:
-- memory: what is freed goes to KV caches, or to an STT model on the same GPU (the whole-node figure);
-- batch-1 latency: a step at batch 1 reads every weight once, so it is bound by those bytes.
+compute dtype), they take half that. What it buys on a GPU is memory: what is freed goes to KV caches, or
+to an STT model on the same GPU (the whole-node figure). Batch-1 latency (a step reads every weight once)
+gains only where the conversion is fused into the matmul, see below; eager, a tick gets slower.
 Embeddings and the output heads (text and audio logits) stay as they are: they are a small share of the
 bytes and the logits are what sampling reads. So does everything with `auto`, which keeps the step token
 for token equal to the official code.
