@@ -24,7 +24,6 @@ import torch
 from .batch import KameBatch
 from .checkpoint import load_random
 from .interface import FRAME_SAMPLES, FRAME_SECONDS
-from .kv_cache import kv_cache_bytes
 from .model import KameLM
 from .sampling import SamplingConfig
 from .weight_quant import Int8Linear, set_int8_matmul, weights_bytes
@@ -148,6 +147,7 @@ def bench_batch(
             totals = [tick(kb, warmup + ticks + i) * 1000 for i in range(ticks)]
         phases_p50 = {p: float(np.median(clock.ms[p])) for p in PHASES}
         phases_p50["other"] = float(np.median(np.array(totals) - sum(np.array(clock.ms[p]) for p in PHASES)))
+    kv_bytes = kb.memory.kv_cache_bytes  # what the batch sized its caches at
     kb.close()
     del kb
     gc.collect()
@@ -163,7 +163,7 @@ def bench_batch(
         max_ms=float(ms.max()),
         realtime_factor=float(FRAME_SECONDS * 1000 / ms.mean()),
         peak_gpu_mem_gb=peak,
-        kv_cache_gb=kv_cache_bytes(lm, batch, kv_dtype) / 1e9,
+        kv_cache_gb=kv_bytes / 1e9,
         phases_p50_ms=phases_p50,
         warmup_s=warmup_s,
     )
