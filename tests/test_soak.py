@@ -15,6 +15,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 
 from kame_phone.node_bench import QUESTIONS, _llm_server, _scrape, _speak
 from kame_phone.serve_process import free_port, serve_process
@@ -69,6 +70,21 @@ def _usage(pids: list[int]) -> dict[int, tuple[float, int]]:
     return {pid: (_rss_mib(pid), _fds(pid)) for pid in pids}
 
 
+async def _seats_back(redis_url: str, node_key: str, slots: float) -> float:
+    """The node's free seats as published in Redis once idle: every seat a call took must come back (a leaked
+    engine slot or reservation stays taken). Polled: the heartbeat publishes once a second."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            free = float(await client.hget(node_key, "free") or -1)
+            if free == slots or time.monotonic() > deadline:
+                return free
+            await asyncio.sleep(0.5)
+    finally:
+        await client.aclose()
+
+
 async def _idle(session: aiohttp.ClientSession, metrics_url: str) -> None:
     """Until no call is up on the node and the store has written what it had (then counts are comparable)."""
     deadline = time.monotonic() + 30
@@ -109,7 +125,7 @@ async def test_calls_in_a_loop_keep_memory_and_files_flat_and_every_record(tmp_p
     try:
         async with _llm_server(300.0) as llm_url:
             env = dict(os.environ, OPENAI_BASE_URL=llm_url, OPENAI_API_KEY="none", KAME_LLM_MODEL="soak",
-                       REDIS_URL=redis.url, ADMIN_TOKEN="soak-admin")  # fmt: skip
+                       REDIS_URL=redis.url, ADMIN_TOKEN="soak-admin", KAME_NODE_ID="soak")  # fmt: skip
             env.pop("TWILIO_AUTH_TOKEN", None)
             async with serve_process(argv, env, base, tmp_path / "serve.log"), aiohttp.ClientSession() as session:
                 serve = _serve_pid(port)
@@ -133,6 +149,7 @@ async def test_calls_in_a_loop_keep_memory_and_files_flat_and_every_record(tmp_p
                 await _idle(session, metrics_url)
                 final = _usage(pids)
                 metrics = await _scrape(session, metrics_url)
+                free_seats = await _seats_back(redis.url, "kame:node:soak", metrics["kame_engine_slots"])
                 headers = {"Authorization": "Bearer soak-admin"}
                 records = []
                 for r in reports:
@@ -147,10 +164,19 @@ async def test_calls_in_a_loop_keep_memory_and_files_flat_and_every_record(tmp_p
         print("  ", sample)
     outcomes = [r.outcome for r in reports]
     completed = outcomes.count("completed")
-    print(f"outcomes: {completed} completed, {outcomes.count('busy')} busy")
+    misses = "kame_engine_deadline_misses_total"
+    late = metrics.get(misses, 0) - warm_metrics.get(misses, 0)
+    print(f"outcomes: {completed} completed, {outcomes.count('busy')} busy; {late:.0f} late ticks after warm-up")
     assert set(outcomes) <= {"completed", "busy"}, [r for r in reports if r.outcome not in ("completed", "busy")][:3]
-    # Busy only while the node could not keep time (a shared CI box); calls must still get through.
-    assert completed >= 0.8 * len(reports) and completed >= CALLERS * (SOAK_S - WARMUP_S) / 15
+    # Busy is by design while the engine misses its 80 ms frames, and how often a 2-core box shared by the
+    # engine, the STT, the callers and the LLM does so is the box's business (a third of the calls on a slow
+    # day). What the soak holds the node to: enough calls got through to show a leak, and once idle every
+    # seat is free again, so busy never came from seats a call kept.
+    assert completed >= CALLERS * (SOAK_S - WARMUP_S) / 15, f"only {completed} calls completed"
+    assert metrics["kame_engine_slots_busy"] == 0 and free_seats == metrics["kame_engine_slots"], (
+        f"seats not back once idle: {metrics['kame_engine_slots_busy']:.0f} engine slots busy, "
+        f"{free_seats:.0f} of {metrics['kame_engine_slots']:.0f} free in Redis"
+    )
     for pid, (rss, fds) in final.items():
         peak = max(s[pid][0] for s in curve)
         assert rss - baseline[pid][0] <= RSS_SLACK_MIB, f"pid {pid}: RSS {baseline[pid][0]:.0f} -> {rss:.0f} MiB"
