@@ -57,6 +57,9 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                      help="the first N questions also get an interaction call: a pause mid-sentence, then a "
                           "barge-in (0: none)")
     run.add_argument("--pause-s", type=float, default=1.5, help="the probe's mid-sentence pause")
+    run.add_argument("--busy-redials", type=int, default=5,
+                     help="dial a call again this many times at most when the line answers busy, after a "
+                          "growing pause (0: a busy call stays busy in the report)")
     run.add_argument("--lead-in-s", type=float, default=1.0, help="silence before each question")
     run.add_argument("--quiet-s", type=float, default=2.0, help="hang up once the bot was quiet this long")
     run.add_argument("--no-answer-s", type=float, default=10.0, help="hang up if no reply this long")
@@ -116,8 +119,8 @@ def build_plan(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         raise UsageError("give one of --checkpoint (start a service) or --url (dial a running one)")
     if bool(args.questions) == bool(args.suite):
         raise UsageError("give one of --questions FILE or --suite mt-bench-speech")
-    if args.concurrency < 1 or args.probes < 0 or (args.limit is not None and args.limit < 1):
-        raise UsageError("--concurrency and --limit must be at least 1, --probes at least 0")
+    if args.concurrency < 1 or args.probes < 0 or args.busy_redials < 0 or (args.limit is not None and args.limit < 1):
+        raise UsageError("--concurrency and --limit must be at least 1, --probes and --busy-redials at least 0")
     questions = load_file(args.questions) if args.questions else load_suite(args.suite)
     questions = narrow(questions, args.categories.split(",") if args.categories else None, args.limit)
     out = args.out or Path("var/eval") / time.strftime("%Y%m%d-%H%M%S")
@@ -148,7 +151,7 @@ def build_plan(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         questions=questions, source=str(args.questions or f"suite {args.suite}"), out=out, voice=voice,
         transcriber=asr, judge=judge, target=target, delays=_delays(args.forced_delay_ms, bool(args.checkpoint)),
         concurrency=args.concurrency, probes=min(args.probes, len(questions)), pause_s=args.pause_s,
-        listening=listening, from_number=args.from_number, to_number=args.to_number,
+        listening=listening, from_number=args.from_number, to_number=args.to_number, busy_redials=args.busy_redials,
     )
 
 

@@ -48,6 +48,7 @@ class Result:
     reply_s: float = 0.0  # bot audio heard from the question's start to the hang-up
     hung_up_because: str = ""  # quiet, no_answer, max_reply
     call_sid: str = ""
+    busy_redials: int = 0  # busy answers before this call (evaluation/runner.py dials again)
     question_wav: str = ""
     reply_wav: str = ""
     errors: list[str] = field(default_factory=list)
@@ -65,6 +66,7 @@ class Probe:
     barge_in_talk_s: float | None = None  # None: the bot never talked long enough to barge in on
     barge_in_stopped: bool | None = None
     call_sid: str = ""
+    busy_redials: int = 0
     call_wav: str = ""
     errors: list[str] = field(default_factory=list)
 
@@ -90,6 +92,7 @@ def group_figures(results: Iterable[Result]) -> dict[str, Any]:
     return {
         "questions": len(rs),
         "completed_calls": sum(r.outcome == "completed" for r in rs),
+        "busy_redials": sum(r.busy_redials for r in rs),  # the line's load during the run, not the bot
         "scored": len(scores),
         "missing_scores": len(rs) - len(scores),
         "mean_score": _mean(scores),
@@ -108,6 +111,8 @@ def probe_figures(probes: Iterable[Probe]) -> dict[str, Any]:
     stopped = [p.barge_in_stopped for p in ps if p.barge_in_stopped is not None]
     return {
         "probes": len(ps),
+        "completed_calls": sum(p.outcome == "completed" for p in ps),
+        "busy_redials": sum(p.busy_redials for p in ps),
         "takeover_rate_in_pause": (sum(pause) / len(pause)) if pause else None,
         "pauses_measured": len(pause),
         "median_barge_in_talk_s": _median(talk),
@@ -203,6 +208,11 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
     lines.append("")
     for note in report["notes"]:
         lines += [f"> **Note:** {note}", ""]
+    by_delay = report["summary"]["by_delay"]
+    busy = sum(b["all"].get("busy_redials", 0) + b["interaction"].get("busy_redials", 0) for b in by_delay)
+    if busy:
+        lines += [f"The line answered busy {busy} time(s); each such call was dialled again (`--busy-redials`). "
+                  "Busy is the line's load (at capacity, or its engine falling behind), not the bot's answer.", ""]
     lines += [
         "## Score and latency (the paper's Table 2 / Fig. 1)",
         "",

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import secrets
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -33,6 +34,10 @@ from .voices import Voice, write_float_wav
 
 log = logging.getLogger("kame-phone.eval")
 BARGE_IN_TEXT = "Sorry, wait a second, can I ask something else?"
+# A busy answer (the line at capacity, or its engine falling behind) measures the line's load, not the
+# bot: dial again after a pause that grows, as a person testing the number would, before giving up.
+REDIAL_FIRST_PAUSE_S = 2.0
+REDIAL_MAX_PAUSE_S = 20.0
 
 
 @dataclass
@@ -66,6 +71,7 @@ class EvalPlan:
     listening: Listening = field(default_factory=Listening)
     from_number: str = "+15005550006"
     to_number: str = "+15005550001"
+    busy_redials: int = 5  # dial again this many times at most after a busy answer
 
 
 @dataclass(frozen=True)
@@ -143,7 +149,7 @@ async def _own_service(plan: EvalPlan, delay: float, log_dir: Path) -> AsyncIter
     token = secrets.token_hex(16)  # signatures are checked, as in production
     argv = ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
             "--checkpoint", t.checkpoint, "--forced-delay-ms", f"{delay:g}"]
-    if "--max-calls" not in t.serve_args:
+    if not any(a == "--max-calls" or a.startswith("--max-calls=") for a in t.serve_args):
         argv += ["--max-calls", str(max(2, plan.concurrency))]
     argv += t.serve_args
     env = dict(os.environ, TWILIO_AUTH_TOKEN=token, PUBLIC_URL=base, KAME_ENV_FILE="")
@@ -209,13 +215,26 @@ def _delay_of(delay: float | None) -> float:
     return -1.0 if delay is None else delay  # -1: the service's own
 
 
-async def _dial(plan: EvalPlan, line: _Line, script: AskAndListen, wav: Path, sem: asyncio.Semaphore):  # type: ignore[no-untyped-def]
-    async with sem:
-        report = await simulate_call(
-            line.ws_url, script, auth_token=line.token, public_url=line.public_url, out_wav=wav,
-            voice_url=line.voice_url, from_number=plan.from_number, to_number=plan.to_number,
-        )
-    return report, await asyncio.to_thread(_read_heard, wav)
+async def _dial(  # type: ignore[no-untyped-def]
+    plan: EvalPlan, line: _Line, make_script: Callable[[], AskAndListen], wav: Path, sem: asyncio.Semaphore
+):
+    """One call, dialled again after a busy answer (up to plan.busy_redials times; the pause is taken
+    outside the semaphore, so the other calls go on). Returns the last call's report, its script, the
+    audio heard and how many times it was redialled."""
+    for redials in range(plan.busy_redials + 1):
+        script = make_script()  # each dial plays its own timeline
+        async with sem:
+            report = await simulate_call(
+                line.ws_url, script, auth_token=line.token, public_url=line.public_url, out_wav=wav,
+                voice_url=line.voice_url, from_number=plan.from_number, to_number=plan.to_number,
+            )
+        if report.outcome != "busy" or redials == plan.busy_redials:
+            break
+        pause = min(REDIAL_MAX_PAUSE_S, REDIAL_FIRST_PAUSE_S * 2**redials) * random.uniform(0.8, 1.2)
+        log.info("%s: the line was busy (call %s); dialling again in %.1f s (%d of %d)", wav.stem,
+                 report.call_sid, pause, redials + 1, plan.busy_redials)  # fmt: skip
+        await asyncio.sleep(pause)
+    return report, script, await asyncio.to_thread(_read_heard, wav), redials
 
 
 def _read_heard(wav: Path) -> np.ndarray:
@@ -234,9 +253,10 @@ async def _ask(
     tag = f"d{_delay_of(delay):g}_q{q.question_id}"
     r = Result(q.question_id, q.category, q.text, _delay_of(delay), question_wav=f"audio/q{q.question_id}.wav",
                reply_wav=f"audio/{tag}_call.wav")
-    script = AskAndListen(s.packets, plan.listening)
     try:
-        report, heard = await _dial(plan, line, script, audio_dir / f"{tag}_call.wav", sem)
+        report, script, heard, r.busy_redials = await _dial(
+            plan, line, lambda: AskAndListen(s.packets, plan.listening), audio_dir / f"{tag}_call.wav", sem
+        )
         r.outcome, r.call_sid, r.errors = report.outcome, report.call_sid, list(report.errors)
         r.first_audio_s, r.hung_up_because = report.first_audio_latency_s, script.hung_up_because
         if report.outcome == "completed" and script.question_end_s is not None:
@@ -268,10 +288,13 @@ async def _probe(
     tag = f"d{_delay_of(delay):g}_q{q.question_id}_probe"
     p = Probe(q.question_id, _delay_of(delay), pause_s=plan.pause_s, call_wav=f"audio/{tag}.wav")
     assert s.first_half is not None and s.second_half is not None
-    script = AskAndListen(s.first_half, plan.listening, second_part=s.second_half, pause_s=plan.pause_s,
-                          barge_in=barge)
+    first, second = s.first_half, s.second_half
+
+    def new_script() -> AskAndListen:
+        return AskAndListen(first, plan.listening, second_part=second, pause_s=plan.pause_s, barge_in=barge)
+
     try:
-        report, heard = await _dial(plan, line, script, audio_dir / f"{tag}.wav", sem)
+        report, script, heard, p.busy_redials = await _dial(plan, line, new_script, audio_dir / f"{tag}.wav", sem)
         p.outcome, p.call_sid, p.errors = report.outcome, report.call_sid, list(report.errors)
         if report.outcome == "completed":
             spans = speech_spans(heard)

@@ -66,6 +66,7 @@ async def test_eval_sweeps_delays_on_the_tiny_model_and_reports(tiny_checkpoint:
         rc, stdout, stderr = await _kame([
             "eval", "--checkpoint", str(tiny_checkpoint), "--questions", str(questions), "--judge-model", "judge-1",
             "--judge-base-url", judge.base_url, "--forced-delay-ms", "0,500", "--concurrency", "3", "--probes", "1",
+            "--serve-arg=--max-calls=2",  # 3 calls at once on 2 seats: one is answered busy, and dialled again
             "--out", str(out), *_short_listening(),
         ], {"OPENAI_BASE_URL": llm.base_url, "OPENAI_API_KEY": "none"})  # fmt: skip
     assert rc == 0, stderr[-3000:]
@@ -109,12 +110,18 @@ async def test_eval_sweeps_delays_on_the_tiny_model_and_reports(tiny_checkpoint:
         assert b["interaction"]["probes"] == 1
     probes = report["probes"]
     assert len(probes) == 2 and all(isinstance(p["took_turn_in_pause"], bool) for p in probes), probes
+    # Busy answers were dialled again until they got through: every call above completed, and each delay's
+    # run counted its redials (at least the one call that found both seats taken).
+    for b in blocks:
+        assert b["interaction"]["completed_calls"] == 1
+        assert b["all"]["busy_redials"] + b["interaction"]["busy_redials"] >= 1, b
     assert all((out / p["call_wav"]).is_file() for p in probes)
     assert report["random_weights"] is True and "random weights" in report["notes"][0]
     assert report["settings"]["forced_delays_ms"] == [0.0, 500.0]
 
     md = (out / "report.md").read_text()
     assert "random weights" in md and "| 0 ms | **all** | 3 | 2 | 7.00 |" in md and "| 500 ms | stem |" in md
+    assert "The line answered busy" in md
     for png in ("score_vs_latency.png", "latency_histogram.png", "category_scores.png"):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
