@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from telephony import sim_playout as sp
-from telephony.sim_caller import simulate_call
+from telephony.sim_caller import CallReport, simulate_call
 
 from .judge import Judge
 from .line_caller import AskAndListen, Listening, answer_latency, speech_spans, talk_after_barge_in, took_turn_in_pause
@@ -215,9 +215,9 @@ def _delay_of(delay: float | None) -> float:
     return -1.0 if delay is None else delay  # -1: the service's own
 
 
-async def _dial(  # type: ignore[no-untyped-def]
+async def _dial(
     plan: EvalPlan, line: _Line, make_script: Callable[[], AskAndListen], wav: Path, sem: asyncio.Semaphore
-):
+) -> tuple[CallReport, AskAndListen, np.ndarray, int]:
     """One call, dialled again after a busy answer (up to plan.busy_redials times; the pause is taken
     outside the semaphore, so the other calls go on). Returns the last call's report, its script, the
     audio heard and how many times it was redialled."""
