@@ -47,10 +47,11 @@ async def _short_call(phone: Phone, http: aiohttp.ClientSession) -> str:
 
 async def _call_in_progress(phone: Phone, wav: Path, sid: str) -> asyncio.Task[CallReport]:
     """A good call from the simulated caller, returned once its stream has started on the server."""
+    await phone.keeping_time()
     good = asyncio.create_task(simulate_call(phone.ws_url, wav, auth_token=phone.token, public_url=phone.base,
                                              custom_sid=sid, hold_after=1.0))  # fmt: skip
     while sid not in phone.ctx.streams:
-        assert not good.done(), good.result().errors
+        assert not good.done(), (good.result().outcome, good.result().errors)
         await asyncio.sleep(0.05)
     return good
 
