@@ -170,6 +170,7 @@ async def test_usage_errors_are_one_line(tmp_path: Path) -> None:
         (["--checkpoint", "x", "--questions", str(questions), "--forced-delay-ms", "fast"], "comma-separated"),
         (["--checkpoint", "x"], "--questions FILE or --suite"),
         (["--checkpoint", "x", "--questions", str(questions), "--categories", "math"], "no question in categories"),
+        (["--checkpoint", "x", "--questions", str(questions), "--busy-redials", "-1"], "--busy-redials at least 0"),
     ]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question_id": 1, "category": "x", "turns": ["ok?"]}\n{"question_id": 2, "turns": []}\n')
