@@ -196,9 +196,9 @@ def run_engine_bench(
         raise SystemExit(f"size {size} needs a CUDA GPU (it is ~16 GB in bf16); use --size tiny on CPU")
     torch_dtype = bench_dtype(dev, dtype)
     torch.set_grad_enabled(False)
-    set_int8_matmul(int8_matmul)  # before the layers are made: each checks its kernel once
     bundle = load_random(size, dev, torch_dtype, context, weights_dtype)
     lm, mimi = bundle.lm, bundle.mimi
+    set_int8_matmul(lm, int8_matmul)  # before any tick: the CUDA graphs and compiled steps keep their kernel
     kernels = {m.kernel for m in lm.modules() if isinstance(m, Int8Linear)}
     report = BenchReport(
         size=size,

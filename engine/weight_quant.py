@@ -9,7 +9,7 @@ Embeddings and the output heads (text and audio logits) stay as they are: they a
 bytes and the logits are what sampling reads. So does everything with `auto`, which keeps the step token
 for token equal to the official code.
 
-How the matmul runs (`Int8Linear.matmul`, `kame-phone bench engine --int8-matmul`):
+How the matmul runs (`set_int8_matmul(model, kind)`, `kame-phone bench engine --int8-matmul`):
 - `aten`: `torch._weight_int8pack_mm`, one kernel reading the int8 codes. On CPU it is a tuned kernel; on
   CUDA (torch 2.13) it is a reference kernel, one thread per output element looping over K with strided
   reads, far slower than cuBLAS: not for serving there;
@@ -68,9 +68,7 @@ class Int8Linear(nn.Linear):
     channel [out] in the compute dtype. Subclassing nn.Linear keeps moshi's attention accepting it: moshi
     reads `in_proj.weight`'s device and dtype to type the KV cache, which `weight` (empty) still gives."""
 
-    matmul: str = "auto"  # what was asked: `set_int8_matmul`; `_use_aten` says what runs
-
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, matmul: str = "auto") -> None:
         nn.Module.__init__(self)
         if linear.bias is not None:
             raise ValueError("Int8Linear: a linear layer with a bias is not expected in these models")
@@ -83,13 +81,19 @@ class Int8Linear(nn.Linear):
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale.to(w.dtype))
         self.register_parameter("bias", None)
-        self._use_aten = _use_aten(self.matmul, w.device, w.dtype)
+        self.use_matmul(matmul)
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
         # Device and dtype only (all moshi reads of a self-attention projection); any real use of it fails
         # loudly on its shape rather than silently dequantizing every step.
         return self.scale[:0]
+
+    def use_matmul(self, kind: str) -> None:
+        """Which matmul this layer runs (module docstring); its own, so two models in a process differ."""
+        if kind not in INT8_MATMULS:
+            raise ValueError(f"unknown int8 matmul {kind!r}; expected one of {', '.join(INT8_MATMULS)}")
+        self._use_aten = _use_aten(kind, self.codes.device, self.scale.dtype)
 
     def dequantized(self) -> torch.Tensor:
         return self.codes.to(self.scale.dtype) * self.scale[:, None]
@@ -115,15 +119,14 @@ class Int8Gating(ActivationGating):
         return gating_forward_generic(self.linear_in, self.linear_out, self.activation, x)
 
 
-def set_int8_matmul(kind: str, model: nn.Module | None = None) -> None:
-    """Which matmul int8 layers made from now on use (and those of `model`, if given)."""
-    if kind not in INT8_MATMULS:
+def set_int8_matmul(model: nn.Module, kind: str) -> None:
+    """Which matmul `model`'s int8 layers run. Before compiling or capturing the step: a graph keeps the
+    kernel it traced."""
+    if kind not in INT8_MATMULS:  # also for a model with no int8 layer: a typo is an error either way
         raise ValueError(f"unknown int8 matmul {kind!r}; expected one of {', '.join(INT8_MATMULS)}")
-    Int8Linear.matmul = kind
-    if model is not None:
-        for m in model.modules():
-            if isinstance(m, Int8Linear):
-                m._use_aten = _use_aten(kind, m.codes.device, m.scale.dtype)
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            m.use_matmul(kind)
 
 
 def quantize_weights(lm: nn.Module, kind: str) -> int:

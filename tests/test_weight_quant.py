@@ -20,20 +20,13 @@ from telephony.sim_caller import simulate_call
 from .phone_fixtures import running_phone
 
 
-@pytest.fixture(autouse=True)
-def _default_matmul():  # type: ignore[no-untyped-def]
-    yield
-    set_int8_matmul("auto")  # a class-wide default: one test's choice must not leak into the next
-
-
 @pytest.mark.parametrize("matmul", ["aten", "dequant"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_int8_layer_computes_its_dequantized_weights_product(matmul: str, dtype: torch.dtype) -> None:
-    set_int8_matmul(matmul)
     torch.manual_seed(0)
     linear = nn.Linear(96, 40, bias=False, dtype=dtype)
     w = linear.weight.detach().float().clone()
-    q = Int8Linear(linear)
+    q = Int8Linear(linear, matmul)
     assert q.codes.dtype == torch.int8 and q.codes.shape == (40, 96) and q.scale.dtype == dtype
     # Round to nearest: each weight within half a step of its row's scale; a bf16 scale is off by up to 2^-9
     # of itself, 127 codes x that = another quarter step at most.
@@ -50,8 +43,8 @@ def test_an_int8_layer_computes_its_dequantized_weights_product(matmul: str, dty
     # What moshi reads of a projection to type its KV cache: the compute dtype and device.
     assert q.weight.dtype == dtype and q.weight.device == w.device and q.weight.numel() == 0
     assert q.kernel == matmul  # both run on CPU
-    set_int8_matmul("auto")
-    assert Int8Linear(linear).kernel == "aten"  # the tuned CPU kernel; on CUDA auto is dequant
+    assert Int8Linear(linear).kernel == "aten"  # auto: the tuned CPU kernel; on CUDA auto is dequant
+    assert q.kernel == matmul  # a layer's choice is its own, not a class-wide default
 
 
 def test_quantizing_a_model_replaces_the_transformers_linears_and_only_those(tiny_checkpoint: Path) -> None:
@@ -80,6 +73,14 @@ def test_quantizing_a_model_replaces_the_transformers_linears_and_only_those(tin
     assert weights_bytes(lm) == before - saved and saved > 0.25 * before  # embeddings: most of the rest
     with pytest.raises(ValueError, match="unknown weights dtype"):
         quantize_weights(lm, "int4")
+    # The matmul is chosen per model: switching one leaves another model in the process as it was.
+    other = load_kame(str(tiny_checkpoint)).lm
+    quantize_weights(other, "int8")
+    set_int8_matmul(lm, "dequant")
+    assert {m.kernel for m in lm.modules() if isinstance(m, Int8Linear)} == {"dequant"}
+    assert {m.kernel for m in other.modules() if isinstance(m, Int8Linear)} == {"aten"}
+    with pytest.raises(ValueError, match="unknown int8 matmul"):
+        set_int8_matmul(lm, "cublas")
     with lm.streaming(1), pytest.raises(RuntimeError, match="before streaming"):
         quantize_weights(lm, "int8")
 
