@@ -8,7 +8,6 @@ import secrets
 import shutil
 import subprocess
 import textwrap
-import time
 import wave
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ from telephony.config import ServiceConfig
 from telephony.server import MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
 from telephony.twilio_rest import TwilioRest
 from telephony.twiml import parse_connect_stream
+
+from .polling import until
 
 
 def metric(name: str, **labels: str) -> float:
@@ -101,10 +102,7 @@ class Phone:
         """Until the engine keeps its 80 ms frames again. After a burst (a call's start, an attack) the tiny
         engine on a slow 2-core day misses frames for a few seconds, and the node answers new calls busy
         then, by design (engine/service.py). A test about something else dials once it is back."""
-        deadline = time.monotonic() + timeout_s
-        while not self.engine.ready:
-            assert time.monotonic() < deadline, f"the engine did not keep time again in {timeout_s:.0f} s"
-            await asyncio.sleep(0.1)
+        await until(lambda: self.engine.ready, "the engine keeping time again", timeout_s, every=0.1)
 
     async def answer(self, http: aiohttp.ClientSession, call_sid: str | None = None) -> tuple[str, dict[str, str]]:
         """POST the voice webhook like Twilio, once the engine keeps time; return (call_sid, the TwiML

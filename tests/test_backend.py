@@ -36,6 +36,7 @@ from knowledge.stt import (
 )
 
 from .llm_server import FakeLlm, answer_for
+from .polling import until
 
 API_KEY = "sk-test-SECRET-0123456789"
 FAST_POLICY = OraclePolicyConfig(backoff_initial_s=0.05, backoff_max_s=0.2)
@@ -63,12 +64,8 @@ def stt_dropped_frames() -> float:
 
 # --- helpers ----------------------------------------------------------------------------------------
 async def wait_until(pred: Callable[[], bool], limit_s: float = 60.0) -> None:
-    """Wait for a condition (a guard against hangs, not a timing assertion)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_s
-    while not pred():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
+    """Wait for a condition of this back-end's threads and servers (a guard against hangs)."""
+    await until(pred, within=limit_s, every=0.01)
 
 
 def speech(tmp_path: Path, text: str) -> np.ndarray:

@@ -10,7 +10,7 @@ import gc
 import signal
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 
 import pytest
@@ -28,6 +28,7 @@ from telephony.call_store import (
     open_call_store,
 )
 
+from .polling import until
 from .redis_support import REDIS_URL, RedisServer, redis_errors
 
 T0 = 1_700_000_000.0  # fixed epoch seconds, so records compare exactly
@@ -258,7 +259,7 @@ async def test_password_never_logged(caplog: pytest.LogCaptureFixture) -> None:
     store.close_timeout_s = 0.1  # nothing will ever flush
     errors_before = redis_errors()
     await store.create(new_call("CA1"))
-    await wait_for(lambda: redis_errors() > errors_before)  # the writer failed and logged
+    await until(lambda: redis_errors() > errors_before, "the writer failed and logged")
     with pytest.raises(CallStoreUnavailable):
         await store.get("CA1")
     await store.aclose()
@@ -293,14 +294,6 @@ def returns_at_once(write: Coroutine[object, object, None]) -> None:
     assert time.perf_counter() - start < NONBLOCKING_S
 
 
-async def wait_for(predicate: Callable[[], bool], within_s: float = 10.0) -> None:
-    for _ in range(int(within_s / 0.05)):
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"not true within {within_s}s: {predicate}")
-
-
 async def test_redis_restart_mid_call_loses_nothing(server: RedisServer) -> None:
     store = open_call_store(server.url, socket_timeout_s=0.5, retry_max_s=0.2)
     assert await store.ping()
@@ -316,7 +309,7 @@ async def test_redis_restart_mid_call_loses_nothing(server: RedisServer) -> None
     errors_before = redis_errors()
     for i in range(20):
         returns_at_once(store.append_turn("CA1", "caller", f"frozen {i}", at=T0 + 5 + i / 100))
-    await wait_for(lambda: redis_errors() > errors_before)
+    await until(lambda: redis_errors() > errors_before, "a Redis error counted")
     server.proc.send_signal(signal.SIGCONT)
     await flushed(store)
 
@@ -329,7 +322,7 @@ async def test_redis_restart_mid_call_loses_nothing(server: RedisServer) -> None
     returns_at_once(store.append_oracle("CA2", "new caller", at=T0 + 51))
     returns_at_once(store.add_latency("CA1", "turn", 0.5))
     returns_at_once(store.end("CA1", "caller_hangup", at=T0 + 300))
-    await wait_for(lambda: redis_errors() > errors_before)
+    await until(lambda: redis_errors() > errors_before, "a Redis error counted")
     assert not await store.ping()
     with pytest.raises(CallStoreUnavailable):  # reads say so instead of returning half a record
         await store.get("CA1")

@@ -29,6 +29,7 @@ from telephony.sim_caller import CallReport, simulate_call
 from telephony.twiml import parse_connect_stream
 
 from .phone_fixtures import flite_wav, new_call_sid
+from .polling import until
 from .redis_support import REDIS_URL, free_port, redis_errors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,15 +266,6 @@ def start_node(
     return Node(node_id, port, proc, log)
 
 
-async def wait_for(check: Callable[[], Awaitable[bool]], what: str, within: float = 10.0, every: float = 0.1) -> None:
-    try:
-        async with asyncio.timeout(within):
-            while not await check():  # noqa: ASYNC110 - polling another process or Redis: no event to wait on
-                await asyncio.sleep(every)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {within:.0f}s waiting for: {what}") from None
-
-
 async def readyz(http: aiohttp.ClientSession, node: Node) -> int:
     try:
         async with http.get(node.base + "/readyz") as r:
@@ -321,8 +313,8 @@ async def test_two_service_processes_share_one_redis(
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
             for node in (a, b):
-                await wait_for(lambda n=node: _is(readyz(http, n), 200), f"{node.node_id} ready", 120, every=0.5)
-            await wait_for(lambda: _all_free(raw, prefix, {a.node_id: 1, b.node_id: 2}), "both nodes published")
+                await until(lambda n=node: _is(readyz(http, n), 200), f"{node.node_id} ready", 120, every=0.5)
+            await until(lambda: _all_free(raw, prefix, {a.node_id: 1, b.node_id: 2}), "both nodes published")
 
             # Webhooks on a: a first (it has room), then b (a is full), then busy.
             sids += [new_call_sid() for _ in range(4)]
@@ -336,22 +328,22 @@ async def test_two_service_processes_share_one_redis(
                 assert report.bot_seconds_received > 0
             # One call store for both nodes: b's record of a call a answered.
             keys = [f"{p}call:{sids[1]}" for p in (prefix, "kame:")]  # the CLI may not pass the prefix on
-            await wait_for(lambda: _any_hget_is(raw, keys, "end_reason", "completed"), "b's call record")
+            await until(lambda: _any_hget_is(raw, keys, "end_reason", "completed"), "b's call record")
             assert "node-b" in [await raw.hget(k, "node") for k in keys]
 
             # Drain b mid-call while it still has a free seat: it stops taking calls, finishes, exits 0.
-            await wait_for(lambda: _all_free(raw, prefix, {a.node_id: 1, b.node_id: 2}), "seats published again")
+            await until(lambda: _all_free(raw, prefix, {a.node_id: 1, b.node_id: 2}), "seats published again")
             sids += [new_call_sid(), new_call_sid()]
             on_b, _ = await answer(http, b, token, sids[4])
             on_a, _ = await answer(http, a, token, sids[5])
             assert (on_b, on_a) == (b.ws_url, a.ws_url)  # each node takes its own webhook's call
             calls = [call(on_b, b, sids[4], 4.0), call(on_a, a, sids[5], 4.0)]
             for sid in sids[4:6]:
-                await wait_for(lambda s=sid: _hget_is(raw, f"{prefix}resv:{s}", "state", "claimed"), "streaming")
-            await wait_for(lambda: _all_free(raw, prefix, {a.node_id: 0, b.node_id: 1}), "b has a seat left")
+                await until(lambda s=sid: _hget_is(raw, f"{prefix}resv:{s}", "state", "claimed"), "streaming")
+            await until(lambda: _all_free(raw, prefix, {a.node_id: 0, b.node_id: 1}), "b has a seat left")
             b.proc.send_signal(signal.SIGTERM)
-            await wait_for(lambda: _is(readyz(http, b), 503), "b not ready while draining", 5)
-            await wait_for(lambda: _hget_is(raw, f"{prefix}node:node-b", "draining", "1"), "b draining in Redis", 5)
+            await until(lambda: _is(readyz(http, b), 503), "b not ready while draining", 5)
+            await until(lambda: _hget_is(raw, f"{prefix}node:node-b", "draining", "1"), "b draining in Redis", 5)
             sids.append(new_call_sid())
             assert (await answer(http, a, token, sids[6]))[0] is None  # a is full and b takes nothing new
             assert b.proc.poll() is None  # b is still finishing its call

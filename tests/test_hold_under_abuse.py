@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, get_args
 
@@ -32,6 +31,7 @@ from telephony.sim_caller import simulate_call
 from telephony.twilio_messages import PROTOCOL_ERROR_KINDS
 
 from .phone_fixtures import metric, new_call_sid, running_phone
+from .polling import until
 from .redis_support import REDIS_URL, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,15 +229,6 @@ def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
                                 stderr=subprocess.STDOUT)  # fmt: skip
 
 
-async def _until(check: Callable[[], Awaitable[bool]], what: str, within: float) -> None:
-    try:
-        async with asyncio.timeout(within):
-            while not await check():  # noqa: ASYNC110 - polling other processes: no event to wait on
-                await asyncio.sleep(0.2)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {within:.0f}s waiting for: {what}") from None
-
-
 def promtool_check_metrics(text: str) -> str:
     """What `promtool check metrics` finds wrong with an exposition ("" when clean)."""
     assert PROMTOOL is not None
@@ -283,7 +274,7 @@ async def test_the_real_metrics_of_serve_and_engine_serve_pass_promtool(tiny_che
                 ready = [await get(f"http://127.0.0.1:{p}/readyz") for p in (port, engine_http)]
                 return [s for s, _ in ready] == [200, 200]
 
-            await _until(both_ready, "serve and engine-serve ready", 120)
+            await until(both_ready, "serve and engine-serve ready", 120, every=0.2)
             assert (await get(f"http://127.0.0.1:{port}/metrics"))[0] == 404  # not on the public port
             texts: dict[str, str] = {}
             for name, url in (("serve", serve_metrics), ("engine-serve", engine_metrics)):

@@ -11,7 +11,6 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -46,6 +45,7 @@ from telephony.sim_caller import simulate_call
 
 from .link_fixtures import TLS_CERT, TOKEN, edge_service, tone
 from .phone_fixtures import dominant_hz, metric
+from .polling import until
 from .redis_support import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -331,15 +331,6 @@ async def _status(http: aiohttp.ClientSession, url: str) -> int:
         return 0
 
 
-async def _until(check: Callable[[], Awaitable[bool]], what: str, within: float) -> None:
-    try:
-        async with asyncio.timeout(within):
-            while not await check():  # noqa: ASYNC110 - polling other processes: no event to wait on
-                await asyncio.sleep(0.1)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {within:.0f}s waiting for: {what}") from None
-
-
 async def test_engine_serve_and_an_edge_process_answer_calls_drain_and_notice_a_dead_engine(
     tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
@@ -361,7 +352,7 @@ async def test_engine_serve_and_an_edge_process_answer_calls_drain_and_notice_a_
                 engine_ready = await _status(http, f"http://127.0.0.1:{engine_http}/readyz")
                 return (engine_ready, await _status(http, edge + "/readyz")) == (200, 200)
 
-            await _until(both_ready, "engine and edge ready", 90)
+            await until(both_ready, "engine and edge ready", 90, every=0.1)
             report = await simulate_call(edge.replace("http://", "ws://") + MEDIA_PATH, tone(300, 2.0),
                                          auth_token=TOKEN, public_url=None, hold_after=0.5)  # fmt: skip
             assert report.outcome == "completed", report.errors

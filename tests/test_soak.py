@@ -21,6 +21,7 @@ from kame_phone.node_bench import QUESTIONS, _llm_server, _scrape, _speak
 from kame_phone.serve_process import free_port, serve_process
 from telephony.sim_caller import CallReport, simulate_call
 
+from .polling import until
 from .redis_support import RedisServer
 
 SOAK_S = float(os.environ.get("KAME_SOAK_SECONDS", "600"))
@@ -87,13 +88,11 @@ async def _seats_back(redis_url: str, node_key: str, slots: float) -> float:
 
 async def _idle(session: aiohttp.ClientSession, metrics_url: str) -> None:
     """Until no call is up on the node and the store has written what it had (then counts are comparable)."""
-    deadline = time.monotonic() + 30
-    while True:
+    async def idle() -> bool:
         m = await _scrape(session, metrics_url)
-        if m.get("kame_calls_active", 0) == 0 and m.get("kame_call_store_pending_ops", 0) == 0:
-            break
-        assert time.monotonic() < deadline, "calls did not end"
-        await asyncio.sleep(0.5)
+        return m.get("kame_calls_active", 0) == 0 and m.get("kame_call_store_pending_ops", 0) == 0
+
+    await until(idle, "calls to end and the store to write them", 30, every=0.5)
     await asyncio.sleep(2.0)  # sockets in close, the engine's seat release
 
 
