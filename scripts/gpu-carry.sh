@@ -3,10 +3,10 @@
 # working tree, made here (after scripts/setup.sh), both git-ignored:
 # - .whl/: the Python packages the box lacks, as cp312 wheels at the versions this checkout's .venv runs, so
 #   the GPU figures come from the code the tests ran;
-# - var/voices/: the callers' flite questions for `scripts/bench-gpu.sh OUT node` (VOICES=var/voices).
+# - var/voices/: the callers' flite questions for `scripts/bench-gpu.sh OUT node` (its default VOICES).
 # Then name both in the call's carry and begin its command with (docs/benchmarks.md, "Owed"):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-#     && export PYTHONPATH=/tmp/site:$PWD || exit; VOICES=var/voices scripts/bench-gpu.sh "$OUT" batch1
+#     && export PYTHONPATH=/tmp/site:$PWD || exit; scripts/bench-gpu.sh "$OUT" batch1
 # The box has torch, numpy, aiohttp, scipy, safetensors, sentencepiece, prometheus-client, requests, httpx's
 # own needs and the rest of what these name; it has huggingface-hub 1.x, and moshi was tested with 0.36.
 set -euo pipefail
