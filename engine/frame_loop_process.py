@@ -344,20 +344,28 @@ def _serve_commands(conn: Connection, loop: _ChildFrameLoop) -> None:
             kind, *body = conn.recv()
         except (EOFError, OSError):  # the parent is gone
             break
-        if kind == "audio":
-            loop.push_audio(*body)
-        elif kind == "oracle":
-            *args, complete = body
-            loop.set_oracle(*args, complete=complete)
-        elif kind == "turn":
-            loop.caller_turn(*body)
-        elif kind == "join":
-            loop.join_row(*body)
-        elif kind == "leave":
-            loop.leave(*body)
-        elif kind == "stop":
+        if kind == "stop":
             break
+        try:
+            _dispatch(loop, kind, body)
+        except Exception:  # one call's bad command must not end this process, and with it every call here
+            call_id = body[1] if len(body) > 1 and isinstance(body[1], str) else "?"
+            log.exception("engine: a %r command for call %s failed; the loop goes on", kind, call_id)
     loop.stop()
+
+
+def _dispatch(loop: _ChildFrameLoop, kind: str, body: list[Any]) -> None:
+    if kind == "audio":
+        loop.push_audio(*body)
+    elif kind == "oracle":
+        *args, complete = body
+        loop.set_oracle(*args, complete=complete)
+    elif kind == "turn":
+        loop.caller_turn(*body)
+    elif kind == "join":
+        loop.join_row(*body)
+    elif kind == "leave":
+        loop.leave(*body)
 
 
 class _ChildFrameLoop(FrameLoop):

@@ -20,6 +20,16 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 _LAST_SPACE = re.compile(r"\s(?=\S*$)")  # the whitespace right before the draft's last word
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def well_formed(text: str) -> str:
+    """`text` as valid Unicode. JSON may carry UTF-16 surrogates, and an LLM stream can split a pair across
+    two chunks ("\\ud83d", then "\\ude00"): joined, those are two lone surrogates, which SentencePiece (and
+    any UTF-8 encoder) refuses. Pairs are joined into their character; a lone one becomes U+FFFD."""
+    if not _SURROGATE.search(text):
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 class Tokenizer(Protocol):
@@ -34,6 +44,7 @@ class DraftTokens:
 
 def tokenize_draft(tokenizer: Tokenizer, text: str, complete: bool) -> DraftTokens:
     """Tokenize a draft; all of it is settled once `complete` (its stream ended), else all but its last word."""
+    text = well_formed(text)  # from any back-end or engine-link peer: one call's bad text must not raise here
     tokens = tokenizer.encode(text) if text else []
     if complete:
         return DraftTokens(tokens, len(tokens))

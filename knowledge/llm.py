@@ -21,6 +21,8 @@ from typing import Any, Literal, NoReturn
 
 import openai
 
+from engine.oracle_buffer import well_formed
+
 from . import metrics
 
 log = logging.getLogger(__name__)
@@ -295,7 +297,7 @@ class LlmClient:
                                 metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
                                 first_token.reschedule(None)
                             text += piece
-                            yield text
+                            yield well_formed(text)  # a surrogate pair split across two chunks
             for index, parts in sorted(calls.items()):
                 if parts.name:  # a call without a name cannot be run: dropped, as a server's noise
                     yield ToolCallRequest(parts.id or f"call_{index}", parts.name, parts.arguments)

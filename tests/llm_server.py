@@ -29,7 +29,7 @@ def answer_for(messages: list[dict[str, Any]]) -> str:
 
 @dataclass
 class FakeLlm:
-    mode: str = "ok"  # ok | status | malformed | broken | error_event | hang | drip | no_tools
+    mode: str = "ok"  # ok | status | malformed | broken | error_event | split_pair | hang | drip | no_tools
     status: int = 500
     delay_s: float = 0.0  # before the response starts
     chunk_delay_s: float = 0.0  # between streamed chunks
@@ -81,6 +81,11 @@ class FakeLlm:
                     return resp
                 if i == 3 and mode == "error_event":
                     await resp.write(b'data: {"error": {"message": "overloaded"}}\n\n')
+                if i == 3 and mode == "split_pair":  # an emoji's UTF-16 pair across two chunks, as JSON allows
+                    for half in (" \ud83d", "\ude00"):
+                        piece = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0,
+                                 "model": body["model"], "choices": [{"index": 0, "delta": {"content": half}}]}
+                        await resp.write(f"data: {json.dumps(piece)}\n\n".encode())
                 chunk = {
                     "id": "chatcmpl-1",
                     "object": "chat.completion.chunk",

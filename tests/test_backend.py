@@ -297,6 +297,19 @@ async def test_stream_draft_yields_growing_drafts(llm_server: FakeLlm) -> None:
     assert llm_server.request_ids == ["c1-7"]  # so the LLM server's logs can be joined with ours
 
 
+async def test_a_surrogate_pair_split_across_chunks_becomes_its_character(llm_server: FakeLlm) -> None:
+    """JSON carries UTF-16 surrogates, and a server may split a pair across two chunks: joined as they come,
+    those are two lone surrogates, which no UTF-8 encoder (SentencePiece's included) takes."""
+    llm_server.mode = "split_pair"
+    llm = make_llm(llm_server)
+    drafts = [d async for d in llm.stream_draft([{"role": "user", "content": "hello"}], call_id="c1")]
+    await llm.aclose()
+    for draft in drafts:
+        draft.encode("utf-8")  # every draft is valid Unicode
+    assert any(d.endswith("\ufffd") for d in drafts)  # half a pair shows as U+FFFD until the other half comes
+    assert "\U0001f600" in drafts[-1] and "\ufffd" not in drafts[-1]
+
+
 @pytest.mark.parametrize(
     ("mode", "status", "kind"),
     [

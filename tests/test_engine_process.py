@@ -78,6 +78,28 @@ async def test_an_oracle_crosses_into_the_engine_process(tiny_checkpoint: Path) 
         await engine.stop()
 
 
+async def test_one_calls_bad_oracle_never_ends_the_engine_process(tiny_checkpoint: Path) -> None:
+    """Every call on the GPU shares the child: text no tokenizer takes (lone UTF-16 surrogates, which JSON
+    from an LLM or an engine-link peer can carry) or a command that fails must cost at most that command."""
+    engine = await _engine(tiny_checkpoint)
+    try:
+        bad, good = await engine.open_call("CA-bad"), await engine.open_call("CA-good")
+        for call in (bad, good):
+            call.push_audio(np.zeros(FRAME_SAMPLES, np.float32))
+        bad._on_oracle("call me \ud83d\ude00 or \udc00", time.monotonic(), 1, True)
+        engine.frame_loop._send(("oracle", 99, "CA-bad", 2, "no such row", None, True))  # type: ignore[union-attr]
+        good._on_oracle("the store opens at nine", time.monotonic(), 3, True)
+        async with asyncio.timeout(5):
+            while {s[:2] for s in engine.frame_loop.oracle_fed} != {("CA-bad", 1), ("CA-good", 3)}:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        assert not engine.failed and engine.frame_loop._process.is_alive()  # type: ignore[union-attr]
+        await bad.close()
+        await good.close()
+        assert engine.free_slots == 2
+    finally:
+        await engine.stop()
+
+
 async def test_a_dead_engine_process_ends_its_calls_and_fails_liveness(tiny_checkpoint: Path) -> None:
     engine = await _engine(tiny_checkpoint)
     token = "k" * 32
