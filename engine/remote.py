@@ -79,6 +79,7 @@ HELLO_MAX_BYTES = 4096  # a hello is ~100 bytes; before it the peer is unauthent
 HELLO_TIMEOUT_S = 2.0  # from accept (after TLS) to a whole hello; TLS handshakes get the same
 MAX_UNAUTHENTICATED = 8  # peers between accept and welcome held at once; edges reconnect one at a time
 WELCOME_TIMEOUT_S = 5.0  # the edge's wait for the engine's answer
+SEAT_ANSWER_TIMEOUT_S = 10.0  # the edge's wait for a seat (a join waits for the tick in progress: ms)
 _PCM = np.dtype("<i2")
 _FRAME_BYTES = FRAME_SAMPLES * _PCM.itemsize
 _SOCKET_BUFFER_BYTES = 1 << 20  # a whole tick in one send where the kernel allows (it caps at wmem_max)
@@ -424,9 +425,10 @@ class EngineServer:
                     asyncio.create_task(self._close_when_seated(edge, call_id))  # noqa: RUF006 - short, self-ending
                 else:
                     raise LinkError(f"unknown message kind {kind!r}")
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the edge went away
-        except (LinkError, ValueError, KeyError, TypeError) as e:  # a broken or hostile peer: drop it, not us
+        except (asyncio.IncompleteReadError, OSError):
+            pass  # the edge went away (reset, timed out, unreachable, TLS torn)
+        # A broken or hostile peer (deep JSON nesting, a number past float range included): drop it, not us.
+        except (LinkError, ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:
             metrics.ENGINE_LINK_ERRORS.labels(kind="bad_message").inc()
             log.warning("engine link from %s: %s; closing it", peer, e)
         finally:
@@ -438,8 +440,13 @@ class EngineServer:
         try:
             kind, body = await asyncio.wait_for(_read_message(reader, HELLO_MAX_BYTES), HELLO_TIMEOUT_S)
             hello = json.loads(bytes(body)) if kind == b"H" else {}
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, LinkError, ValueError):
-            hello = {}
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, LinkError, ValueError, RecursionError):
+            hello = {}  # RecursionError: 4 KB of nesting ("[[[[...") is enough for the JSON parser
+        if isinstance(hello, dict):
+            try:  # before the token: a hello that says nothing sane gets the same answer either way
+                asked = int(hello.get("seats", 0))
+            except (TypeError, ValueError, OverflowError):  # "many", 1e400, null
+                hello = {}
         if not hello or not isinstance(hello, dict):
             metrics.ENGINE_LINK_ERRORS.labels(kind="bad_hello").inc()
             log.warning("engine link from %s: no hello; closing it", peer)
@@ -460,7 +467,7 @@ class EngineServer:
             return None
         name = str(hello.get("name", "edge"))[:100]
         free = self.engine.max_calls - self.seats_granted
-        seats = max(0, min(int(hello.get("seats", 0)), free))
+        seats = max(0, min(asked, free))
         if seats == 0 or not self.engine.ready or self.draining:
             reason = (
                 "the engine is draining" if self.draining
@@ -736,7 +743,11 @@ class RemoteEngine:
             if setup is not None:
                 opened["setup"] = dataclasses.asdict(setup)
             self._writer.write(_json(b"O", opened))
-            error = await waiter
+            try:
+                error = await asyncio.wait_for(waiter, SEAT_ANSWER_TIMEOUT_S)
+            except TimeoutError:  # an engine that reads but never answers: the caller is not held forever
+                self._writer.write(_json(b"C", {"call_id": call_id}))  # a seat it grants later goes back
+                raise EngineClosed(f"the engine did not answer in {SEAT_ANSWER_TIMEOUT_S:g} s") from None
         finally:
             self._opening.pop(call_id, None)
         if error == "full":
@@ -803,10 +814,15 @@ class RemoteEngine:
                     raise LinkError(f"unknown message kind {kind!r}")
         except asyncio.CancelledError:
             raise
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
+        # OSError, not only ConnectionError: a partition ends the read with ETIMEDOUT or EHOSTUNREACH, and a
+        # TLS link with ssl.SSLError; none is a ConnectionError.
+        except (asyncio.IncompleteReadError, OSError) as e:
             why = f"connection lost ({type(e).__name__})"
         except (LinkError, ValueError, KeyError, TypeError) as e:
             why = f"bad message: {e}"
+        except Exception as e:  # anything else (a message of a shape no engine of ours sends): still lost, said
+            log.exception("engine link to %s: unexpected failure reading the engine", self.address)
+            why = f"unexpected {type(e).__name__}"
         if not self._stopping:
             self._lose_engine(why)
 

@@ -106,6 +106,15 @@ async def test_peers_without_a_proper_hello_cost_the_engine_nothing_while_a_call
         assert _errors("unauthenticated_cap") - capped == 40 - MAX_UNAUTHENTICATED
         for _, w in silent:
             w.close()
+        # 3. Hellos of the right size that no JSON reader or seat count takes: each is a bad hello, not a
+        #    traceback, whatever the token.
+        bad_hellos = _errors("bad_hello")
+        for body in (b"[" * 4000, b'{"version":%d,"seats":1e400}' % PROTOCOL_VERSION, b'{"seats":"many"}', b"[1]"):
+            reader, writer = await asyncio.open_connection(address.host, address.port)
+            writer.write(struct.pack(">I", len(body) + 1) + b"H" + body)
+            assert b"seats" not in await _read_or_closed(reader, 2.0)
+            writer.close()
+        assert _errors("bad_hello") - bad_hellos == 4
         # The slots are free again: a real edge still joins.
         late = await RemoteEngine.connect(address, token=TOKEN, seats=1)
         assert late.max_calls == 1

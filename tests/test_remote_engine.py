@@ -4,6 +4,7 @@ own audio, a broken or hostile peer costs only itself, and an engine server that
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -205,6 +206,83 @@ async def test_a_broken_peer_is_dropped_and_the_other_edge_keeps_its_calls(tmp_p
         assert good.ready and not good.failed
     finally:
         await good.stop()
+
+
+def _link_message(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body) + 1) + kind + body
+
+
+async def _read_link_message(reader: asyncio.StreamReader) -> tuple[bytes, dict]:  # type: ignore[type-arg]
+    (n,) = struct.unpack(">I", await reader.readexactly(4))
+    data = await reader.readexactly(n)
+    return data[:1], json.loads(data[1:])
+
+
+async def _misbehaving_engine(behave) -> tuple[asyncio.Server, Address]:  # type: ignore[no-untyped-def]
+    """A peer that speaks the link as engine-serve does up to its welcome (2 seats), then does `behave`."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_link_message(reader)  # the hello
+        writer.write(_link_message(b"W", b'{"version":%d,"seats":2}' % PROTOCOL_VERSION))
+        try:
+            await behave(reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, Address(host="127.0.0.1", port=server.sockets[0].getsockname()[1])
+
+
+async def test_an_engine_that_breaks_the_link_unexpectedly_is_lost_and_its_calls_told() -> None:
+    """A message no engine of ours sends, of a shape the reader did not expect (a status that is a list,
+    not an object), must end the link as lost, like a reset: calls told, health failed, no call seated on
+    it later. Before, the reader task died alone and the edge looked ready with nobody reading."""
+    async def seat_then_garble(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        kind, opened = await _read_link_message(reader)
+        assert kind == b"O"
+        writer.write(_link_message(b"R", b'{"call_id":"%s","ok":true}' % opened["call_id"].encode()))
+        await asyncio.sleep(0.2)
+        writer.write(_link_message(b"S", b"[1]"))
+        await reader.read()  # until the edge hangs up
+
+    server, address = await _misbehaving_engine(seat_then_garble)
+    lost = metric("kame_engine_link_errors_total", kind="lost")
+    edge = await RemoteEngine.connect(address, token=None, seats=2)
+    try:
+        call = await edge.open_call("CA-seated")
+        async with asyncio.timeout(5):
+            outputs = [o async for o in call.outputs()]
+        assert [(type(o), o.kind) for o in outputs] == [(EngineNotice, "engine_lost")]
+        assert edge.failed and not edge.ready and edge.free_slots == 0
+        assert metric("kame_engine_link_errors_total", kind="lost") == lost + 1
+        with pytest.raises(EngineClosed):
+            await asyncio.wait_for(edge.open_call("CA-later"), 1)
+    finally:
+        await edge.stop()
+        server.close()
+
+
+async def test_an_engine_that_never_answers_a_seat_request_does_not_hold_the_caller(monkeypatch) -> None:
+    closes: list[str] = []
+
+    async def read_and_say_nothing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            kind, body = await _read_link_message(reader)
+            if kind == b"C":
+                closes.append(body["call_id"])
+
+    monkeypatch.setattr("engine.remote.SEAT_ANSWER_TIMEOUT_S", 0.5)
+    server, address = await _misbehaving_engine(read_and_say_nothing)
+    edge = await RemoteEngine.connect(address, token=None, seats=2)
+    try:
+        with pytest.raises(EngineClosed, match="did not answer"):
+            await asyncio.wait_for(edge.open_call("CA-waiting"), 5)
+        await until(lambda: closes == ["CA-waiting"], "the edge gives back a seat granted too late")
+        assert edge.free_slots == 2  # nothing held for it
+    finally:
+        await edge.stop()
+        server.close()
 
 
 async def test_over_tls_a_call_crosses_and_an_untrusted_engine_is_refused(engine_server) -> None:
