@@ -400,6 +400,9 @@ class MediaStreamSession:
             except TwilioRestError as e:
                 result = "error"
                 log.error("%s (%s) failed: %s", action, trigger, e)
+            except Exception:  # a bug of ours or the client's: still the call's own error, never its last action
+                result = "error"
+                log.exception("%s (%s) failed unexpectedly", action, trigger)
         metrics.CALL_ACTIONS.labels(action=action, trigger=trigger, result=result).inc()
         if result == "ok":
             log.info("call %s (%s)", "transferred" if action == "transfer" else "ended by the agent", trigger)

@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import aiohttp
 from twilio.base.exceptions import TwilioException
 from twilio.http.async_http_client import AsyncTwilioHttpClient
 from twilio.rest import Client
@@ -63,6 +64,12 @@ class NumberSettings:
     status_callback_method: str | None
 
 
+# What a request to Twilio can fail with. RestException is a TwilioException; the HTTP client's own errors
+# (a keep-alive connection closed under a POST, which aiohttp does not retry; a bad API base URL) are not
+# OSErrors, and escaped to the caller's action task, which then never let the call act again.
+_FAILURES = (TwilioException, aiohttp.ClientError, OSError, TimeoutError, ValueError)
+
+
 def _why(e: BaseException, doing: str) -> str:
     """One line for a failed REST request: refused credentials said as such, never the credentials."""
     status = getattr(e, "status", None)  # a RestException; a page that failed carries the response in its args
@@ -109,7 +116,7 @@ class TwilioRest:
         """The account's IncomingPhoneNumber for `number` (E.164), with its voice settings."""
         try:
             found = await self._client.incoming_phone_numbers.list_async(phone_number=number, limit=2)
-        except (TwilioException, OSError, TimeoutError) as e:
+        except _FAILURES as e:
             raise TwilioRestError(_why(e, f"looking up {number}")) from e
         found = [n for n in found if n.phone_number == number]
         if not found:
@@ -125,7 +132,7 @@ class TwilioRest:
                 voice_url=voice_url, voice_method="POST", status_callback=status_callback,
                 status_callback_method="POST",
             )  # fmt: skip
-        except (TwilioException, OSError, TimeoutError) as e:
+        except _FAILURES as e:
             raise TwilioRestError(_why(e, f"updating {number.number}")) from e
         return NumberSettings(n.sid or number.sid, number.number, n.voice_url, n.voice_method, n.status_callback,
                               n.status_callback_method)  # fmt: skip
@@ -137,14 +144,14 @@ class TwilioRest:
                 to=to, from_=from_, url=voice_url, method="POST", status_callback=status_callback,
                 status_callback_method="POST",
             )  # fmt: skip
-        except (TwilioException, OSError, TimeoutError) as e:
+        except _FAILURES as e:
             raise TwilioRestError(_why(e, f"calling {to}")) from e
         return str(call.sid)
 
     async def _update(self, call_sid: str, **changes: str) -> None:
         try:
             await self._client.api.v2010.account.calls(call_sid).update_async(**changes)
-        except (TwilioException, OSError, TimeoutError) as e:  # RestException is a TwilioException
+        except _FAILURES as e:
             raise TwilioRestError(_why(e, f"updating call {call_sid}")) from e
 
     async def aclose(self) -> None:

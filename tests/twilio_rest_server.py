@@ -32,6 +32,7 @@ class TwilioRestStandIn:
     updates: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # (CallSid, form)
     updated_at: list[float] = field(default_factory=list)  # time.time() of each update
     refused: int = 0
+    drop_updates: int = 0  # close this many call updates' connections unanswered (a keep-alive closed under us)
     numbers: dict[str, dict[str, str | None]] = field(default_factory=dict)  # PN sid -> the number's settings
     number_updates: list[dict[str, str]] = field(default_factory=list)
     created: list[dict[str, str]] = field(default_factory=list)  # Calls.create forms
@@ -63,6 +64,11 @@ class TwilioRestStandIn:
             return self._refused()
         sid = request.match_info["call"]
         form = {k: str(v) for k, v in (await request.post()).items()}
+        if self.drop_updates > 0:
+            self.drop_updates -= 1
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()  # never sent
         self.updates.append((sid, form))
         self.updated_at.append(time.time())
         status = form.get("Status", "in-progress")
