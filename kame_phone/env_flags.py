@@ -9,6 +9,7 @@ not parse is refused in one line naming the variable (`EnvError`), never silentl
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,9 +40,12 @@ def parse_int(raw: str) -> int:
 
 def parse_float(raw: str) -> float:
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
         raise ValueError("not a number") from None
+    if not math.isfinite(value):  # float() takes "nan" and "inf": a timeout of nan never fires
+        raise ValueError("not a finite number")
+    return value
 
 
 @dataclass(frozen=True)

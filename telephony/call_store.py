@@ -387,7 +387,11 @@ _TRANSIENT_OP_ERRORS = (NoScriptError, ReadOnlyError)
 def _safe_url(url: str) -> str:
     """The URL without user or password, for logs."""
     parts = urllib.parse.urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path}"
+    try:
+        port = parts.port or 6379
+    except ValueError:  # an unencoded '/' in a password reads as a port: say nothing of it
+        return f"{parts.scheme}://(unparsable address)"
+    return f"{parts.scheme}://{parts.hostname}:{port}{parts.path}"
 
 
 def _log_writer_death(task: asyncio.Task[None]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -122,6 +123,30 @@ class ServiceConfig:
             raise ConfigError(f"need 0 < heartbeat_s < node_ttl_s, got {self.heartbeat_s} and {self.node_ttl_s}")
         if not self.node_id:
             raise ConfigError("KAME_NODE_ID must not be empty")
+        # Each of these at 0 (or below) refuses every call, or closes every stream before its start.
+        positive = {"--start-timeout (KAME_START_TIMEOUT)": self.start_timeout_s,
+                    "--retention-hours (KAME_RETENTION_HOURS)": self.retention_s / 3600,
+                    "--max-unstarted-streams (KAME_MAX_UNSTARTED_STREAMS)": self.max_unstarted_streams,
+                    "--max-idle-connections (KAME_MAX_IDLE_CONNECTIONS)": self.max_idle_connections}  # fmt: skip
+        for name, value in positive.items():
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be above 0, got {value:g}")
+        if self.redis_url:
+            self._check_redis_url(self.redis_url)
+
+    @staticmethod
+    def _check_redis_url(url: str) -> None:
+        """Refused here in one line that never repeats the URL (it may hold a password): else redis-py fails at
+        the first connection with a traceback quoting part of it."""
+        parts = urlsplit(url)
+        try:
+            parts.port  # noqa: B018 - parsing it is the check: a '/', '#' or '?' in a password breaks it
+        except ValueError:
+            raise ConfigError("REDIS_URL does not parse (a '/', '#', '?' or '@' in the password must be "
+                              "percent-encoded, e.g. '/' as %2F)") from None
+        if parts.scheme not in ("redis", "rediss", "unix") or not (parts.hostname or parts.path):
+            raise ConfigError(f"REDIS_URL must look like redis://[:password@]host:port/db "
+                              f"(or rediss://, unix://), got scheme {parts.scheme!r}")
 
     def twilio_summary(self) -> str:
         """What serve says once at start: the URL a Twilio number must call, and whether signatures can work

@@ -99,6 +99,18 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
         pytest.param({"KAME_STT": "whisper"}, ["--insecure-dev"], "KAME_STT='whisper'", id="stt"),
         pytest.param({"KAME_LOG_JSON": "maybe"}, ["--insecure-dev"], "KAME_LOG_JSON='maybe'", id="log-json"),
         pytest.param({"KAME_METRICS_PORT": "70000"}, ["--insecure-dev"], "KAME_METRICS_PORT", id="metrics-port"),
+        # At 0 (or nan, which float() takes), each refused every call or closed every stream before its start.
+        pytest.param({"KAME_START_TIMEOUT": "0"}, ["--insecure-dev"], "KAME_START_TIMEOUT", id="start-timeout-0"),
+        pytest.param({"KAME_START_TIMEOUT": "nan"}, ["--insecure-dev"], "KAME_START_TIMEOUT='nan' is refused: not a "
+                     "finite number", id="start-timeout-nan"),  # fmt: skip
+        pytest.param({"KAME_MAX_IDLE_CONNECTIONS": "0"}, ["--insecure-dev"], "(KAME_MAX_IDLE_CONNECTIONS) must be above",
+                     id="idle-connections-0"),  # fmt: skip
+        pytest.param({"KAME_MAX_UNSTARTED_STREAMS": "-1"}, ["--insecure-dev"], "KAME_MAX_UNSTARTED_STREAMS",
+                     id="unstarted-streams"),  # fmt: skip
+        pytest.param({"KAME_RETENTION_HOURS": "0"}, ["--insecure-dev"], "KAME_RETENTION_HOURS", id="retention-0"),
+        # A password with an unencoded '/' (openssl rand -base64 makes them): refused at start, never quoted.
+        pytest.param({"REDIS_URL": "redis://:Xk9+Qz/7aB@redis:6379/0"}, ["--insecure-dev"],
+                     "REDIS_URL does not parse", id="redis-url"),  # fmt: skip
     ],
 )
 def test_serve_refuses_a_configuration_that_cannot_work_in_one_line(
@@ -113,6 +125,7 @@ def test_serve_refuses_a_configuration_that_cannot_work_in_one_line(
     err = capsys.readouterr().err.strip()
     assert names in err and "\n" not in err, err
     assert err.startswith("kame-phone serve: ")
+    assert "Xk9" not in err  # no part of a password
 
 
 def test_what_can_work_still_starts() -> None:
