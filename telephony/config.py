@@ -64,6 +64,10 @@ class ServiceConfig:
     # Connections on the public port that carry no started call (webhooks in flight, idle keep-alives,
     # unstarted sockets): beyond this many, new ones are refused at once.
     max_idle_connections: int = 256
+    # An idle keep-alive connection (or one that never sends a request) is closed after this. Above a load
+    # balancer's own idle timeout (nginx's and AWS ALB's 60 s), so it never reuses one we just closed; far
+    # below aiohttp's 3630 s, so silent connections cannot hold the cap above for an hour.
+    keepalive_timeout_s: float = 75.0
     max_message_bytes: int = 64 * 1024
     flood_burst_packets: int = 50  # inbound packets allowed ahead of real time (1 s)
     mark_every_frames: int = 6  # one playout mark per 480 ms of bot audio
@@ -127,7 +131,8 @@ class ServiceConfig:
         positive = {"--start-timeout (KAME_START_TIMEOUT)": self.start_timeout_s,
                     "--retention-hours (KAME_RETENTION_HOURS)": self.retention_s / 3600,
                     "--max-unstarted-streams (KAME_MAX_UNSTARTED_STREAMS)": self.max_unstarted_streams,
-                    "--max-idle-connections (KAME_MAX_IDLE_CONNECTIONS)": self.max_idle_connections}  # fmt: skip
+                    "--max-idle-connections (KAME_MAX_IDLE_CONNECTIONS)": self.max_idle_connections,
+                    "keepalive_timeout_s": self.keepalive_timeout_s}  # fmt: skip
         for name, value in positive.items():
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be above 0, got {value:g}")

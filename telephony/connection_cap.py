@@ -1,7 +1,8 @@
 """A cap on the public listener's connections that hold no started call.
 
 Every connection is unauthenticated until a request on it proves itself (a webhook's signature, a stream's
-single-use token), and aiohttp keeps an idle one open until its keep-alive timeout (75 s). Without a cap, a
+single-use token), and aiohttp keeps an idle one open until its keep-alive timeout (`keepalive_timeout_s`,
+75 s; aiohttp's own default is an hour). Without a cap, a
 few thousand idle sockets take file descriptors and memory from the calls. Connections carrying a started
 stream are not counted: the calls are capped by the engine's seats."""
 

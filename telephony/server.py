@@ -397,7 +397,8 @@ class ServiceHandle:
 
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
-        self.runner = web.AppRunner(build_app(ctx), handle_signals=False)
+        self.runner = web.AppRunner(build_app(ctx), handle_signals=False,
+                                    keepalive_timeout=ctx.config.keepalive_timeout_s)
         self.port = 0
         self.metrics: MetricsListener | None = None
 

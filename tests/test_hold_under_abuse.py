@@ -103,8 +103,8 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
         pytest.param({"KAME_START_TIMEOUT": "0"}, ["--insecure-dev"], "KAME_START_TIMEOUT", id="start-timeout-0"),
         pytest.param({"KAME_START_TIMEOUT": "nan"}, ["--insecure-dev"], "KAME_START_TIMEOUT='nan' is refused: not a "
                      "finite number", id="start-timeout-nan"),  # fmt: skip
-        pytest.param({"KAME_MAX_IDLE_CONNECTIONS": "0"}, ["--insecure-dev"], "(KAME_MAX_IDLE_CONNECTIONS) must be above",
-                     id="idle-connections-0"),  # fmt: skip
+        pytest.param({"KAME_MAX_IDLE_CONNECTIONS": "0"}, ["--insecure-dev"],
+                     "(KAME_MAX_IDLE_CONNECTIONS) must be above", id="idle-connections-0"),  # fmt: skip
         pytest.param({"KAME_MAX_UNSTARTED_STREAMS": "-1"}, ["--insecure-dev"], "KAME_MAX_UNSTARTED_STREAMS",
                      id="unstarted-streams"),  # fmt: skip
         pytest.param({"KAME_RETENTION_HOURS": "0"}, ["--insecure-dev"], "KAME_RETENTION_HOURS", id="retention-0"),

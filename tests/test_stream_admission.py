@@ -219,3 +219,24 @@ async def test_idle_connections_beyond_the_cap_are_refused_while_a_call_runs(
         await asyncio.sleep(0.2)
         _, params = await phone.answer(http)  # answered again once the idle ones are gone
         assert params["token"]
+
+
+async def test_silent_connections_are_closed_after_the_keepalive_timeout_and_free_the_cap(
+    tiny_checkpoint: Path,
+) -> None:
+    """Connections that never send a request fill the cap; the server itself closes them after its keep-alive
+    timeout (aiohttp's default is an hour, so a few hundred silent sockets shut out Twilio that long)."""
+    async with running_phone(tiny_checkpoint, max_calls=2, max_idle_connections=4, keepalive_timeout_s=1.0) as phone, \
+            aiohttp.ClientSession() as http:  # fmt: skip
+        host, port = phone.base.removeprefix("http://").split(":")
+        silent = [await asyncio.open_connection(host, int(port)) for _ in range(4)]
+        await asyncio.sleep(0.2)
+        with pytest.raises(aiohttp.ClientError):  # the cap is full: refused at once
+            await phone.answer(http)
+        async with asyncio.timeout(5):  # closed by the server, not by us
+            assert [await reader.read() for reader, _ in silent] == [b""] * 4
+        _, params = await phone.answer(http)
+        assert params["token"]
+        for _, writer in silent:
+            writer.close()
+
