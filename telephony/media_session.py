@@ -41,6 +41,7 @@ from .twilio_messages import (
     BINARY_FRAME,
     DUPLICATE_START,
     FLOODING,
+    LINE_RATE,
     MEDIA_BEFORE_START,
     NO_START,
     OVERSIZE,
@@ -85,6 +86,7 @@ class StreamState:
     started_at: float | None = None  # monotonic, at the `start` event
     first_media_at: float | None = None
     inbound_packets: int = 0
+    inbound_audio_s: float = 0.0  # the caller's audio taken (µ-law bytes / 8000)
     frames_sent: int = 0
     first_audio_sent: bool = False
     marks_sent: int = 0
@@ -200,7 +202,9 @@ class MediaStreamSession:
             await self._limit("invalid")
             return
         if isinstance(message, MediaMessage):  # the hot path first (it has its own real-time guard)
-            self._on_media(message)
+            refused = self._on_media(message)
+            if refused is not None:  # counted against the stream, as any refused message, so a flood ends it
+                await self._refused(refused)
         elif not await self._limit(message.event):
             return
         elif isinstance(message, StartMessage):
@@ -224,11 +228,23 @@ class MediaStreamSession:
         """The message kind's rate limit; a stream far past its limits is ended as `flooding`."""
         if self.limits.allow(kind):
             return True
+        await self._end_if_flooding()
+        return False
+
+    async def _refused(self, kind: str) -> None:
+        """A media message refused: before start or of another stream (`invalid`, under its rate limit), or
+        past real time (`media`, a drop each)."""
+        if kind == "media":
+            self.limits.drop(kind)
+            await self._end_if_flooding()
+        else:
+            await self._limit(kind)
+
+    async def _end_if_flooding(self) -> None:
         if self.limits.flooding and self._end_reason != "flooding":
             log.warning("stream from %s ended: %d messages over their rate limits", self.peer, self.limits.dropped)
             self._end_reason = "flooding"
             await self.ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"flooding")
-        return False
 
     def _check_sid(self, stream_sid: str) -> bool:
         if self.state.stream_sid is None:
@@ -291,22 +307,25 @@ class MediaStreamSession:
         )
         self._pump = asyncio.create_task(self._pump_outputs(), name=f"pump-{call_sid}")
 
-    def _on_media(self, message: MediaMessage) -> None:
+    def _on_media(self, message: MediaMessage) -> str | None:
+        """Takes the caller's audio; returns the limit kind a refused message counts against, else None."""
         if not self._check_sid(message.stream_sid):
-            return
+            return "invalid"
         if message.media.track != "inbound":
-            return
+            return None
         now = time.monotonic()
         st = self.state
         if st.first_media_at is None:
             st.first_media_at = now
-        st.inbound_packets += 1
-        allowed = (now - st.first_media_at) / 0.02 + self.ctx.config.flood_burst_packets
-        if st.inbound_packets > allowed:
+        # Audio seconds, not packets: Twilio sends 20 ms a packet, but a packet may hold up to a second.
+        seconds = len(message.media.payload) / LINE_RATE
+        allowed = now - st.first_media_at + self.ctx.config.flood_burst_packets * 0.02
+        if st.inbound_audio_s + seconds > allowed:
             # Faster than real time: drop rather than let the caller push the engine behind.
-            st.inbound_packets -= 1
             self._protocol_error(FLOODING, "inbound audio faster than real time")
-            return
+            return "media"
+        st.inbound_packets += 1
+        st.inbound_audio_s += seconds
         assert self.engine_call is not None
         for frame in self.inbound.push(message.media.payload, arrived_at=now):
             self.engine_call.push_audio(frame.pcm)

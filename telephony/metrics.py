@@ -62,10 +62,11 @@ zero_series(WEBHOOK_REJECTIONS, endpoint=("media",), reason=("bad_token", "secon
 STREAM_MESSAGES_DROPPED = zero_series(
     Counter(
         "kame_stream_messages_dropped_total",
-        "Media Streams control messages dropped over their per-stream rate limit (telephony/stream_limits.py).",
+        "Media Streams messages dropped over their per-stream limit (telephony/stream_limits.py): control "
+        "messages over their rate, media past real time; a stream far past its limits is ended as flooding.",
         ["event"],
     ),
-    event=("connected", "start", "stop", "mark", "dtmf", "invalid"),
+    event=("connected", "start", "stop", "mark", "dtmf", "media", "invalid"),
 )
 MEDIA_UNSTARTED_SOCKETS = Gauge(
     "kame_media_unstarted_sockets",

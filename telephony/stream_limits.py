@@ -1,6 +1,7 @@
 """Per-stream rate limits on Twilio's control messages, so one admitted (or merely upgraded) socket cannot
-flood the node: every kind but `media` (which has its own real-time guard in the media session) gets a
-token bucket sized well above what Twilio sends. Drops are counted, never logged one by one, and a
+flood the node: every kind but `media` gets a token bucket sized well above what Twilio sends; `media` has its
+own real-time guard in the media session, whose drops count here too, and media refused before `start` or
+for another stream counts against `invalid`. Drops are counted, never logged one by one, and a
 stream far past its limits is ended (outcome `flooding`)."""
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ class StreamLimits:
         self.dropped += 1
         metrics.STREAM_MESSAGES_DROPPED.labels(event=kind).inc()
         return False
+
+    def drop(self, kind: str) -> None:
+        """A message refused by a guard of its own (media past real time): counted as a drop all the same."""
+        self.dropped += 1
+        metrics.STREAM_MESSAGES_DROPPED.labels(event=kind).inc()
 
     @property
     def flooding(self) -> bool:

@@ -59,8 +59,9 @@ PROTOCOL_ERROR_KINDS: Final = frozenset(
     }
 )
 
+LINE_RATE: Final = 8000  # µ-law samples (bytes) a second
 # Inbound frames are 160 bytes (20 ms) in practice; 1 s of µ-law is far beyond anything legitimate.
-MAX_MEDIA_PAYLOAD_BYTES: Final = 8000
+MAX_MEDIA_PAYLOAD_BYTES: Final = LINE_RATE
 _MAX_PAYLOAD_B64_CHARS: Final = 4 * -(-MAX_MEDIA_PAYLOAD_BYTES // 3)
 # A whole text frame: `start` may carry many <Parameter>s (TwiML itself is capped at 64 kB), so 128 KiB
 # only stops pathological input before json parsing spends time on it.

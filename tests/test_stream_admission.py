@@ -131,6 +131,67 @@ async def test_one_stream_flooding_control_messages_is_ended_and_the_call_beside
         assert sum("dtmf" in r.getMessage() for r in caplog.records) < 5  # no line per digit
 
 
+async def _send_until_closed(ws: aiohttp.ClientWebSocketResponse, messages: list[str]) -> int:
+    """Sends until the server closes the socket; returns how many went out."""
+    async def until_closed() -> None:  # a started stream also gets the bot's audio: read past it
+        while (await ws.receive()).type not in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING,
+                                                aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+            pass
+
+    closing = asyncio.create_task(until_closed())
+    sent = 0
+    with contextlib.suppress(ConnectionError):
+        for i, message in enumerate(messages):
+            if closing.done() or ws.closed:
+                break
+            await ws.send_str(message)
+            sent += 1
+            if i % 10 == 0:  # a remote attacker does not run on our event loop: let the server read
+                await asyncio.sleep(0.001)
+    async with asyncio.timeout(5):
+        await closing
+    return sent
+
+
+async def test_media_floods_end_their_stream_and_the_call_beside_it_goes_on(
+    tiny_checkpoint: Path, question_wav: Path
+) -> None:
+    """Media had no limit but the real-time guard of a started stream: media on a socket not yet started (or
+    for another stream) was parsed and decoded forever, and a started stream's packets over real time were
+    dropped one by one without end, and counted in packets, so a packet of a second's audio passed as 20 ms.
+    Now both count against the stream's limits and end it as `flooding`, and the guard counts audio."""
+    # Three seats: the unstarted socket's webhook holds one until its reservation lapses.
+    async with running_phone(tiny_checkpoint, max_calls=3, engine_process=True) as phone, \
+            aiohttp.ClientSession() as http:  # fmt: skip
+        dropped = {k: metric("kame_stream_messages_dropped_total", event=k) for k in ("invalid", "media")}
+        sid = new_call_sid()
+        good = asyncio.create_task(simulate_call(
+            phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base, custom_sid=sid,
+            hold_after=1.0,
+        ))  # fmt: skip
+        # 1. An upgraded socket that never starts, streaming 20 ms packets.
+        await phone.answer(http)
+        unstarted = await phone.open_stream(http)
+        packet = tm.media_msg("MZnever", 1, 1, 0, b"\xff" * 160)
+        sent = await _send_until_closed(unstarted, [packet] * 3000)
+        assert sent < 1200 and unstarted.close_code == aiohttp.WSCloseCode.POLICY_VIOLATION
+        # 2. A started stream sending 100 ms packets as fast as it can: 2 min of audio in a second or two.
+        flood_sid, params = await phone.answer(http)
+        ws = await phone.open_stream(http)
+        await ws.send_str(tm.start_msg("MZfast", flood_sid, "AC1", params))
+        fast = [tm.media_msg("MZfast", 2 + i, 1 + i, 100 * i, b"\x7f" * 800) for i in range(3000)]
+        sent = await _send_until_closed(ws, fast)
+        assert sent < 1200 and ws.close_code == aiohttp.WSCloseCode.POLICY_VIOLATION
+        report = await good
+        await phone.settled()
+        assert report.outcome == "completed", report.errors
+        assert report.bot_seconds_received > 0.9 * report.seconds_sent
+        flooded = await phone.store.get(flood_sid)
+        assert flooded is not None and flooded.end_reason == "flooding"
+        assert metric("kame_stream_messages_dropped_total", event="invalid") - dropped["invalid"] > 900
+        assert metric("kame_stream_messages_dropped_total", event="media") - dropped["media"] > 900
+
+
 async def test_unstarted_sockets_are_capped_and_closed_while_a_call_runs(
     tiny_checkpoint: Path, question_wav: Path
 ) -> None:
