@@ -96,6 +96,9 @@ class Slot:
 BEHIND_WINDOW_S = 2.0
 BEHIND_MIN_TICKS = 10
 BEHIND_LATE_SHARE = 0.2
+# Ticks failing this many times in a row (2 s): the model or the device is not coming back (a sticky CUDA
+# error). Failing ticks are fast, so the engine would otherwise look healthy and keep seating calls on silence.
+BROKEN_AFTER_FAILED_TICKS = 25
 
 
 @dataclass
@@ -150,6 +153,9 @@ class FrameLoop:
         self._lock = threading.Lock()
         self._ticker = FrameTicker("kame-frame-loop", self.safe_tick, self._record_timing, clock)
         self._closed = False
+        self._failed_ticks = 0  # in a row
+        self.broken: str | None = None  # why the loop gave up (BROKEN_AFTER_FAILED_TICKS); never cleared
+        self.on_broken: Callable[[], None] | None = None  # from the loop's thread, once
         self._tick_no = 0
         self._idle = True  # the last tick had no call: it ran no model step and is not timed
         # (call id, candidate id, fed at, lag) for the last candidates whose boundary token was fed: the
@@ -173,13 +179,13 @@ class FrameLoop:
 
     @property
     def alive(self) -> bool:
-        """Its slots still exist (a child-process loop loses them when the process dies)."""
-        return not self._closed
+        """Its slots still exist and its ticks run (a child-process loop loses them when the process dies)."""
+        return not self._closed and self.broken is None
 
     @property
     def died(self) -> bool:
-        """Lost without being stopped (only a child-process loop can be)."""
-        return False
+        """Lost without being stopped: every tick failing (or, for a child-process loop, the process gone)."""
+        return self.broken is not None
 
     def join(
         self, call_id: str, sink: SlotSink | None, on_reset: ResetHook | None = None,
@@ -360,9 +366,15 @@ class FrameLoop:
         """`tick`, but a failure resets every slot instead of killing the loop. False if it failed."""
         try:
             self.tick()
+            self._failed_ticks = 0
             return True
-        except Exception:
-            log.exception("engine tick failed; resetting every slot")
+        except Exception as e:
+            self._failed_ticks += 1
+            n = self._failed_ticks
+            if n <= 3 or n % 100 == 0:  # a device that fails every 80 ms must not flood the log
+                log.exception("engine tick failed (%d in a row); resetting every slot", n)
+            if n == BROKEN_AFTER_FAILED_TICKS:
+                self._break(f"{n} ticks failed in a row, the last with {type(e).__name__}: {str(e)[:200]}")
             with self._lock:
                 slots = [slot for slot in self._slots if slot is not None]
                 for slot in slots:
@@ -375,6 +387,12 @@ class FrameLoop:
                     except Exception:
                         log.exception("call %s: reset hook failed", slot.call_id)
             return False
+
+    def _break(self, why: str) -> None:
+        self.broken = why
+        log.critical("engine broken: %s; not ready, liveness failing, its calls ended: restart the process", why)
+        if self.on_broken is not None:
+            self.on_broken()
 
     # ---- the real-time thread ----
 

@@ -14,8 +14,10 @@ samples, which the parent turns into its own metrics (the child's registry is ne
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
+import os
 import queue
 import threading
 from collections import deque
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # loading a 7B checkpoint from a cold disk takes minutes
 COMPILE_TIMEOUT_S = 1800.0  # and with --compile, compiling the tick in the warm-up (autotuning: many minutes)
+EXIT_BROKEN = 70  # the child's exit code when every tick fails (EX_SOFTWARE)
 
 
 @dataclass(frozen=True)
@@ -261,7 +264,9 @@ class FrameLoopProcess:
                 self.on_death()
 
     def _dispatch(self, kind: str, body: list[Any]) -> None:
-        if kind == "tick":
+        if kind == "broken":  # the child exits next: its death is handled when the pipe closes
+            log.critical("the engine process is broken: %s", body[0])
+        elif kind == "tick":
             delivered, fed, counters = body
             self.oracle_fed.extend(fed)
             for item in fed:
@@ -377,6 +382,15 @@ class _ChildFrameLoop(FrameLoop):
         self.send = send
         self.pending_resets: list[tuple[int, str]] = []
         self.on_tick = self._forward_tick
+        self.on_broken = self._exit_broken
+
+    def _exit_broken(self) -> None:
+        """Every tick failing: say why, then end the process, so the parent's death path ends the calls,
+        fails health and the device's memory goes back for the restart."""
+        with contextlib.suppress(Exception):
+            self.send(("broken", self.broken))
+        logging.shutdown()
+        os._exit(EXIT_BROKEN)
 
     def join_row(self, row: int, call_id: str, forced_delay_ms: float | None) -> None:
         def reset_hook() -> None:  # called inside safe_tick; sent once the tick is over

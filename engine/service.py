@@ -203,6 +203,7 @@ class LocalEngine:
                 forced_delay_ms=config.forced_delay_ms,
                 on_tick=self._on_tick,
             )
+            self.frame_loop.on_broken = self._on_engine_lost
         self._sessions: dict[str, LocalCallSession] = {}
         self._ready = False
         self._closing = False
@@ -307,14 +308,15 @@ class LocalEngine:
     def failed(self) -> bool:
         return self.frame_loop.died
 
-    def _on_engine_lost(self) -> None:  # the pipe's reader thread
+    def _on_engine_lost(self) -> None:  # the pipe's reader thread, or the frame loop's
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._tell_engine_lost)
 
     def _tell_engine_lost(self) -> None:
         for session in list(self._sessions.values()):
-            session._on_notice("engine_lost", "the engine process died; this call's model state is gone")
+            session._on_notice("engine_lost", "the engine died (its process, or every tick failing); this call's "
+                               "model state is gone")
 
     async def open_call(self, call_id: str, setup: CallSetup | None = None) -> LocalCallSession:
         if self._closing or not self._ready:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+import pytest
 
-from engine.interface import FRAME_SAMPLES
+from engine.interface import FRAME_SAMPLES, EngineNotice
 from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
 from telephony.call_store import MemoryCallStore
@@ -98,6 +99,46 @@ async def test_one_calls_bad_oracle_never_ends_the_engine_process(tiny_checkpoin
         assert engine.free_slots == 2
     finally:
         await engine.stop()
+
+
+async def test_an_engine_whose_every_tick_fails_is_broken_its_calls_told_and_liveness_failed(
+    tiny_checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fault that sticks (a CUDA error, a lost device; here a real weight cut short, so every step's text
+    lookup fails): failing ticks are fast, so the engine kept time, stayed ready and seated calls on silence,
+    with a traceback every 80 ms. After 2 s of failures it is broken: its calls told, health failed."""
+    config = EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", max_calls=2, warmup_ticks=2,
+                          sampling=SamplingOverrides(greedy=True))  # fmt: skip
+    engine = await LocalEngine.load(config)
+    await engine.start()
+
+    async def caller() -> None:
+        while True:
+            call.push_audio(np.zeros(FRAME_SAMPLES, np.float32))
+            await asyncio.sleep(0.08)
+
+    feeding: asyncio.Task[None] | None = None
+    try:
+        call = await engine.open_call("CA-stuck")
+        assert engine.bundle is not None and engine.ready
+        emb = engine.bundle.lm.text_emb
+        emb.weight.data = emb.weight.data[:1]
+        feeding = asyncio.create_task(caller())
+        lost = None
+        async with asyncio.timeout(10):
+            async for out in call.outputs():
+                if isinstance(out, EngineNotice) and out.kind == "engine_lost":
+                    lost = out
+                    break
+        assert lost is not None
+        assert engine.failed and not engine.ready
+        assert engine.frame_loop.broken is not None and "IndexError" in engine.frame_loop.broken
+    finally:
+        if feeding is not None:
+            feeding.cancel()
+        await engine.stop()
+    failures = [r for r in caplog.records if "engine tick failed" in r.getMessage()]
+    assert 1 <= len(failures) <= 3, len(failures)  # not a traceback per tick
 
 
 async def test_a_dead_engine_process_ends_its_calls_and_fails_liveness(tiny_checkpoint: Path) -> None:
