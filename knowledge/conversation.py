@@ -43,6 +43,13 @@ class ToolExchange:
     role: Literal["tool"] = "tool"
 
 
+# The transcript sent with each request, newest first, up to this many characters (~4k tokens; the system
+# prompt and the caller's unfinished words come on top). Every request carries the whole history, several a
+# second while the caller talks: without a bound a long call's requests grow without end, and past a small
+# self-hosted model's context every one fails and the call runs front-end only for the rest of its life.
+MAX_HISTORY_CHARS = 16_000
+
+
 def _clean(text: str) -> str:
     return " ".join(text.split())
 
@@ -57,6 +64,7 @@ class Conversation:
 
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     turns: list[Turn | ToolExchange] = field(default_factory=list)
+    max_history_chars: int = MAX_HISTORY_CHARS
     partial: str = ""  # the caller's current unfinished utterance
     committed_words: int = 0  # words in the caller's finals
     # The assistant turn whose last word may still continue with a piece that has no '▁'.
@@ -124,16 +132,27 @@ class Conversation:
 
     # --- rendering ---------------------------------------------------------------------------------
     def messages(self) -> list[dict[str, Any]]:
-        """System prompt + the transcript as chat turns; the pending partial is the last user text."""
-        out: list[dict[str, Any]] = [{"role": "system", "content": self.system_prompt}]
+        """System prompt + the transcript as chat turns; the pending partial is the last user text. Only the
+        newest turns that fit `max_history_chars` are sent (the newest always), a tool exchange whole."""
+        groups: list[list[dict[str, Any]]] = []
         for turn in self.turns:
             if isinstance(turn, ToolExchange):
-                out.append({"role": "assistant", "content": None, "tool_calls": turn.calls})
-                out += [{"role": "tool", "tool_call_id": cid, "content": content} for cid, content in turn.results]
+                group = [{"role": "assistant", "content": None, "tool_calls": turn.calls}]
+                groups.append(group + [{"role": "tool", "tool_call_id": cid, "content": content}
+                                       for cid, content in turn.results])  # fmt: skip
                 continue
             text = _clean(turn.text)
             if text:
-                out.append({"role": turn.role, "content": text})
+                groups.append([{"role": turn.role, "content": text}])
+        kept, size = 0, 0
+        for group in reversed(groups):
+            size += sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or "")) for m in group)
+            if kept and size > self.max_history_chars:
+                break
+            kept += 1
+        out: list[dict[str, Any]] = [{"role": "system", "content": self.system_prompt}]
+        for group in groups[len(groups) - kept:]:
+            out += group
         if self.partial:
             if out[-1]["role"] == "user":
                 out[-1] = {"role": "user", "content": out[-1]["content"] + " " + self.partial}

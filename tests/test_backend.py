@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY
 
 from engine.interface import FRAME_SAMPLES
 from knowledge.backend import BackendConfig, BackendServices, CallBackend
-from knowledge.conversation import Conversation
+from knowledge.conversation import Conversation, ToolExchange
 from knowledge.llm import LlmClient, LlmConfig, LlmError
 from knowledge.oracle_policy import OraclePolicyConfig
 from knowledge.stt import (
@@ -279,6 +279,33 @@ def test_conversation_merges_partial_into_the_open_user_turn_and_continues_split
     assert msgs[1:] == [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "hi um what time"}]
     conv.caller_final("")  # an empty final drops the partial only
     assert conv.messages()[-1] == {"role": "user", "content": "hi um"}
+
+
+def test_a_long_calls_requests_carry_only_the_newest_turns_that_fit() -> None:
+    """Every request carries the history, several a second: a long call's must not grow without end (past a
+    self-hosted model's context every request would fail). The newest turns within the bound are sent, the
+    newest always, a tool exchange whole, and the caller's unfinished words on top."""
+    conv = Conversation(max_history_chars=400)
+    for i in range(50):
+        conv.caller_final(f"question number {i} " + "x" * 20)
+        conv.bot_piece(f"\u2581answer{i}")
+    conv.tool_exchange(ToolExchange(calls=[{"id": "c1", "type": "function", "function": {"name": "f",
+                                                                                         "arguments": "{}"}}],
+                                    results=[("c1", "r" * 150)]))  # fmt: skip
+    conv.caller_partial("and one more thing")
+    msgs = conv.messages()
+    assert msgs[0]["role"] == "system"
+    history = msgs[1:]
+    assert sum(len(str(m.get("content") or "")) for m in history[:-1]) <= 400  # the partial on top
+    assert history[-1] == {"role": "user", "content": "and one more thing"}
+    assert [m["role"] for m in history[-3:-1]] == ["assistant", "tool"]  # the exchange whole, newest
+    assert history[-4]["content"] == "answer49" and "question number 49" in history[-5]["content"]
+    assert not any("question number 0 " in str(m.get("content")) for m in history)
+    assert history[0]["role"] != "tool"  # never half an exchange
+    # A single turn over the bound is still sent: the newest turn always is.
+    big = Conversation(max_history_chars=10)
+    big.caller_final("a question far longer than ten characters")
+    assert big.messages()[1:] == [{"role": "user", "content": "a question far longer than ten characters"}]
 
 
 # --- LLM client against the real server -------------------------------------------------------------
