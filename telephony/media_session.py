@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
@@ -74,6 +74,7 @@ LINE_LEAD_FRAMES = 12
 FRAMES_PER_WORD = 6
 AUDIO_AFTER_TEXT_FRAMES = 3
 LINE_MARK_WAIT_S = 5.0
+ACTION_ANSWER_WAIT_S = 11.0  # the REST client's own timeout (10 s), and a little more
 
 
 @dataclass
@@ -125,6 +126,8 @@ class MediaStreamSession:
         self._end_reason = "completed"
         self._agent: Agent | None = None  # set at `start`
         self._acting = False  # a transfer or hang-up through the REST API is under way
+        self._action_task: asyncio.Task[Any] | None = None  # the task carrying it out
+        self._requesting = False  # its REST request is in flight
         self._awaited_mark: tuple[str, asyncio.Event] | None = None  # a mark whose echo someone waits for
         self._bot_word_starts = 0  # words the bot has begun (its text pieces starting with '▁')
         self.limits = StreamLimits()
@@ -350,7 +353,7 @@ class MediaStreamSession:
         agent = self._agent
         if agent is not None and agent.transfer_to and digit == agent.dtmf_transfer and not self._acting:
             self._acting = True
-            self.ctx.spawn(self._act("transfer", "dtmf"))
+            self._action_task = self.ctx.spawn(self._act("transfer", "dtmf"))
 
     async def _on_tool(self, use: ToolUse) -> None:
         """The agent's LLM called a tool: recorded; a call action is carried out once its line has played."""
@@ -362,7 +365,7 @@ class MediaStreamSession:
             await self.ctx.store.append_tool(call_sid, use.name, use.arguments, "ignored")  # one at a time
         else:
             self._acting = True
-            self.ctx.spawn(self._act_after_line(use, use.action))
+            self._action_task = self.ctx.spawn(self._act_after_line(use, use.action))
 
     async def _act_after_line(self, use: ToolUse, action: CallAction) -> None:
         await self._line_played(use.say)
@@ -410,6 +413,7 @@ class MediaStreamSession:
             result = "unavailable"
             log.warning("%s asked (%s) but there are no Twilio REST credentials or no transfer_to", action, trigger)
         else:
+            self._requesting = True
             try:
                 if action == "transfer":
                     assert agent is not None and agent.transfer_to is not None
@@ -422,6 +426,8 @@ class MediaStreamSession:
             except Exception:  # a bug of ours or the client's: still the call's own error, never its last action
                 result = "error"
                 log.exception("%s (%s) failed unexpectedly", action, trigger)
+            finally:
+                self._requesting = False
         metrics.CALL_ACTIONS.labels(action=action, trigger=trigger, result=result).inc()
         if result == "ok":
             log.info("call %s (%s)", "transferred" if action == "transfer" else "ended by the agent", trigger)
@@ -568,6 +574,12 @@ class MediaStreamSession:
         if self._ended:
             return
         self._ended = True
+        if self._requesting and self._action_task is not None:
+            # Twilio's `stop` (or the socket closing) for a call we transferred or hung up travels apart from
+            # the REST answer and may overtake it: the REST outcome, once known, is the call's.
+            await asyncio.wait({self._action_task}, timeout=ACTION_ANSWER_WAIT_S)
+            if self._end_reason in ("transferred", "ended_by_agent"):
+                reason = self._end_reason
         self._started()  # no longer an unstarted socket, whatever happened
         if self.state.started_at is not None:  # a stream refused before its start has no length
             metrics.CALL_DURATION_SECONDS.observe(time.monotonic() - self.state.started_at)

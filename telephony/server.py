@@ -89,10 +89,11 @@ class ServerContext:
         self.engine = engine
         self.fanout.start(engine)
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
         self._tasks.add(task)  # keep a reference until done
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def free_slots(self) -> int:
         """Engine seats no stream holds (reservations not subtracted); 0 while loading or draining.

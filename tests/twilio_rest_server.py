@@ -33,6 +33,7 @@ class TwilioRestStandIn:
     updated_at: list[float] = field(default_factory=list)  # time.time() of each update
     refused: int = 0
     drop_updates: int = 0  # close this many call updates' connections unanswered (a keep-alive closed under us)
+    update_delay_s: float = 0.0  # answer call updates this late
     numbers: dict[str, dict[str, str | None]] = field(default_factory=dict)  # PN sid -> the number's settings
     number_updates: list[dict[str, str]] = field(default_factory=list)
     created: list[dict[str, str]] = field(default_factory=list)  # Calls.create forms
@@ -69,6 +70,8 @@ class TwilioRestStandIn:
             assert request.transport is not None
             request.transport.close()
             return web.Response()  # never sent
+        if self.update_delay_s:
+            await asyncio.sleep(self.update_delay_s)
         self.updates.append((sid, form))
         self.updated_at.append(time.time())
         status = form.get("Status", "in-progress")
