@@ -86,9 +86,9 @@ ENGINE_LINK_ERRORS = zero_series(
 ENGINE_LINK_DROPPED = zero_series(
     Counter(
         "kame_engine_link_dropped_total",
-        "Messages shed because the other side of the engine link was not reading: bot_frames (ticks, engine "
-        "side) or caller_audio (frames, edge side).",
+        "Messages shed because the other side of the engine link was not reading: bot_frames (ticks) and "
+        "events (transcripts, drafts) on the engine side, caller_audio (frames) on the edge side.",
         ["what"],
     ),
-    what=("bot_frames", "caller_audio"),
+    what=("bot_frames", "events", "caller_audio"),
 )

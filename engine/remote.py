@@ -79,6 +79,7 @@ HELLO_MAX_BYTES = 4096  # a hello is ~100 bytes; before it the peer is unauthent
 HELLO_TIMEOUT_S = 2.0  # from accept (after TLS) to a whole hello; TLS handshakes get the same
 MAX_UNAUTHENTICATED = 8  # peers between accept and welcome held at once; edges reconnect one at a time
 WELCOME_TIMEOUT_S = 5.0  # the edge's wait for the engine's answer
+EDGE_EVENTS_QUEUE = 64  # a call's outputs waiting for its media session, on the edge (a local engine's too)
 SEAT_ANSWER_TIMEOUT_S = 10.0  # the edge's wait for a seat (a join waits for the tick in progress: ms)
 _PCM = np.dtype("<i2")
 _FRAME_BYTES = FRAME_SAMPLES * _PCM.itemsize
@@ -536,8 +537,12 @@ class EngineServer:
 
     async def _pump(self, edge: _Edge, call_id: str, session: CallSession) -> None:
         async for output in session.outputs():
-            if not edge.writer.transport.is_closing():
-                edge.writer.write(event_message(call_id, output, time.monotonic()))
+            if edge.writer.transport.is_closing():
+                continue
+            if isinstance(output, (OracleUpdate, CallerTranscript)) and _backlogged(edge.writer, self.backlog_bytes):
+                metrics.ENGINE_LINK_DROPPED.labels(what="events").inc()  # an edge not reading: shed the chatter
+                continue
+            edge.writer.write(event_message(call_id, output, time.monotonic()))
         if edge.calls.get(call_id) is session:  # the engine ended it (not the edge): tell the edge
             del edge.calls[call_id]
             self._disown(edge, call_id)
@@ -602,8 +607,19 @@ class RemoteCallSession:
     def __init__(self, engine: RemoteEngine, call_id: str) -> None:
         self.engine = engine
         self.call_id = call_id
-        self._events: asyncio.Queue[EngineOutput | None] = asyncio.Queue()
+        # Bounded as a local engine's call outputs are: a consumer behind loses the oldest, never stalls the
+        # link's reader or grows without end (drafts come up to 12.5 a second).
+        self._events: asyncio.Queue[EngineOutput | None] = asyncio.Queue(maxsize=EDGE_EVENTS_QUEUE)
+        self.dropped = 0
         self.closed = False
+
+    def _put(self, item: EngineOutput | None) -> None:
+        if self._events.full():
+            self._events.get_nowait()
+            self.dropped += 1
+            if self.dropped in (1, 100, 1000):
+                log.warning("call %s: output consumer is behind, %d outputs dropped", self.call_id, self.dropped)
+        self._events.put_nowait(item)
 
     def push_audio(self, pcm: np.ndarray) -> None:
         if not self.closed:
@@ -621,7 +637,7 @@ class RemoteCallSession:
 
     def _end(self) -> None:
         self.closed = True
-        self._events.put_nowait(None)
+        self._put(None)
 
 
 class RemoteEngine:
@@ -748,14 +764,18 @@ class RemoteEngine:
             except TimeoutError:  # an engine that reads but never answers: the caller is not held forever
                 self._writer.write(_json(b"C", {"call_id": call_id}))  # a seat it grants later goes back
                 raise EngineClosed(f"the engine did not answer in {SEAT_ANSWER_TIMEOUT_S:g} s") from None
+            except asyncio.CancelledError:  # whoever opened it is gone: a seat granted meanwhile goes back
+                if (seated := self._calls.get(call_id)) is not None:
+                    self._forget(seated)
+                    seated._end()
+                raise
         finally:
             self._opening.pop(call_id, None)
         if error == "full":
             raise EngineFull("every seat of this edge is taken")
         if error is not None:
             raise EngineClosed(error)
-        session = self._calls[call_id] = RemoteCallSession(self, call_id)
-        return session
+        return self._calls[call_id]
 
     async def bot_frames(self) -> AsyncIterator[BotFrames]:
         while (frames := await self._frames.get()) is not None:
@@ -800,7 +820,7 @@ class RemoteEngine:
                         del self._calls[call_id]
                         session._end()
                     else:
-                        session._events.put_nowait(output)
+                        session._put(output)
                 elif kind == b"S":
                     self.draining = bool(json.loads(bytes(body)).get("draining"))
                     if self.draining:
@@ -809,6 +829,9 @@ class RemoteEngine:
                     result = json.loads(bytes(body))
                     waiter = self._opening.get(result["call_id"])
                     if waiter is not None and not waiter.done():
+                        if result["ok"]:  # seated here at once: its first events may follow in this very read
+                            call_id = str(result["call_id"])
+                            self._calls[call_id] = RemoteCallSession(self, call_id)
                         waiter.set_result(None if result["ok"] else str(result["error"]))
                 else:
                     raise LinkError(f"unknown message kind {kind!r}")
@@ -832,7 +855,7 @@ class RemoteEngine:
         metrics.ENGINE_LINK_ERRORS.labels(kind="lost").inc()
         log.error("engine link to %s lost: %s; %d calls end", self.address, why, len(self._calls))
         for session in list(self._calls.values()):
-            session._events.put_nowait(EngineNotice("engine_lost", f"the engine link was lost: {why}"))
+            session._put(EngineNotice("engine_lost", f"the engine link was lost: {why}"))
             session._end()
         self._calls.clear()
         for waiter in self._opening.values():

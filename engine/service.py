@@ -117,14 +117,20 @@ class LocalCallSession:
                 log.warning("call %s: output consumer is behind, %d outputs dropped", self.call_id, self._dropped)
 
     def _on_transcript(self, text: str, final: bool, at: float) -> None:
+        if self._closed:  # a hung-up call's back-end may still be closing: its late words go nowhere
+            return
         self._engine.frame_loop.caller_turn(self.row, self.call_id, speaking=not final)
         self._put(CallerTranscript(text=text, final=final, at=at))
 
     def _on_oracle(self, text: str, triggered_at: float, candidate_id: int, complete: bool) -> None:
+        if self._closed:
+            return
         self._engine.frame_loop.set_oracle(self.row, self.call_id, candidate_id, text, triggered_at, complete=complete)
         self._put(OracleUpdate(text=text, at=time.monotonic(), candidate=candidate_id))
 
     def _on_tool(self, use: ToolUse) -> None:
+        if self._closed:
+            return
         self._put(use)
 
     def _on_reset(self) -> None:  # frame-loop thread

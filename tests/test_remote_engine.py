@@ -28,6 +28,7 @@ from engine.interface import (
     OracleUpdate,
 )
 from engine.remote import (
+    EDGE_EVENTS_QUEUE,
     PROTOCOL_VERSION,
     Address,
     LinkError,
@@ -258,6 +259,32 @@ async def test_an_engine_that_breaks_the_link_unexpectedly_is_lost_and_its_calls
         assert metric("kame_engine_link_errors_total", kind="lost") == lost + 1
         with pytest.raises(EngineClosed):
             await asyncio.wait_for(edge.open_call("CA-later"), 1)
+    finally:
+        await edge.stop()
+        server.close()
+
+
+async def test_a_calls_outputs_on_the_edge_are_bounded_when_nobody_takes_them() -> None:
+    """Drafts come up to 12.5 a second per call; an edge whose media session is behind kept every one in an
+    unbounded queue. Now, as with a local engine, the oldest go and the newest are kept."""
+    async def seat_then_chatter(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        kind, opened = await _read_link_message(reader)
+        writer.write(_link_message(b"R", b'{"call_id":"%s","ok":true}' % opened["call_id"].encode()))
+        for i in range(1000):
+            writer.write(event_message(opened["call_id"], OracleUpdate(f"draft {i}", time.monotonic(), i),
+                                       time.monotonic()))  # fmt: skip
+        await writer.drain()
+        await reader.read()
+
+    server, address = await _misbehaving_engine(seat_then_chatter)
+    edge = await RemoteEngine.connect(address, token=None, seats=2)
+    try:
+        call = await edge.open_call("CA-behind")
+        await until(lambda: call.dropped >= 1000 - EDGE_EVENTS_QUEUE, "the drafts to arrive")
+        await call.close()
+        kept = [o async for o in call.outputs()]
+        assert len(kept) <= EDGE_EVENTS_QUEUE and kept[-1].candidate == 999  # the newest kept
+        assert edge.ready  # a call's backlog is that call's
     finally:
         await edge.stop()
         server.close()
