@@ -111,6 +111,7 @@ class CallSetup:
 
 
 MAX_FORCED_DELAY_MS = 10_000
+MAX_SETUP_TEXT = 100  # chars of each text field of a CallSetup (the engine link refuses longer)
 
 
 def is_forced_delay_ms(value: object) -> bool:

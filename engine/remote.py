@@ -51,6 +51,7 @@ import numpy as np
 from . import metrics
 from .interface import (
     FRAME_SAMPLES,
+    MAX_SETUP_TEXT,
     BotFrames,
     CallAction,
     CallerTranscript,
@@ -137,7 +138,7 @@ def _setup_from_wire(raw: Any) -> CallSetup | None:
     if not isinstance(raw, dict):
         raise ValueError("call setup must be an object")
     fields = {k: raw.get(k) for k in ("agent", "to_number", "from_number")}
-    if not all(v is None or (isinstance(v, str) and len(v) <= 100) for v in fields.values()):
+    if not all(v is None or (isinstance(v, str) and len(v) <= MAX_SETUP_TEXT) for v in fields.values()):
         raise ValueError("call setup fields must be short strings")
     actions = raw.get("actions") or []
     if not isinstance(actions, list) or not set(actions) <= set(get_args(CallAction)):

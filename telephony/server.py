@@ -19,7 +19,7 @@ from urllib.parse import urlencode
 from aiohttp import web
 from twilio.twiml.voice_response import VoiceResponse
 
-from engine.interface import Engine
+from engine.interface import MAX_SETUP_TEXT, Engine
 from knowledge.agents import AgentDirectory, Agents
 
 from . import metrics
@@ -40,7 +40,7 @@ from .signatures import (
     websocket_signature_url,
 )
 from .twilio_rest import TwilioRest
-from .twiml import at_capacity_twiml, busy_twiml, connect_stream_twiml, fallback_twiml, hangup_twiml
+from .twiml import at_capacity_twiml, busy_twiml, connect_stream_twiml, fallback_twiml, hangup_twiml, xml_safe
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,8 @@ class ServerContext:
         token = self.config.twilio_auth_token
         if token is None:  # --insecure-dev, loopback only
             return True
+        if not request.raw_path.startswith("/"):  # an absolute-form request line (http://host/path): no
+            return _counted(request, endpoint, False)  # URL Twilio signs; refused, not a 500
         url = public_url_for(request.raw_path, self.config.base_url)
         return _counted(request, endpoint, validate_webhook(token, url, form, request.headers.get(SIGNATURE_HEADER)))
 
@@ -136,6 +138,14 @@ class ServerContext:
             return True
         url = websocket_signature_url(self.config.node_base_url, request.path)
         return _counted(request, "media", validate_websocket(token, url, request.headers.get(SIGNATURE_HEADER)))
+
+
+def _caller_id(value: object) -> str | None:
+    """A `To` or `From` as the call carries it (its stream's parameters, the engine's call setup): phone
+    numbers, client names and SIP URIs, at most MAX_SETUP_TEXT characters of text XML can carry. A SIP URI
+    with long parameters is cut, not allowed to fail the call (or, past the engine link's limit, its edge)."""
+    text = xml_safe(str(value or ""))[:MAX_SETUP_TEXT]
+    return text or None
 
 
 def _counted(request: web.Request, endpoint: str, ok: bool) -> bool:
@@ -163,7 +173,7 @@ async def handle_voice(request: web.Request) -> web.Response:
     if not _CALL_SID.fullmatch(call_sid):
         return web.Response(status=400, text="CallSid missing or malformed")
     call_id_var.set(call_sid)
-    to_number, from_number = str(form.get("To") or "") or None, str(form.get("From") or "") or None
+    to_number, from_number = _caller_id(form.get("To")), _caller_id(form.get("From"))
     # `?agent=NAME` on the webhook URL (signed with it) picks the agent of an outbound call.
     # Our number is `To` on an inbound call, `From` on an outbound one (`kame-phone dial`).
     ours = from_number if str(form.get("Direction", "")).startswith("outbound") else to_number

@@ -20,6 +20,11 @@ MAX_TWIML_BYTES = 64_000
 _XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 
 
+def xml_safe(text: str) -> str:
+    """`text` without the characters XML 1.0 cannot carry (for values that are not ours to refuse)."""
+    return _XML_INVALID.sub("", text)
+
+
 def _check_text(what: str, text: str) -> None:
     if _XML_INVALID.search(text):
         raise ValueError(f"{what} contains characters XML cannot carry")

@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from urllib.parse import urlencode
 
 import aiohttp
 import pytest
@@ -80,8 +81,18 @@ async def test_voice_webhook_signatures(tiny_checkpoint: Path) -> None:
         other_url = phone.sign("https://evil.example.com" + VOICE_PATH, params)
         async with http.post(url, data=params, headers={"X-Twilio-Signature": other_url}) as r:
             assert r.status == 403
+        # An absolute-form request line (no proxy in front): routed all the same, and no URL Twilio signed.
+        host_port = phone.base.removeprefix("http://")
+        reader, writer = await asyncio.open_connection(*host_port.split(":"))
+        body = urlencode(params).encode()
+        writer.write(f"POST {url} HTTP/1.1\r\nHost: {host_port}\r\nX-Twilio-Signature: {good}\r\n"
+                     "Content-Type: application/x-www-form-urlencoded\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        status_line = await asyncio.wait_for(reader.readline(), 5)
+        writer.close()
+        assert status_line.split()[1] == b"403", status_line  # refused, not a 500 with a traceback
         assert metric("kame_webhook_rejections_total", endpoint="voice", reason="missing_signature") == missing + 1
-        assert metric("kame_webhook_rejections_total", endpoint="voice", reason="bad_signature") == rejected + 3
+        assert metric("kame_webhook_rejections_total", endpoint="voice", reason="bad_signature") == rejected + 4
         no_sid = {"From": "+1"}
         async with http.post(url, data=no_sid, headers={"X-Twilio-Signature": phone.sign(url, no_sid)}) as r:
             assert r.status == 400  # signed but no CallSid

@@ -141,6 +141,29 @@ async def test_two_edges_share_one_engine_and_each_call_hears_its_own_row(tmp_pa
         assert abs(dominant_hz(tmp_path / f"{hz:.0f}.wav") - hz) < 20, hz
 
 
+async def test_a_long_sip_caller_id_is_cut_not_allowed_to_fail_the_edge(engine_server) -> None:
+    """Twilio's `From` may be a SIP URI with long parameters. It went into the call's setup as it came, and
+    the engine link refuses setups over 100 characters by dropping the edge that sent it: one such caller
+    ended every call of its edge. It is now cut to fit, and the call beside it goes on."""
+    server, address = await engine_server(2)
+    engine = await RemoteEngine.connect(address, token=None, seats=2)
+    handle = await edge_service(engine)
+    sip = "sip:" + "caller" * 40 + "@pbx.example.com;transport=tls"
+    url = handle.http_url.replace("http://", "ws://") + MEDIA_PATH
+    try:
+        reports = await asyncio.gather(
+            simulate_call(url, tone(500.0, 3.0), auth_token=TOKEN, public_url=None, from_number=sip, hold_after=0.5),
+            simulate_call(url, tone(900.0, 3.0), auth_token=TOKEN, public_url=None, hold_after=0.5),
+        )
+    finally:
+        await handle.aclose()
+        await engine.stop()
+    assert [r.outcome for r in reports] == ["completed", "completed"], [r.errors for r in reports]
+    assert all(r.bot_seconds_received > 2.0 for r in reports)
+    froms = sorted(s.from_number or "" for s in server.engine.setups.values())
+    assert froms == sorted([sip[:100], "+15005550006"])
+
+
 async def test_seats_are_granted_once_and_refusals_say_why(tmp_path: Path, engine_server) -> None:
     _, address = await engine_server(3, tcp=True, token=TOKEN)
     bad_token = metric("kame_engine_link_errors_total", kind="bad_token")
