@@ -85,6 +85,7 @@ class StreamState:
     stream_sid: str | None = None
     agent: str = "default"
     started_at: float | None = None  # monotonic, at the `start` event
+    start_received_at: float | None = None  # monotonic, when `start` was read (before the seat was claimed)
     first_media_at: float | None = None
     inbound_packets: int = 0
     inbound_audio_s: float = 0.0  # the caller's audio taken (µ-law bytes / 8000)
@@ -262,6 +263,9 @@ class MediaStreamSession:
         if self.state.stream_sid is not None:
             self._protocol_error(DUPLICATE_START, "second start on one stream")
             return
+        # Twilio's media clock starts here. Claiming the seat, opening it and adopting the record may take
+        # seconds on a slow Redis, while the caller's packets queue up in real time: they are no flood.
+        self.state.start_received_at = time.monotonic()
         start = message.start
         call_sid = start.call_sid
         call_id_var.set(call_sid)
@@ -322,7 +326,8 @@ class MediaStreamSession:
             st.first_media_at = now
         # Audio seconds, not packets: Twilio sends 20 ms a packet, but a packet may hold up to a second.
         seconds = len(message.media.payload) / LINE_RATE
-        allowed = now - st.first_media_at + self.ctx.config.flood_burst_packets * 0.02
+        since = st.start_received_at if st.start_received_at is not None else st.first_media_at
+        allowed = now - since + self.ctx.config.flood_burst_packets * 0.02
         if st.inbound_audio_s + seconds > allowed:
             # Faster than real time: drop rather than let the caller push the engine behind.
             self._protocol_error(FLOODING, "inbound audio faster than real time")

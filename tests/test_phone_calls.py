@@ -197,6 +197,28 @@ async def test_bad_input_never_disturbs_a_good_call(tiny_checkpoint: Path, quest
     assert after["flooding"] - before["flooding"] >= 200  # each dropped packet counted
 
 
+async def test_audio_queued_behind_a_slow_call_start_is_not_taken_for_a_flood(tiny_checkpoint: Path) -> None:
+    """Claiming the seat and adopting the record can take seconds on a slow Redis, while Twilio's packets
+    queue up in real time; they then arrive at once. The real-time guard counted from the first packet it
+    read, so it dropped all but a second of them as a flood: the caller's first words. It counts from `start`."""
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
+        flooding = metric("kame_twilio_protocol_errors_total", kind="flooding")
+        call_sid, params = await phone.answer(http)
+        ws = await phone.open_stream(http)
+        await ws.send_str(tm.start_msg("MZslow", call_sid, "AC1", params))
+        await asyncio.sleep(2.5)  # as if the server had been busy with the start that long
+        for i in range(100):  # the 2 s of packets queued meanwhile, all at once
+            await ws.send_str(tm.media_msg("MZslow", 2 + i, 1 + i, 20 * i, b"\x7f" * 160))
+        await ws.send_str(tm.stop_msg("MZslow", 102, call_sid, "AC1"))
+        async with asyncio.timeout(10):
+            while not ws.closed:
+                await ws.receive()
+        await phone.settled()
+        assert metric("kame_twilio_protocol_errors_total", kind="flooding") == flooding
+        record = await phone.store.get(call_sid)
+        assert record is not None and record.end_reason == "completed"
+
+
 async def test_a_second_stream_for_a_live_call_is_refused_and_the_first_plays_on(tiny_checkpoint: Path) -> None:
     """The stream token is single-use: a second socket presenting it (a replayed webhook's answer, a second
     Twilio socket) is refused, never swapped in, and never hears the call. Before, it took the call over."""
