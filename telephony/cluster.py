@@ -225,6 +225,9 @@ return 1
 _REDIS_FAILURES = (RedisError, OSError)  # OSError covers socket errors and TimeoutError
 
 
+_FALLBACK = object()  # reserve: Redis is failing, reserve on this node
+
+
 class RedisCluster:
     """Many nodes sharing one Redis. See the module docstring for the key layout."""
 
@@ -367,14 +370,26 @@ class RedisCluster:
             raise CallSidUsed(call_sid)
         if (token := self._fallback.token_for(call_sid)) is not None:  # a retry of a fallback reservation
             return Reservation(self.node_id, self.stream_url, token)
+        if self._failing:
+            # Redis failed the last time it was asked; the heartbeat asks again every second and clears this.
+            # Until then, a webhook must not wait its turn for Redis's timeout: with a Redis that hangs
+            # rather than refuses, each waited up to a second behind the one before (and the heartbeat),
+            # and a burst of calls ran past Twilio's 15 s webhook timeout.
+            return self._reserve_here(call_sid)
         keys = [self._nodes_key, self._resv_key(call_sid)]
         try:
             async with self._lock:  # this node's free seats must not change (by a claim) until the script ran
-                args: list[Any] = [self.key_prefix, call_sid, self.node_id, new_token(), _ms(self.reservation_ttl_s),
-                                   _ms(self.node_ttl_s), int(self.draining), self._free_here()]
-                got = await self._reserve_script(keys=keys, args=args)
+                if self._failing:  # it failed for whoever held the lock before us: do not wait for it again
+                    got = _FALLBACK
+                else:
+                    args: list[Any] = [self.key_prefix, call_sid, self.node_id, new_token(),
+                                       _ms(self.reservation_ttl_s), _ms(self.node_ttl_s), int(self.draining),
+                                       self._free_here()]  # fmt: skip
+                    got = await self._reserve_script(keys=keys, args=args)
         except _REDIS_FAILURES as exc:
             self._failed("reserve", exc)
+            return self._reserve_here(call_sid)
+        if got is _FALLBACK:
             return self._reserve_here(call_sid)
         self._succeeded()
         if got is None:

@@ -30,7 +30,7 @@ from telephony.twiml import parse_connect_stream
 
 from .phone_fixtures import flite_wav, new_call_sid
 from .polling import until
-from .redis_support import REDIS_URL, free_port, redis_errors
+from .redis_support import REDIS_URL, RedisServer, free_port, redis_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,6 +179,34 @@ async def test_redis_down_admits_on_this_node_only(prefix: str) -> None:
         assert await a.claim(sid, r.token) and not await a.claim(sid, "forged")
         await a.release(sid)
     assert redis_errors() > errors
+
+
+async def test_a_hung_redis_does_not_queue_webhooks_behind_its_timeout(prefix: str, tmp_path: Path) -> None:
+    """A Redis that hangs (a partition, a failover) rather than refusing: each reservation took the lock
+    and waited for the 1 s socket timeout in turn, so the tenth of a burst of calls waited 10 s or more,
+    near Twilio's 15 s webhook timeout. Once Redis has failed, reservations are made here until a heartbeat
+    reaches it again; then they go through Redis once more."""
+    redis = RedisServer(tmp_path)
+    await redis.start()
+    assert redis.proc is not None
+    try:
+        async with nodes(prefix, {"a": 20}, url=redis.url, heartbeat_s=0.2, node_ttl_s=1.0) as n:
+            a = n["a"]
+            redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                got = await asyncio.gather(*[a.reserve(new_call_sid()) for _ in range(10)])
+                took = loop.time() - started
+            finally:
+                redis.proc.send_signal(signal.SIGCONT)
+            assert where(list(got)) == ["a"] * 10
+            assert took < 5.0, f"{took:.1f} s for 10 reservations"  # was 10 s and more (one timeout each)
+            await until(lambda: not a._failing, "a heartbeat reaching Redis again", within=10)
+            r = await a.reserve(new_call_sid())
+            assert r is not None and r.node_id == "a" and a._fallback.reserved == 10  # this one through Redis
+    finally:
+        await redis.kill()
 
 
 async def test_redis_password_never_logged() -> None:
