@@ -107,7 +107,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def backend_from_args(args: argparse.Namespace) -> BackendServices | None:
     if args.stt == "none" and args.llm == "none":
         return None
-    overrides: dict[str, object] = {"stt": args.stt, "llm_enabled": args.llm != "none"}
+    overrides: dict[str, object] = {"stt": args.stt, "llm_enabled": args.llm != "none", "stt_rows": args.max_calls}
     if args.llm_model:
         overrides["llm_model"] = args.llm_model
     return BackendServices(BackendConfig.from_env(**overrides), agents_from_args(args))

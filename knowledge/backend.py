@@ -58,6 +58,9 @@ ACTION_QUIET_S = 15.0
 @dataclass(frozen=True)
 class BackendConfig:
     stt: str = "pocketsphinx"  # pocketsphinx | none | kyutai
+    # Kyutai STT rows, one per call: the engine's seats (serve passes --max-calls). KAME_STT_MAX_STREAMS,
+    # when set, wins; None and unset: 16.
+    stt_rows: int | None = None
     llm_enabled: bool = True  # False: --llm none (STT only)
     llm_base_url: str | None = None
     llm_api_key: str = field(default="", repr=False)
@@ -102,7 +105,7 @@ class BackendServices:
     def __init__(self, config: BackendConfig, agents: AgentDirectory | None = None) -> None:
         self.config = config
         self.agents = agents or AgentDirectory(Agents.builtin())
-        self.stt_factory = make_stt(config.stt)
+        self.stt_factory = make_stt(config.stt, rows=config.stt_rows)
         self.executor = ThreadPoolExecutor(max_workers=config.stt_threads, thread_name_prefix="kame-stt")
         self.llm = LlmClient(config.llm_config()) if config.llm_enabled else None
         self.tools_http = HttpSession()

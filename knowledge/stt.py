@@ -303,12 +303,15 @@ def _hypothesis(decoder: Decoder) -> str:
     return " ".join(hyp.hypstr.split()) if hyp is not None else ""
 
 
-def make_stt(kind: str, config: PocketsphinxConfig | None = None) -> Callable[[], StreamingSTT]:
+def make_stt(
+    kind: str, config: PocketsphinxConfig | None = None, rows: int | None = None
+) -> Callable[[], StreamingSTT]:
     """A factory of per-call STT objects for `--stt {pocketsphinx,none,kyutai}`.
 
     `kyutai` loads the process-wide batched engine now (KAME_STT_CHECKPOINT, default kyutai/stt-1b-en_fr;
-    KAME_STT_DEVICE, default cuda if available; KAME_STT_MAX_STREAMS rows, default 16), so a missing
-    checkpoint fails at start-up with a `CheckpointError`; each call then takes one row of it.
+    KAME_STT_DEVICE, default cuda if available; KAME_STT_MAX_STREAMS rows, else `rows`, the calls the
+    engine seats, else 16), so a missing checkpoint fails at start-up with a `CheckpointError`; each call
+    then takes one row of it.
     """
     if kind == "pocketsphinx":
         import pocketsphinx  # noqa: F401  (fail at start-up, not on the first call)
@@ -319,5 +322,5 @@ def make_stt(kind: str, config: PocketsphinxConfig | None = None) -> Callable[[]
     if kind == "kyutai":
         from .stt_kyutai import shared_engine  # torch + moshi: imported only for this kind
 
-        return shared_engine().open_stream
+        return shared_engine(rows).open_stream
     raise ValueError(f"unknown STT kind {kind!r}: expected pocketsphinx, none or kyutai")

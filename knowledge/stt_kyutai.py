@@ -529,12 +529,14 @@ _SHARED: KyutaiSttEngine | None = None
 _SHARED_LOCK = threading.Lock()
 
 
-def engine_from_env(env: Mapping[str, str] | None = None) -> KyutaiSttEngine:
-    """KAME_STT_CHECKPOINT (repo id or dir), KAME_STT_DEVICE (default cuda if available), KAME_STT_MAX_STREAMS."""
+def engine_from_env(env: Mapping[str, str] | None = None, rows: int | None = None) -> KyutaiSttEngine:
+    """KAME_STT_CHECKPOINT (repo id or dir), KAME_STT_DEVICE (default cuda if available), KAME_STT_MAX_STREAMS
+    (else `rows`: one per call the engine seats, so the 17th call of 64 is not left without a transcript;
+    else 16)."""
     env = os.environ if env is None else env
     source = env.get("KAME_STT_CHECKPOINT") or DEFAULT_CHECKPOINT
     device = env.get("KAME_STT_DEVICE") or None
-    raw = env.get("KAME_STT_MAX_STREAMS") or "16"
+    raw = env.get("KAME_STT_MAX_STREAMS") or str(rows or 16)
     try:
         max_streams = int(raw)
     except ValueError:
@@ -542,11 +544,11 @@ def engine_from_env(env: Mapping[str, str] | None = None) -> KyutaiSttEngine:
     return KyutaiSttEngine(source, device=device, max_streams=max_streams)
 
 
-def shared_engine() -> KyutaiSttEngine:
-    """The process-wide engine, built from the environment on first use."""
+def shared_engine(rows: int | None = None) -> KyutaiSttEngine:
+    """The process-wide engine, built from the environment (and `rows`) on first use."""
     global _SHARED
     with _SHARED_LOCK:
         if _SHARED is None:
-            _SHARED = engine_from_env()
+            _SHARED = engine_from_env(rows=rows)
         return _SHARED
 

@@ -524,8 +524,11 @@ ALERT_SCENARIOS = [
     ),
     pytest.param(
         [
-            # 60 calls/min: 50 completed, 6 rejected (10 %: fires), 2 silent_socket (3 %: no), 2 busy.
+            # 60 calls/min: 50 completed, 6 rejected (10 %: fires), 2 silent_socket (3 %: no), 2 busy; and
+            # agents' tools at work, 10 transferred and 10 ended by the agent a minute (normal: no alert).
             _series("kame_calls_total", {"instance": "a", "outcome": "completed"}, "0+50x30"),
+            _series("kame_calls_total", {"instance": "a", "outcome": "transferred"}, "0+10x30"),
+            _series("kame_calls_total", {"instance": "a", "outcome": "ended_by_agent"}, "0+10x30"),
             _series("kame_calls_total", {"instance": "a", "outcome": "rejected"}, "0+6x30"),
             _series("kame_calls_total", {"instance": "a", "outcome": "silent_socket"}, "0+2x30"),
             _series("kame_calls_total", {"instance": "b", "outcome": "busy"}, "0+2x30"),
@@ -602,6 +605,11 @@ ALERT_SCENARIOS = [
             ],
             # An edge's lost link is KameEngineLinkLost's.
             _series("kame_engine_link_errors_total", {"instance": "a", "kind": "lost"}, "0+1x30"),
+            # n: a process started at 8 m exports every kind at 0: nothing to page about.
+            *[
+                _series("kame_engine_link_errors_total", {"job": "kame-engine", "instance": "n", "kind": k}, "_x8 0x22")
+                for k in ("bad_token", "bad_message", "bad_hello", "bad_audio")
+            ],
         ],
         [
             _alerts(

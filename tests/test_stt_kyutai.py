@@ -271,6 +271,36 @@ def test_make_stt_kyutai_binds_a_process_wide_engine(stt_checkpoint: Path, monke
         mod._SHARED.close()
 
 
+def test_the_stt_has_a_row_for_every_call_the_engine_seats(stt_checkpoint: Path) -> None:
+    """It had 16 rows whatever --max-calls said: on a node seating 64 calls, the 17th caller got no
+    transcript (so no LLM, no agent, no tools) until a row freed. serve passes its --max-calls (the
+    back-end's stt_rows); KAME_STT_MAX_STREAMS, when set, still wins."""
+    from knowledge.stt_kyutai import engine_from_env
+
+    env = {"KAME_STT_CHECKPOINT": str(stt_checkpoint), "KAME_STT_DEVICE": "cpu"}
+    for extra, rows, want in [({}, 20, 20), ({"KAME_STT_MAX_STREAMS": "3"}, 20, 3), ({}, None, 16)]:
+        engine = engine_from_env({**env, **extra}, rows=rows)
+        try:
+            assert engine.batch_size == want, (extra, rows)
+        finally:
+            engine.close()
+
+
+async def test_serve_gives_the_back_end_its_seat_count() -> None:
+    from kame_phone.app import backend_from_args
+    from kame_phone.cli import build_parser
+    from kame_phone.env_flags import resolve_env_defaults
+
+    args = build_parser().parse_args(["serve", "--insecure-dev", "--max-calls", "64", "--stt", "none"])
+    resolve_env_defaults(args)
+    services = backend_from_args(args)
+    assert services is not None
+    try:
+        assert services.config.stt_rows == 64
+    finally:
+        await services.aclose()
+
+
 # --- utterances: pure logic ----------------------------------------------------------------------------
 def assembler(eot: float | None = 0.5, delay: int = 2, gap: int = 4, max_steps: int = 100) -> TranscriptAssembler:
     words = {10: "▁hello", 11: "▁world", 12: "s"}
