@@ -100,7 +100,7 @@ EXPOSE 8080 9092
 # time (compose stop_grace_period / k8s terminationGracePeriodSeconds), never SIGKILL early.
 STOPSIGNAL SIGTERM
 
-# Liveness only (/healthz). Readiness (/readyz: model loaded, Redis reachable, not draining) is for load
+# Liveness only (/healthz). Readiness (/readyz: model loaded, not draining; Redis reported) is for load
 # balancers. The long start period covers a first start that downloads the weights. No curl in the
 # image: Python does the request. Assumes the default port 8080.
 # KAME_HEALTH_PORT: 8080 for `serve`; set it to engine-serve's --http-port (9091) for an engine container.

@@ -10,6 +10,8 @@ command -v redis-server >/dev/null || need+=(redis-server)
 command -v flite >/dev/null || need+=(flite)
 command -v sox >/dev/null || need+=(sox)
 command -v promtool >/dev/null || need+=(prometheus)  # promtool checks ops/prometheus in the tests
+# Debian's python3 makes no venv without it ("ensurepip is not available").
+"${PYTHON:-python3}" -c "import ensurepip" 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing system packages: ${need[*]}"
   $SUDO apt-get update -qq
@@ -25,13 +27,22 @@ if ! (redis-cli -h 127.0.0.1 -p 6379 ping 2>/dev/null | grep -q PONG); then
 fi
 
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
+if [ ! -x .venv/bin/pip ]; then  # pip, not python: a venv made before python3-venv was there has no pip
+  rm -rf .venv
   "$PY" -m venv .venv
 fi
 VPIP=".venv/bin/python -m pip"
 $VPIP install -q --upgrade pip
-# torch first, pinned: 2.13.0's CPU wheel is on local disk here; any other version downloads GBs.
-.venv/bin/python -c "import torch" 2>/dev/null || $VPIP install -q "torch==2.13.0"
+# torch first, pinned: 2.13.0's CPU wheel is on local disk here; any other version downloads GBs. Where pip
+# has no local wheels or mirror configured, PyPI's Linux wheel would be the CUDA build (GBs of nvidia-*):
+# take PyTorch's CPU index instead (TORCH_INDEX_URL overrides either way).
+torch_src=()
+if [ -n "${TORCH_INDEX_URL:-}" ]; then
+  torch_src=(--index-url "$TORCH_INDEX_URL")
+elif ! $VPIP config list 2>/dev/null | grep -qE "index-url|find-links"; then
+  torch_src=(--index-url https://download.pytorch.org/whl/cpu)
+fi
+.venv/bin/python -c "import torch" 2>/dev/null || $VPIP install -q ${torch_src[@]+"${torch_src[@]}"} "torch==2.13.0"
 $VPIP install -q -e ".[dev,eval]"
 # moshi pins torch<2.10 and aiohttp<3.12; its real needs are in pyproject.toml.
 .venv/bin/python -c "import moshi" 2>/dev/null || $VPIP install -q --no-deps "moshi==0.2.13"
