@@ -121,7 +121,11 @@ class BackendServices:
     ) -> CallBackend:
         """A started-by-the-caller `CallBackend` (call `await start()`, later `await aclose()`), prompted
         as the call's agent (the one the edge chose; the agents in force now: a reload changes new calls)."""
-        agent = self.agents.agents.get(setup.agent if setup is not None else None)
+        wanted = setup.agent if setup is not None else None
+        agent = self.agents.agents.get(wanted)
+        if wanted is not None and agent.name != wanted:  # the edge's agents file and ours differ (a reload)
+            log.warning("call %s: agent %r is not in this process's agents file; answering as %r", call_id,
+                        wanted, agent.name)  # fmt: skip
         return CallBackend(
             call_id,
             stt_factory=self.stt_factory,
@@ -473,8 +477,10 @@ class CallBackend:
                 except Exception:
                     log.exception("call %s: on_tool callback failed", self.call_id)
         self.conversation.tool_exchange(ToolExchange(
-            calls=[{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                   for c in calls],
+            # The name as run ("unknown" for one the model made up): the API refuses a name outside
+            # [a-zA-Z0-9_-] in the history, and every later request of the call would fail.
+            calls=[{"id": c.id, "type": "function", "function": {"name": r.name, "arguments": c.arguments}}
+                   for c, r in zip(calls, results, strict=True)],
             results=[(c.id, r.content) for c, r in zip(calls, results, strict=True)],
         ))  # fmt: skip
         action = next((r for r in results if r.action is not None), None)

@@ -88,8 +88,15 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 
 def _refuses_tools(exc: BaseException) -> bool:
-    """A 4xx that names tools: the server cannot do function calling (not a bad request of ours)."""
-    return isinstance(exc, openai.APIStatusError) and exc.status_code in (400, 422) and "tool" in str(exc).lower()
+    """A 4xx that names tools: the server cannot do function calling. Not one that blames a message of the
+    history (`param` messages[...]: a tool name the model made up, e.g. `multi_tool_use.parallel`): that
+    is one call's request, and taken for the server's refusal it turned tools off for the whole process."""
+    if not (isinstance(exc, openai.APIStatusError) and exc.status_code in (400, 422)):
+        return False
+    body = exc.body if isinstance(exc.body, dict) else {}
+    error = body.get("error", body)
+    param = str(error.get("param") or "") if isinstance(error, dict) else ""
+    return not param.startswith("messages") and "tool" in str(exc).lower()
 
 
 def _httpx_error(exc: BaseException) -> str | None:
@@ -300,7 +307,10 @@ class LlmClient:
                             yield well_formed(text)  # a surrogate pair split across two chunks
             for index, parts in sorted(calls.items()):
                 if parts.name:  # a call without a name cannot be run: dropped, as a server's noise
-                    yield ToolCallRequest(parts.id or f"call_{index}", parts.name, parts.arguments)
+                    # Well-formed as the text is: a split pair in the arguments (an emoji in a search) would
+                    # fail every later request of the call, which carries this exchange.
+                    yield ToolCallRequest(well_formed(parts.id) or f"call_{index}", well_formed(parts.name),
+                                          well_formed(parts.arguments))
         except asyncio.CancelledError:
             raise
         except Exception as exc:

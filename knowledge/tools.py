@@ -93,7 +93,7 @@ class CallTools:
             return ToolResult(name, call.arguments, "unknown_tool", f"error: there is no tool named {call.name!r}")
         try:
             arguments = json.loads(call.arguments or "{}")
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: ~1000 nested brackets
             arguments = None
         if not isinstance(arguments, dict):
             return ToolResult(name, call.arguments, "bad_arguments", "error: the arguments were not a JSON object")
@@ -102,6 +102,19 @@ class CallTools:
             return ToolResult(name, call.arguments, "requested", f"done: {line}", action=action, say=line)
         outcome, content = await self._http.post(self._http_tools[name], arguments)
         return ToolResult(name, call.arguments, outcome, content)
+
+
+async def _read_at_most(content: aiohttp.StreamReader, limit: int) -> bytes:
+    """The body up to `limit` bytes. `read(n)` returns what is buffered, not n bytes: an answer arriving in
+    several TCP segments or TLS records (most, past a few KB) was cut at the first and taken as whole."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in content.iter_any():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            break
+    return b"".join(chunks)[:limit]
 
 
 class HttpSession:
@@ -119,7 +132,7 @@ class HttpSession:
             async with asyncio.timeout(self.timeout_s), self._session.post(
                 tool.url, json=arguments, allow_redirects=False  # a redirect could lead off HTTPS, or inside
             ) as response:  # fmt: skip
-                body = await response.content.read(MAX_ANSWER_BYTES + 1)
+                body = await _read_at_most(response.content, MAX_ANSWER_BYTES + 1)
                 if len(body) > MAX_ANSWER_BYTES:
                     return "too_large", "error: the tool's answer was too large to use"
                 if response.status >= 300:

@@ -57,6 +57,12 @@ class FakeLlm:
             # Echo the credentials back, as some proxies do: the client must not log them.
             auth = request.headers.get("Authorization", "")
             return web.json_response({"error": {"message": f"boom (auth {auth})"}}, status=self.status)
+        if mode == "bad_history":  # OpenAI on a tool name outside [a-zA-Z0-9_-] in the history: ours, not its
+            error = {"message": "Invalid 'messages[3].tool_calls[0].function.name': string does not match "
+                                "pattern. Expected a string that matches the pattern '^[a-zA-Z0-9_-]+$'.",
+                     "type": "invalid_request_error", "param": "messages[3].tool_calls[0].function.name",
+                     "code": "invalid_value"}  # fmt: skip
+            return web.json_response({"error": error}, status=400)
         if mode == "no_tools" and "tools" in body:  # llama.cpp without --jinja
             error = {"code": 400, "type": "invalid_request_error", "message": "tools param requires --jinja flag"}
             return web.json_response({"error": error}, status=400)
@@ -66,7 +72,7 @@ class FakeLlm:
             await self._stall(resp, body["model"], drip=mode == "drip")
             return resp
         call = self._tool_call_for(body)
-        if call is not None and mode == "ok":
+        if call is not None and mode in ("ok", "split_pair"):
             await self._stream_tool_call(resp, body["model"], *call)
             return resp
         words = answer_for(body["messages"]).split(" ")
@@ -117,13 +123,18 @@ class FakeLlm:
             return f"data: {json.dumps(body)}\n\n".encode()
 
         arguments = json.dumps(args)
+        pieces = [arguments[i:i + 5] for i in range(0, len(arguments), 5)]  # the arguments arrive in pieces
+        if self.mode == "split_pair":  # an emoji in them, its UTF-16 pair across two chunks
+            text = json.dumps(args, ensure_ascii=False)
+            at = next(i for i, ch in enumerate(text) if ord(ch) > 0xFFFF)
+            pieces = [text[:at] + "\ud83d", "\ude00" + text[at + 1:]]
         head = {"index": 0, "id": "call_1", "type": "function", "function": {"name": name, "arguments": ""}}
         try:
             if self.tool_preamble:
                 await resp.write(chunk({"role": "assistant", "content": self.tool_preamble}))
             await resp.write(chunk({"tool_calls": [head]}))
-            for i in range(0, len(arguments), 5):  # the arguments arrive in pieces
-                await resp.write(chunk({"tool_calls": [{"index": 0, "function": {"arguments": arguments[i:i + 5]}}]}))
+            for piece in pieces:
+                await resp.write(chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}))
             await resp.write(chunk({}, finish="tool_calls") + b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionError:

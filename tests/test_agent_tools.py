@@ -69,6 +69,16 @@ class ToolServer:
             return web.Response(text="x" * 100_000)
         if self.mode == "redirect":
             raise web.HTTPFound("http://169.254.169.254/latest/meta-data/")
+        if self.mode in ("chunked", "chunked_huge"):  # an answer in pieces, as TCP segments and TLS records come
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await resp.prepare(request)
+            pieces = [b'{"slots": ["9am", ', b'"10am"], "note": "' + b"y" * 3000 + b'"}'] if self.mode == "chunked" \
+                else [b"z" * 6000] * 4
+            for piece in pieces:
+                await resp.write(piece)
+                await asyncio.sleep(0.05)
+            await resp.write_eof()
+            return resp
         return web.json_response({"status": "shipped on Monday"})
 
 
@@ -203,6 +213,8 @@ async def test_an_http_tools_result_reaches_the_llms_next_request_and_a_failing_
     ("mode", "outcome", "told"),
     [("slow", "timeout", "error: the tool did not answer within 0.5 seconds"),
      ("huge", "too_large", "error: the tool's answer was too large to use"),
+     # 24 KB in 6 KB pieces: the whole of it counted, not its first piece taken as the answer.
+     ("chunked_huge", "too_large", "error: the tool's answer was too large to use"),
      ("redirect", "error", "error: the tool failed (HTTP 302)")],
 )  # fmt: skip
 async def test_a_slow_huge_or_redirecting_tool_becomes_a_result_the_llm_can_talk_about(
@@ -221,6 +233,19 @@ async def test_a_slow_huge_or_redirecting_tool_becomes_a_result_the_llm_can_talk
     assert metric("kame_tool_calls_total", tool="order_status", outcome=outcome) == before + 1
 
 
+async def test_a_tool_answer_in_pieces_reaches_the_llm_whole(tool_server: ToolServer, tmp_path: Path) -> None:
+    """`read(n)` returns what is buffered: an answer in several pieces was cut at the first, as "ok"."""
+    agent = _agents(tmp_path, tool_server.base_url + "/order-status").agents.get("sales")
+    http = HttpSession()
+    tool_server.mode = "chunked"
+    try:
+        result = await CallTools(agent, (), http).run(ToolCallRequest("c1", "order_status", "{}"), call_id="CA1")
+    finally:
+        await http.aclose()
+    assert result.outcome == "ok"
+    assert json.loads(result.content) == {"slots": ["9am", "10am"], "note": "y" * 3000}
+
+
 async def test_bad_tool_calls_are_results_and_actions_are_offered_only_as_the_edge_can(tmp_path: Path) -> None:
     agent = _agents(tmp_path, "https://crm.example.com/order-status").agents.get("sales")
     http = HttpSession()
@@ -233,6 +258,8 @@ async def test_bad_tool_calls_are_results_and_actions_are_offered_only_as_the_ed
     assert (unknown.name, unknown.outcome) == ("unknown", "unknown_tool")  # the label never takes the LLM's name
     bad = await tools.run(ToolCallRequest("c2", "order_status", '["not", "an object"]'), call_id="CA1")
     assert bad.outcome == "bad_arguments"
+    deep = await tools.run(ToolCallRequest("c4", "order_status", "[" * 5000), call_id="CA1")
+    assert deep.outcome == "bad_arguments"  # RecursionError in the parser: a result, not a dead task
     transfer = await tools.run(ToolCallRequest("c3", "transfer_call", ""), call_id="CA1")
     assert (transfer.outcome, transfer.action, transfer.say) == ("requested", "transfer", TRANSFER_LINE)
     await http.aclose()
@@ -251,6 +278,37 @@ async def test_the_llm_client_joins_a_streamed_tool_call(llm_server: FakeLlm) ->
     (call,) = [d for d in out if isinstance(d, ToolCallRequest)]
     assert call.name == "order_status" and json.loads(call.arguments) == {"order_id": "4217", "note": "a" * 40}
     assert llm_server.requests[0]["tools"] == tools
+
+
+async def test_a_split_surrogate_pair_in_tool_arguments_becomes_its_character(llm_server: FakeLlm) -> None:
+    """As for the answer's text: joined as they came, the two halves were lone surrogates, and the exchange
+    they went into made every later request of the call fail."""
+    llm_server.mode = "split_pair"
+    llm_server.tool_triggers = {"order": ("order_status", {"q": "pizza \U0001f600 please"})}
+    tools = [{"type": "function", "function": {"name": "order_status", "parameters": {"type": "object"}}}]
+    llm = LlmClient(LlmConfig(model="m", base_url=llm_server.base_url, api_key="k"))
+    try:
+        out = [d async for d in llm.stream_draft([{"role": "user", "content": "my order"}], tools=tools)]
+    finally:
+        await llm.aclose()
+    (call,) = [d for d in out if isinstance(d, ToolCallRequest)]
+    call.arguments.encode("utf-8")
+    assert json.loads(call.arguments) == {"q": "pizza \U0001f600 please"}
+
+
+async def test_a_request_refused_for_its_history_leaves_tools_on(llm_server: FakeLlm) -> None:
+    """A 400 that blames a message of the history (a tool name the model made up, as OpenAI words it) is that
+    call's request failing. Taken for the server refusing function calling, it turned tools off for every
+    call of the process until a restart."""
+    llm_server.mode = "bad_history"
+    tools = [{"type": "function", "function": {"name": "end_call", "parameters": {"type": "object"}}}]
+    llm = LlmClient(LlmConfig(model="m", base_url=llm_server.base_url, api_key="k"))
+    try:
+        with pytest.raises(LlmError):
+            _ = [d async for d in llm.stream_draft([{"role": "user", "content": "hi"}], tools=tools)]
+    finally:
+        await llm.aclose()
+    assert not llm.tools_refused and len(llm_server.requests) == 1  # not retried without tools either
 
 
 async def test_a_server_without_function_calling_gets_no_tools_and_still_answers(llm_server: FakeLlm) -> None:
