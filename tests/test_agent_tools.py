@@ -6,6 +6,7 @@ tool server, all on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -265,15 +266,31 @@ async def test_bad_tool_calls_are_results_and_actions_are_offered_only_as_the_ed
     await http.aclose()
 
 
+def _offer(name: str) -> list[dict]:
+    """The tools of a request: one function, any object of arguments."""
+    return [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
+
+
+@contextlib.asynccontextmanager
+async def _llm(llm_server: FakeLlm) -> AsyncIterator[LlmClient]:
+    llm = LlmClient(LlmConfig(model="m", base_url=llm_server.base_url, api_key="k"))
+    try:
+        yield llm
+    finally:
+        await llm.aclose()
+
+
+async def _drafts(llm: LlmClient, said: str, tools: list[dict]) -> list[str | ToolCallRequest]:
+    """What one request streams back for the caller's `said`."""
+    return [d async for d in llm.stream_draft([{"role": "user", "content": said}], tools=tools)]
+
+
 async def test_the_llm_client_joins_a_streamed_tool_call(llm_server: FakeLlm) -> None:
     llm_server.tool_triggers = {"order": ("order_status", {"order_id": "4217", "note": "a" * 40})}
     llm_server.tool_preamble = "Let me check."
-    tools = [{"type": "function", "function": {"name": "order_status", "parameters": {"type": "object"}}}]
-    llm = LlmClient(LlmConfig(model="m", base_url=llm_server.base_url, api_key="k"))
-    try:
-        out = [d async for d in llm.stream_draft([{"role": "user", "content": "my order"}], tools=tools)]
-    finally:
-        await llm.aclose()
+    tools = _offer("order_status")
+    async with _llm(llm_server) as llm:
+        out = await _drafts(llm, "my order", tools)
     assert out[0] == "Let me check."
     (call,) = [d for d in out if isinstance(d, ToolCallRequest)]
     assert call.name == "order_status" and json.loads(call.arguments) == {"order_id": "4217", "note": "a" * 40}
@@ -285,12 +302,8 @@ async def test_a_split_surrogate_pair_in_tool_arguments_becomes_its_character(ll
     they went into made every later request of the call fail."""
     llm_server.mode = "split_pair"
     llm_server.tool_triggers = {"order": ("order_status", {"q": "pizza \U0001f600 please"})}
-    tools = [{"type": "function", "function": {"name": "order_status", "parameters": {"type": "object"}}}]
-    llm = LlmClient(LlmConfig(model="m", base_url=llm_server.base_url, api_key="k"))
-    try:
-        out = [d async for d in llm.stream_draft([{"role": "user", "content": "my order"}], tools=tools)]
-    finally:
-        await llm.aclose()
+    async with _llm(llm_server) as llm:
+        out = await _drafts(llm, "my order", _offer("order_status"))
     (call,) = [d for d in out if isinstance(d, ToolCallRequest)]
     call.arguments.encode("utf-8")
     assert json.loads(call.arguments) == {"q": "pizza \U0001f600 please"}
@@ -301,13 +314,9 @@ async def test_a_request_refused_for_its_history_leaves_tools_on(llm_server: Fak
     call's request failing. Taken for the server refusing function calling, it turned tools off for every
     call of the process until a restart."""
     llm_server.mode = "bad_history"
-    tools = [{"type": "function", "function": {"name": "end_call", "parameters": {"type": "object"}}}]
-    llm = LlmClient(LlmConfig(model="m", base_url=llm_server.base_url, api_key="k"))
-    try:
+    async with _llm(llm_server) as llm:
         with pytest.raises(LlmError):
-            _ = [d async for d in llm.stream_draft([{"role": "user", "content": "hi"}], tools=tools)]
-    finally:
-        await llm.aclose()
+            await _drafts(llm, "hi", _offer("end_call"))
     assert not llm.tools_refused and len(llm_server.requests) == 1  # not retried without tools either
 
 
@@ -315,14 +324,10 @@ async def test_a_server_without_function_calling_gets_no_tools_and_still_answers
     """llama.cpp without --jinja, vLLM without a tool parser: a 400 naming tools. The request is made again
     without them, and later ones offer none (one warning, not an error on every request of every call)."""
     llm_server.mode = "no_tools"
-    tools = [{"type": "function", "function": {"name": "end_call", "parameters": {"type": "object"}}}]
-    llm = LlmClient(LlmConfig(model="m", base_url=llm_server.base_url, api_key="k"))
     errors = metric("kame_llm_errors_total", kind="other")
-    try:
-        first = [d async for d in llm.stream_draft([{"role": "user", "content": "hi"}], tools=tools)]
-        second = [d async for d in llm.stream_draft([{"role": "user", "content": "again"}], tools=tools)]
-    finally:
-        await llm.aclose()
+    async with _llm(llm_server) as llm:
+        first = await _drafts(llm, "hi", _offer("end_call"))
+        second = await _drafts(llm, "again", _offer("end_call"))
     assert first[-1] == "Sure, about hi, let me help you with that right away." and second
     assert llm.tools_refused and ["tools" in r for r in llm_server.requests] == [True, False, False]
     assert metric("kame_llm_errors_total", kind="other") == errors
@@ -332,14 +337,10 @@ async def test_a_tool_call_past_its_size_limits_is_a_malformed_answer_not_a_tool
     """An LLM (or a server in between) streaming tool-call arguments without end: the client stops at its cap
     and the request is an LLM error of kind malformed (counted), never a call with megabytes of arguments."""
     llm_server.tool_triggers = {"order": ("order_status", {"order_id": "9" * (MAX_TOOL_ARGUMENTS + 10)})}
-    tools = [{"type": "function", "function": {"name": "order_status", "parameters": {"type": "object"}}}]
-    llm = LlmClient(LlmConfig(model="m", base_url=llm_server.base_url, api_key="k"))
     malformed = metric("kame_llm_errors_total", kind="malformed")
-    try:
+    async with _llm(llm_server) as llm:
         with pytest.raises(LlmError) as failed:
-            _ = [d async for d in llm.stream_draft([{"role": "user", "content": "my order"}], tools=tools)]
-    finally:
-        await llm.aclose()
+            await _drafts(llm, "my order", _offer("order_status"))
     assert failed.value.kind == "malformed"
     assert metric("kame_llm_errors_total", kind="malformed") == malformed + 1
 

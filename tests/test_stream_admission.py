@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from telephony import twilio_messages as tm
+from telephony.call_store import CallRecord
 from telephony.server import VOICE_PATH
 from telephony.sim_caller import simulate_call
 from telephony.sim_playout import CallReport
@@ -88,49 +89,6 @@ async def test_replayed_webhooks_get_no_token_and_never_touch_a_call(tiny_checkp
         assert parse_connect_stream(twiml).parameters["token"] == params["token"]
 
 
-async def test_one_stream_flooding_control_messages_is_ended_and_the_call_beside_it_goes_on(
-    tiny_checkpoint: Path, question_wav: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """40k DTMF messages from one admitted stream (issue 13, finding 4): dropped over its rate limit,
-    counted without a log line each, the stream ended as `flooding`; the good call keeps its audio and
-    its own digits."""
-    caplog.set_level(logging.INFO)
-    # The engine in its own process, as deployed: the flood runs in this process and would otherwise also take
-    # the GIL from the model's thread.
-    async with running_phone(tiny_checkpoint, max_calls=2, engine_process=True) as phone, \
-            aiohttp.ClientSession() as http:  # fmt: skip
-        dropped = metric("kame_stream_messages_dropped_total", event="dtmf")
-        sid = new_call_sid()
-        good = asyncio.create_task(simulate_call(
-            phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base, custom_sid=sid,
-            dtmf=[("4", 1.0), ("2", 2.0)], hold_after=1.0,
-        ))  # fmt: skip
-        flood_sid, params = await phone.answer(http)
-        ws = await phone.open_stream(http)
-        await ws.send_str(tm.start_msg("MZflood", flood_sid, "AC1", params))
-        digit = tm.dtmf_msg("MZflood", 2, "5")
-        with contextlib.suppress(ConnectionError):
-            for i in range(40_000):
-                if ws.closed:
-                    break
-                await ws.send_str(digit)
-                if i % 20 == 0:  # a remote attacker does not run on our event loop: let the server read
-                    await asyncio.sleep(0)
-        while not ws.closed:  # the server closes it
-            await ws.receive(timeout=5)
-        report = await good
-        await phone.settled()
-        assert report.outcome == "completed", report.errors
-        assert report.bot_seconds_received > 0.9 * report.seconds_sent
-        flooded = await phone.store.get(flood_sid)
-        assert flooded is not None and flooded.end_reason == "flooding"
-        assert len(flooded.dtmf) <= 30  # the bucket's burst and refill, not 40k
-        record = await phone.store.get(sid)
-        assert record is not None and record.dtmf == ["4", "2"]
-        assert metric("kame_stream_messages_dropped_total", event="dtmf") - dropped > 1000
-        assert sum("dtmf" in r.getMessage() for r in caplog.records) < 5  # no line per digit
-
-
 async def _send_until_closed(ws: aiohttp.ClientWebSocketResponse, messages: list[str]) -> int:
     """Sends until the server closes the socket; returns how many went out."""
     async def until_closed() -> None:  # a started stream also gets the bot's audio: read past it
@@ -151,6 +109,48 @@ async def _send_until_closed(ws: aiohttp.ClientWebSocketResponse, messages: list
     async with asyncio.timeout(5):
         await closing
     return sent
+
+
+async def _flood_ended_and_the_good_call_went_on(
+    phone: Phone, good: asyncio.Task[CallReport], flood_sid: str
+) -> CallRecord:
+    """The good call beside the flood completed with its audio; the flooding stream's record says flooding."""
+    report = await good
+    await phone.settled()
+    assert report.outcome == "completed", report.errors
+    assert report.bot_seconds_received > 0.9 * report.seconds_sent
+    flooded = await phone.store.get(flood_sid)
+    assert flooded is not None and flooded.end_reason == "flooding"
+    return flooded
+
+
+async def test_one_stream_flooding_control_messages_is_ended_and_the_call_beside_it_goes_on(
+    tiny_checkpoint: Path, question_wav: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """40k DTMF messages from one admitted stream (issue 13, finding 4): dropped over its rate limit,
+    counted without a log line each, the stream ended as `flooding`; the good call keeps its audio and
+    its own digits."""
+    caplog.set_level(logging.INFO)
+    # The engine in its own process, as deployed: the flood runs in this process and would otherwise also take
+    # the GIL from the model's thread.
+    async with running_phone(tiny_checkpoint, max_calls=2, engine_process=True) as phone, \
+            aiohttp.ClientSession() as http:  # fmt: skip
+        dropped = metric("kame_stream_messages_dropped_total", event="dtmf")
+        sid = new_call_sid()
+        good = asyncio.create_task(simulate_call(
+            phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base, custom_sid=sid,
+            dtmf=[("4", 1.0), ("2", 2.0)], hold_after=1.0,
+        ))  # fmt: skip
+        flood_sid, params = await phone.answer(http)
+        ws = await phone.open_stream(http)
+        await ws.send_str(tm.start_msg("MZflood", flood_sid, "AC1", params))
+        await _send_until_closed(ws, [tm.dtmf_msg("MZflood", 2, "5")] * 40_000)
+        flooded = await _flood_ended_and_the_good_call_went_on(phone, good, flood_sid)
+        assert len(flooded.dtmf) <= 30  # the bucket's burst and refill, not 40k
+        record = await phone.store.get(sid)
+        assert record is not None and record.dtmf == ["4", "2"]
+        assert metric("kame_stream_messages_dropped_total", event="dtmf") - dropped > 1000
+        assert sum("dtmf" in r.getMessage() for r in caplog.records) < 5  # no line per digit
 
 
 async def test_media_floods_end_their_stream_and_the_call_beside_it_goes_on(
@@ -182,12 +182,7 @@ async def test_media_floods_end_their_stream_and_the_call_beside_it_goes_on(
         fast = [tm.media_msg("MZfast", 2 + i, 1 + i, 100 * i, b"\x7f" * 800) for i in range(3000)]
         sent = await _send_until_closed(ws, fast)
         assert sent < 1200 and ws.close_code == aiohttp.WSCloseCode.POLICY_VIOLATION
-        report = await good
-        await phone.settled()
-        assert report.outcome == "completed", report.errors
-        assert report.bot_seconds_received > 0.9 * report.seconds_sent
-        flooded = await phone.store.get(flood_sid)
-        assert flooded is not None and flooded.end_reason == "flooding"
+        await _flood_ended_and_the_good_call_went_on(phone, good, flood_sid)
         assert metric("kame_stream_messages_dropped_total", event="invalid") - dropped["invalid"] > 900
         assert metric("kame_stream_messages_dropped_total", event="media") - dropped["media"] > 900
 
