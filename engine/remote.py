@@ -67,6 +67,7 @@ from .interface import (
     ToolUse,
     is_forced_delay_ms,
 )
+from .queues import put_dropping_oldest
 
 log = logging.getLogger(__name__)
 
@@ -615,12 +616,10 @@ class RemoteCallSession:
         self.closed = False
 
     def _put(self, item: EngineOutput | None) -> None:
-        if self._events.full():
-            self._events.get_nowait()
+        if put_dropping_oldest(self._events, item):
             self.dropped += 1
             if self.dropped in (1, 100, 1000):
                 log.warning("call %s: output consumer is behind, %d outputs dropped", self.call_id, self.dropped)
-        self._events.put_nowait(item)
 
     def push_audio(self, pcm: np.ndarray) -> None:
         if not self.closed:
@@ -799,9 +798,7 @@ class RemoteEngine:
                 self._writer.write(_json(b"C", {"call_id": session.call_id}))
 
     def _put_frames(self, item: BotFrames | None) -> None:
-        if self._frames.full():  # a consumer behind loses the oldest ticks, as with a local engine
-            self._frames.get_nowait()
-        self._frames.put_nowait(item)
+        put_dropping_oldest(self._frames, item)  # a consumer behind loses the oldest ticks, as with a local engine
 
     async def _receive(self) -> None:
         assert self._reader is not None

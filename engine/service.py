@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from .interface import (
     OracleUpdate,
     ToolUse,
 )
+from .queues import put_dropping_oldest
 from .sampling import SamplingOverrides
 
 log = logging.getLogger(__name__)
@@ -86,16 +87,6 @@ class EngineConfig:
 _CLOSED = object()
 
 
-def _put_dropping_oldest(queue: asyncio.Queue[Any], item: object) -> bool:
-    """Queue `item`; if the queue is full, drop its oldest first (a stalled consumer loses old outputs,
-    never stalls the engine). True if something was dropped."""
-    dropped = queue.full()
-    if dropped:
-        queue.get_nowait()
-    queue.put_nowait(item)
-    return dropped
-
-
 class LocalCallSession:
     def __init__(self, engine: LocalEngine, call_id: str, row: int, queue_size: int) -> None:
         self.call_id = call_id
@@ -111,7 +102,7 @@ class LocalCallSession:
     def _put(self, item: object) -> None:
         if self._closed:
             return
-        if _put_dropping_oldest(self._queue, item):
+        if put_dropping_oldest(self._queue, item):
             self._dropped += 1
             if self._dropped in (1, 100, 1000):
                 log.warning("call %s: output consumer is behind, %d outputs dropped", self.call_id, self._dropped)
@@ -274,7 +265,7 @@ class LocalEngine:
         self._put_frames(frames)
 
     def _put_frames(self, item: BotFrames | None) -> None:
-        if _put_dropping_oldest(self._frames, item):
+        if put_dropping_oldest(self._frames, item):
             self._frames_dropped += 1
             if self._frames_dropped in (1, 100, 1000) or self._frames_dropped % 10_000 == 0:
                 log.warning("bot audio consumer is behind: %d ticks dropped", self._frames_dropped)
