@@ -145,7 +145,7 @@ class CallStore(Protocol):
     async def end(self, call_sid: str, reason: str, at: float | None = None) -> None: ...
     async def get(self, call_sid: str) -> CallRecord | None: ...
     async def list_recent(self, limit: int = 50) -> list[CallRecord]: ...
-    async def adopt(self, call_sid: str) -> None: ...
+    def adopt(self, call_sid: str) -> None: ...
     async def ping(self) -> bool: ...
     async def flush(self) -> None: ...
     async def aclose(self) -> None: ...
@@ -315,7 +315,7 @@ class MemoryCallStore(_OpStore):
         newest = itertools.islice(reversed(self._records.values()), limit)
         return [CallRecord.from_dict(record.to_dict()) for record, _ in newest]
 
-    async def adopt(self, call_sid: str) -> None:
+    def adopt(self, call_sid: str) -> None:
         return None  # nothing to lose: the records live here
 
     async def ping(self) -> bool:
@@ -488,6 +488,9 @@ class RedisCallStore(_OpStore):
         # Live calls' records as written here, so a Redis that comes back empty gets them back whole.
         self._shadows: collections.OrderedDict[str, _Shadow] = collections.OrderedDict()
         self.max_shadows = DEFAULT_MAX_RECORDS
+        # Calls being adopted: our ops for each since adopt() began, until the record read returns.
+        self._adopting: dict[str, list[_Op]] = {}
+        self._adopt_tasks: set[asyncio.Task[None]] = set()
         self.unapplied_ops = 0
         self._wakeup = asyncio.Event()
         self._progress = asyncio.Event()
@@ -538,6 +541,8 @@ class RedisCallStore(_OpStore):
         shadow = self._shadows.get(op.call_sid)
         if shadow is None:
             if op.kind != "create":
+                if (adopting := self._adopting.get(op.call_sid)) is not None:
+                    adopting.append(op)  # laid over the record once its read returns
                 return
             record = _apply(None, op)
             assert record is not None
@@ -549,18 +554,36 @@ class RedisCallStore(_OpStore):
             shadow.seq = op.seq
         self._shadows.move_to_end(op.call_sid)
 
-    async def adopt(self, call_sid: str) -> None:
+    def adopt(self, call_sid: str) -> None:
         """Start a shadow of a call created elsewhere (another node took its webhook), before writing to it.
-        Without one, a Redis that loses the call mid-stream could not be given it back."""
-        if call_sid in self._shadows or call_sid in self._by_call:
+        Without one, a Redis that loses the call mid-stream could not be given it back.
+
+        Returns at once: the record is read in the background, so a slow Redis never holds up a call's start
+        (Twilio's packets queue meanwhile). Our ops for the call until the read returns are kept, and laid
+        over what it read by seq: those Redis already had are not applied twice."""
+        if self._closed or call_sid in self._shadows or call_sid in self._adopting:
             return
+        self._adopting[call_sid] = list(self._by_call.get(call_sid, ()))  # ours, submitted but maybe not written
+        task = asyncio.get_running_loop().create_task(self._adopt(call_sid), name=f"adopt-{call_sid}")
+        self._adopt_tasks.add(task)
+        task.add_done_callback(self._adopt_tasks.discard)
+
+    async def _adopt(self, call_sid: str) -> None:
         try:
-            record = await self.get(call_sid)
+            ((record, applied),) = await self._read([call_sid])
         except CallStoreUnavailable:
+            self._adopting.pop(call_sid, None)
             logger.warning("call store: cannot read call %s to keep a copy; it is lost if Redis loses it", call_sid)
             return
-        if record is not None and call_sid not in self._shadows and call_sid not in self._by_call:
-            self._shadows[call_sid] = _Shadow(record, 0)
+        ops = self._adopting.pop(call_sid, None)
+        if ops is None or call_sid in self._shadows:  # ended meanwhile, or created here after all
+            return
+        record = self._merge(record, applied, ops)
+        if record is None:
+            return  # not in Redis: nothing to keep (its ops are counted as unapplied when written)
+        self._shadows[call_sid] = _Shadow(record, max(applied, ops[-1].seq if ops else 0))
+        while len(self._shadows) > self.max_shadows:
+            self._shadows.popitem(last=False)
 
     def _ensure_writer(self) -> None:
         if self._writer is None or self._writer.done():
@@ -617,6 +640,7 @@ class RedisCallStore(_OpStore):
                     del self._by_call[op.call_sid]
             if op.kind == "end":
                 self._shadows.pop(op.call_sid, None)
+                self._adopting.pop(op.call_sid, None)  # a read still out must not bring its shadow back
 
     async def _write_batch(self, batch: list[_Op]) -> None:
         # MULTI/EXEC: a batch lands whole or not at all, so per-call order survives a retry.
@@ -691,6 +715,10 @@ class RedisCallStore(_OpStore):
         except TimeoutError:
             logger.warning("call store: closing with %d ops not written to Redis", self.pending_ops)
         self._closed = True
+        adopting = list(self._adopt_tasks)
+        for task in adopting:
+            task.cancel()
+        await asyncio.gather(*adopting, return_exceptions=True)
         if self._writer is not None:
             self._writer.cancel()
             try:

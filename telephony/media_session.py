@@ -263,8 +263,8 @@ class MediaStreamSession:
         if self.state.stream_sid is not None:
             self._protocol_error(DUPLICATE_START, "second start on one stream")
             return
-        # Twilio's media clock starts here. Claiming the seat, opening it and adopting the record may take
-        # seconds on a slow Redis, while the caller's packets queue up in real time: they are no flood.
+        # Twilio's media clock starts here. Claiming the seat and opening it may take seconds on a slow
+        # Redis, while the caller's packets queue up in real time: they are no flood.
         self.state.start_received_at = time.monotonic()
         start = message.start
         call_sid = start.call_sid
@@ -304,7 +304,7 @@ class MediaStreamSession:
         self._media = MediaMessageTemplate(message.stream_sid)
         metrics.CALLS_ACTIVE.inc()
         log.info("stream %s started (tracks %s)", message.stream_sid, ",".join(start.tracks))
-        await self.ctx.store.adopt(call_sid)  # a copy of the record, should Redis lose it mid-call
+        self.ctx.store.adopt(call_sid)  # a copy of the record, should Redis lose it mid-call (read in the background)
         await self.ctx.store.update(
             call_sid,
             stream_sid=message.stream_sid,

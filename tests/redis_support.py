@@ -65,3 +65,50 @@ class RedisServer:
         shutil.rmtree(self.dir)
         self.dir.mkdir()
         await self.start()
+
+
+class SlowProxy:
+    """A TCP proxy on loopback that holds every reply from upstream for `delay_s`: a slow Redis (or a far one),
+    with requests still reaching it at once and in order."""
+
+    def __init__(self, upstream_port: int, delay_s: float) -> None:
+        self.upstream_port = upstream_port
+        self.delay_s = delay_s
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._server: asyncio.Server | None = None
+        self._pipes: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._pipes):
+            task.cancel()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            writer.close()
+            return
+        for task in (self._pipe(reader, up_writer, 0.0), self._pipe(up_reader, writer, self.delay_s)):
+            t = asyncio.create_task(task)
+            self._pipes.add(t)
+            t.add_done_callback(self._pipes.discard)
+
+    @staticmethod
+    async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay_s: float) -> None:
+        try:
+            while data := await src.read(65536):
+                if delay_s:
+                    await asyncio.sleep(delay_s)
+                dst.write(data)
+                await dst.drain()
+        except OSError:
+            pass
+        finally:
+            dst.close()

@@ -19,7 +19,8 @@ from telephony.sim_caller import simulate_call
 
 from .link_fixtures import TOKEN, tone
 from .phone_fixtures import metric, new_call_sid
-from .redis_support import RedisServer, free_port
+from .polling import until
+from .redis_support import RedisServer, SlowProxy, free_port
 
 ADMIN = "faults-admin"
 
@@ -99,6 +100,50 @@ async def test_a_redis_that_restarts_empty_mid_call_gets_the_live_calls_record_b
     finally:
         await handle.aclose()
         await store.aclose()
+
+
+async def test_a_call_adopted_from_another_node_is_read_in_the_background_and_given_back_whole(
+    redis_server: RedisServer,
+) -> None:
+    """Node A took the webhook; node B carries the stream, behind a slow Redis (0.4 s a reply). B's adoption of
+    the record must not hold up the call's start: adopt() returns at once and reads in the background. B's
+    writes before, during and after that read all end up once in the copy it gives back to a Redis that
+    restarted empty (it used to await the read, and to keep no copy when it had writes of its own pending)."""
+    a = open_call_store(redis_server.url)
+    proxy = SlowProxy(redis_server.port, 0.4)
+    await proxy.start()
+    b = open_call_store(proxy.url, socket_timeout_s=2.0, retry_max_s=0.2)
+    assert isinstance(a, RedisCallStore) and isinstance(b, RedisCallStore)
+    restored = metric("kame_call_store_restored_records_total")
+    sid = new_call_sid()
+    try:
+        await a.create(CallRecord(call_sid=sid, state="ringing", from_number="+15005550006",
+                                  to_number="+15005550001"))  # fmt: skip
+        await a.append_dtmf(sid, "1")
+        await a.flush()
+        await b.append_dtmf(sid, "2")  # pending when the adoption begins: Redis may or may not have it yet
+        assert b.adopt(sid) is None  # not a coroutine: nothing to await on the call's start
+        await b.update(sid, state="streaming", stream_sid="MZadopted")
+        await b.append_dtmf(sid, "3")
+        await asyncio.sleep(0.2)  # the read is out
+        await b.append_dtmf(sid, "4")
+        await until(lambda: not b._adopt_tasks, "the adoption's read returned")
+        async with asyncio.timeout(10):
+            await b.flush()
+        await redis_server.restart_empty()
+        await b.append_dtmf(sid, "5")
+        async with asyncio.timeout(10):
+            await b.flush()
+        got = await _redis_record(redis_server.url, sid)
+        assert got is not None, "B kept no copy of the call it adopted"
+        assert got.from_number == "+15005550006" and got.to_number == "+15005550001"  # A's, read by B
+        assert got.state == "streaming" and got.stream_sid == "MZadopted"
+        assert got.dtmf == ["1", "2", "3", "4", "5"]  # each once, in order
+        assert metric("kame_call_store_restored_records_total") == restored + 1
+    finally:
+        await a.aclose()
+        await b.aclose()
+        await proxy.aclose()
 
 
 async def test_an_op_for_a_call_redis_does_not_have_is_counted_not_silent(
