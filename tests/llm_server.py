@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,11 @@ def answer_for(messages: list[dict[str, Any]]) -> str:
     return f"Sure, about {last_user}, let me help you with that right away."
 
 
+def _bad_tool_name_in(messages: list[dict[str, Any]]) -> bool:
+    names = [call["function"]["name"] for m in messages for call in m.get("tool_calls") or ()]
+    return any(re.fullmatch(r"[a-zA-Z0-9_-]+", name) is None for name in names)
+
+
 @dataclass
 class FakeLlm:
     mode: str = "ok"  # ok | status | malformed | broken | error_event | split_pair | hang | drip | no_tools
@@ -41,6 +47,7 @@ class FakeLlm:
     # streamed in pieces as OpenAI does, after `tool_preamble` as text (if set).
     tool_triggers: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
     tool_preamble: str = ""
+    invent_tools: bool = False  # call the trigger's tool even when it was not offered (models make names up)
     base_url: str = ""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -57,7 +64,8 @@ class FakeLlm:
             # Echo the credentials back, as some proxies do: the client must not log them.
             auth = request.headers.get("Authorization", "")
             return web.json_response({"error": {"message": f"boom (auth {auth})"}}, status=self.status)
-        if mode == "bad_history":  # OpenAI on a tool name outside [a-zA-Z0-9_-] in the history: ours, not its
+        if mode == "bad_history" or _bad_tool_name_in(body["messages"]):
+            # OpenAI on a tool name outside [a-zA-Z0-9_-] in the history: ours, not its
             error = {"message": "Invalid 'messages[3].tool_calls[0].function.name': string does not match "
                                 "pattern. Expected a string that matches the pattern '^[a-zA-Z0-9_-]+$'.",
                      "type": "invalid_request_error", "param": "messages[3].tool_calls[0].function.name",
@@ -114,7 +122,8 @@ class FakeLlm:
         if last["role"] != "user":
             return None  # e.g. a tool's result: answer it in words
         said = last["content"].lower()
-        return next((c for word, c in self.tool_triggers.items() if word in said and c[0] in offered), None)
+        return next((c for word, c in self.tool_triggers.items()
+                     if word in said and (c[0] in offered or self.invent_tools)), None)  # fmt: skip
 
     async def _stream_tool_call(self, resp: web.StreamResponse, model: str, name: str, args: dict[str, Any]) -> None:
         def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:

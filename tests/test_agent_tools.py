@@ -210,6 +210,64 @@ async def test_an_http_tools_result_reaches_the_llms_next_request_and_a_failing_
     assert metric("kame_tool_calls_total", tool="order_status", outcome=outcome) == counted + 1
 
 
+async def test_a_tool_name_the_model_made_up_is_answered_and_the_call_goes_on(
+    tiny_checkpoint: Path, llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path
+) -> None:
+    """Models call tools they were never offered (multi_tool_use.parallel). It is run as "unknown": an error
+    the LLM can talk about. The history must say "unknown" too: with the model's own name in it, the API
+    refuses every later request of the call (the stand-in checks names as OpenAI does)."""
+    directory = _agents(tmp_path, tool_server.base_url + "/order-status")
+    llm_server.tool_triggers = {"order": ("multi_tool_use.parallel", {"tool_uses": []})}
+    llm_server.invent_tools = True
+    wav = flite_wav("Where is my order?", tmp_path / "order.wav")
+    sid = new_call_sid()
+    backend = await _backend(llm_server, directory)
+    async with running_phone(tiny_checkpoint, backend=backend, agents=directory) as phone:
+        report = await simulate_call(phone.ws_url, wav, auth_token=phone.token, public_url=phone.base,
+                                     custom_sid=sid, to_number=SALES, hold_after=4.0)  # fmt: skip
+        await phone.settled()
+        record = await phone.store.get(sid)
+    assert report.outcome == "completed", report.errors
+    assert tool_server.received == []  # nothing was run under a name nobody offered
+    answered = [r for r in llm_server.requests if r["messages"][-1]["role"] == "tool"]
+    assert answered, "the tool's result never reached the LLM"
+    asked = answered[0]["messages"][-2]
+    assert asked["tool_calls"][0]["function"]["name"] == "unknown"
+    assert record is not None
+    assert [(t.name, t.outcome) for t in record.tools] == [("unknown", "unknown_tool")]
+    # The request with the result was accepted: its answer became the newest candidate.
+    assert any(o.text.startswith("The tool says error") for o in record.oracle), [o.text for o in record.oracle]
+
+
+async def test_an_agent_the_backend_lacks_is_answered_as_its_default_and_said(
+    tiny_checkpoint: Path, llm_server: FakeLlm, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The edge and the back-end read their agents files apart (two processes, a reload between them): the
+    edge chose "sales", the back-end has no such agent. The call is answered as the back-end's default, and a
+    warning with the call id says why the caller heard another agent."""
+    edge = _agents(tmp_path, "https://crm.example.com/order-status")
+    (tmp_path / "older").mkdir()
+    older = AgentDirectory.from_file(write_agents(tmp_path / "older", """
+        [agents.default]
+        instructions = "You answer the phone for Acme Dental."
+    """))  # fmt: skip
+    wav = flite_wav("Hello there.", tmp_path / "hello.wav")
+    sid = new_call_sid()
+    backend = await _backend(llm_server, older)
+    async with running_phone(tiny_checkpoint, backend=backend, agents=edge) as phone:
+        report = await simulate_call(phone.ws_url, wav, auth_token=phone.token, public_url=phone.base,
+                                     custom_sid=sid, to_number=SALES, hold_after=3.0)  # fmt: skip
+        await phone.settled()
+        record = await phone.store.get(sid)
+    assert report.outcome == "completed", report.errors
+    assert record is not None and record.agent == "sales"  # the edge's choice, as recorded
+    assert llm_server.requests, "the back-end never asked the LLM"
+    system = llm_server.requests[0]["messages"][0]["content"]
+    assert "Acme Dental" in system and "widgets" not in system
+    said = [r.getMessage() for r in caplog.records if "not in this process's agents file" in r.getMessage()]
+    assert len(said) == 1 and sid in said[0] and "'sales'" in said[0], said
+
+
 @pytest.mark.parametrize(
     ("mode", "outcome", "told"),
     [("slow", "timeout", "error: the tool did not answer within 0.5 seconds"),

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -139,6 +140,60 @@ async def test_an_engine_whose_every_tick_fails_is_broken_its_calls_told_and_liv
         await engine.stop()
     failures = [r for r in caplog.records if "engine tick failed" in r.getMessage()]
     assert 1 <= len(failures) <= 3, len(failures)  # not a traceback per tick
+
+
+def _child_that_breaks_after_warmup(conn: Any, spec: Any, warmup_ticks: int) -> None:
+    """The real engine child, with a fault that sticks once it is up (as the in-process test above: a text
+    weight cut short, so every tick with a call fails). Runs in the spawned child: module-level, importable."""
+    from engine import frame_loop_process
+
+    start = frame_loop_process._ChildFrameLoop.start
+
+    def start_then_break(self: Any, ticks: int = 4) -> None:
+        start(self, ticks)
+        emb = self.batch.lm.text_emb
+        emb.weight.data = emb.weight.data[:1]
+
+    frame_loop_process._ChildFrameLoop.start = start_then_break  # type: ignore[method-assign]
+    frame_loop_process._child_main(conn, spec, warmup_ticks)
+
+
+async def test_an_engine_process_whose_every_tick_fails_exits_and_its_calls_are_told(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """In its own process, a broken engine says why and exits (code 70), so the parent's death path ends its
+    calls, fails health, and the device's memory is freed for the restart."""
+    from engine import frame_loop_process
+
+    monkeypatch.setattr(frame_loop_process, "_child_main", _child_that_breaks_after_warmup)
+    engine = await _engine(tiny_checkpoint)
+
+    async def caller() -> None:
+        while True:
+            call.push_audio(np.zeros(FRAME_SAMPLES, np.float32))
+            await asyncio.sleep(0.08)
+
+    feeding: asyncio.Task[None] | None = None
+    try:
+        call = await engine.open_call("CA-broken-child")
+        feeding = asyncio.create_task(caller())
+        lost = None
+        async with asyncio.timeout(15):
+            async for out in call.outputs():
+                if isinstance(out, EngineNotice) and out.kind == "engine_lost":
+                    lost = out
+                    break
+        assert lost is not None
+        assert engine.failed and not engine.ready
+        process = engine.frame_loop._process  # type: ignore[attr-defined]
+        process.join(5)
+        assert process.exitcode == frame_loop_process.EXIT_BROKEN
+    finally:
+        if feeding is not None:
+            feeding.cancel()
+        await engine.stop()
+    said = [r.getMessage() for r in caplog.records if "the engine process is broken" in r.getMessage()]
+    assert len(said) == 1 and "IndexError" in said[0], said  # the child's reason, logged here once
 
 
 async def test_a_dead_engine_process_ends_its_calls_and_fails_liveness(tiny_checkpoint: Path) -> None:
