@@ -71,7 +71,7 @@ ORACLE_SLOT_WAIT_SECONDS = Histogram(
     "feeds its boundary token (0-80 ms when ticks keep time; more means late ticks).",
     buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
 )
-# The engine link (engine/remote.py): edges served over a socket by `kame-phone engine-serve`.
+# The engine link (engine/link_server.py, engine/remote.py): edges served over a socket by `kame-phone engine-serve`.
 ENGINE_LINK_EDGES = Gauge("kame_engine_link_edges", "Edge processes connected to this engine server.")
 ENGINE_LINK_ERRORS = zero_series(
     Counter(

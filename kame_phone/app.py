@@ -9,7 +9,8 @@ import os
 
 from engine.compiled_step import COMPILE_MODES
 from engine.kv_cache import KV_DTYPES
-from engine.remote import Address, LinkError, LinkRefused, RemoteEngine, edge_tls
+from engine.link_wire import Address, LinkError, LinkRefused, edge_tls
+from engine.remote import RemoteEngine
 from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
 from engine.weight_quant import WEIGHTS_DTYPES

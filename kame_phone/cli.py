@@ -49,7 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kame-phone serve: {e}", file=sys.stderr)
         return 2
     if args.engine:
-        from engine.remote import Address
+        from engine.link_wire import Address
 
         try:
             Address.parse(args.engine)
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # one clear line for expected failures (bad checkpoint, missing tool)
         from engine.checkpoint import CheckpointError
-        from engine.remote import LinkRefused
+        from engine.link_wire import LinkRefused
 
         if isinstance(e, (CheckpointError, LinkRefused)):  # a wrong token or protocol version: retry won't help
             print(f"kame-phone: {e}", file=sys.stderr)

@@ -22,7 +22,8 @@ import sys
 from aiohttp import web
 
 from engine.heap import freeze_startup_heap
-from engine.remote import Address, EngineServer, server_tls
+from engine.link_server import EngineServer
+from engine.link_wire import Address, server_tls
 from knowledge.agents import AgentsError
 from telephony.metrics_http import METRICS_PATH, handle_metrics
 

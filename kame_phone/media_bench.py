@@ -246,7 +246,8 @@ class EngineSideReport:
 def _engine_link_main(conn: Connection, socket_path: str, max_calls: int) -> None:
     """The engine-link mode's engine process: the loopback engine behind an `EngineServer` on a Unix socket,
     as `kame-phone engine-serve` serves the model. Reports its own times and CPU when told the run is over."""
-    from engine.remote import Address, EngineServer
+    from engine.link_server import EngineServer
+    from engine.link_wire import Address
 
     async def main() -> None:
         engine = LoopbackEngine(max_calls=max_calls)
@@ -808,7 +809,8 @@ class _EdgeReport:
 
 def _edge_main(conn: Connection, socket_path: str, seats: int, token: str, name: str) -> None:
     """One edge process of the multi-edge mode: the service on the engine link, measuring itself."""
-    from engine.remote import Address, RemoteEngine
+    from engine.link_wire import Address
+    from engine.remote import RemoteEngine
 
     async def main() -> None:
         engine = await RemoteEngine.connect(Address(unix_path=socket_path), token=None, seats=seats, name=name)
@@ -956,7 +958,8 @@ async def _linked_engine(
 ) -> tuple[Any, Callable[[], Awaitable[EngineSideReport]]]:
     """The loopback engine's process, and this process connected to it as an edge; (the edge's engine, a
     coroutine function that ends the engine process and returns what it measured)."""
-    from engine.remote import Address, RemoteEngine
+    from engine.link_wire import Address
+    from engine.remote import RemoteEngine
 
     path, finish_engine = await _engine_process(stack, calls)
     engine = await RemoteEngine.connect(Address(unix_path=path), token=None, seats=calls, name="media-bench")

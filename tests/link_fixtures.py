@@ -9,7 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.remote import Address, EngineServer, RemoteEngine, server_tls
+from engine.link_server import EngineServer
+from engine.link_wire import Address, server_tls
+from engine.remote import RemoteEngine
 from kame_phone.media_bench import LoopbackEngine
 from telephony.call_store import MemoryCallStore
 from telephony.config import ServiceConfig

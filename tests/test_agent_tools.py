@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from engine.interface import CallSetup, ToolUse
-from engine.remote import _setup_from_wire, event_message, parse_event
+from engine.link_wire import event_message, parse_event, setup_from_wire
 from knowledge.agents import AgentDirectory, Agents
 from knowledge.backend import BackendConfig, BackendServices
 from knowledge.llm import MAX_TOOL_ARGUMENTS, LlmClient, LlmConfig, LlmError, ToolCallRequest
@@ -414,11 +414,11 @@ async def test_tool_calls_in_the_record_mask_digits_as_dtmf_is() -> None:
 def test_tool_events_and_call_actions_cross_the_engine_link() -> None:
     use = ToolUse("transfer_call", "{}", "requested", "transfer", TRANSFER_LINE)
     assert parse_event(memoryview(event_message("c1", use, 0.0))[5:], 0.0) == ("c1", use)
-    assert _setup_from_wire({"agent": "sales", "actions": ["transfer", "end"]}) == CallSetup(
+    assert setup_from_wire({"agent": "sales", "actions": ["transfer", "end"]}) == CallSetup(
         agent="sales", actions=("transfer", "end"))  # fmt: skip
     with pytest.raises(ValueError, match="actions"):
-        _setup_from_wire({"agent": "sales", "actions": ["format_disk"]})
+        setup_from_wire({"agent": "sales", "actions": ["format_disk"]})
     delayed = CallSetup(agent="sales", forced_delay_ms=500.0)
-    assert _setup_from_wire({"agent": "sales", "forced_delay_ms": 500}) == delayed
+    assert setup_from_wire({"agent": "sales", "forced_delay_ms": 500}) == delayed
     with pytest.raises(ValueError, match="forced_delay_ms"):
-        _setup_from_wire({"agent": "sales", "forced_delay_ms": "1e9"})
+        setup_from_wire({"agent": "sales", "forced_delay_ms": "1e9"})

@@ -16,14 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from engine.interface import FRAME_SAMPLES, CallSetup
-from engine.remote import (
-    HELLO_TIMEOUT_S,
-    MAX_UNAUTHENTICATED,
-    PROTOCOL_VERSION,
-    Address,
-    LinkRefused,
-    RemoteEngine,
-)
+from engine.link_server import HELLO_TIMEOUT_S, MAX_UNAUTHENTICATED
+from engine.link_wire import PROTOCOL_VERSION, Address, LinkRefused
+from engine.remote import RemoteEngine
 from telephony.server import MEDIA_PATH, ServiceHandle
 from telephony.sim_caller import CallReport, simulate_call
 

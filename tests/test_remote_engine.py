@@ -27,13 +27,11 @@ from engine.interface import (
     EngineNotice,
     OracleUpdate,
 )
-from engine.remote import (
-    EDGE_EVENTS_QUEUE,
+from engine.link_wire import (
     PROTOCOL_VERSION,
     Address,
     LinkError,
     LinkRefused,
-    RemoteEngine,
     audio_message,
     edge_tls,
     event_message,
@@ -42,6 +40,7 @@ from engine.remote import (
     parse_event,
     parse_frames,
 )
+from engine.remote import EDGE_EVENTS_QUEUE, RemoteEngine
 from telephony.server import MEDIA_PATH
 from telephony.sim_caller import simulate_call
 

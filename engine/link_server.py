@@ -1,0 +1,353 @@
+"""The engine's side of the link (`kame-phone engine-serve`): welcomes edges, seats their calls, fans out
+the ticks' bot frames.
+
+Before its hello a peer is nobody: the hello is capped at a few KB and 2 s, and only a few such peers are
+held at once, so a flood of connections costs the engine nothing. Once welcomed, an edge's call ids are its
+own: the engine seats them as "<call id>@e<edge number>", so an edge holding the shared token still cannot
+open, close or hear another edge's call. Both sides name their PROTOCOL_VERSION and refuse a mismatch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import json
+import logging
+import ssl
+import struct
+import time
+from dataclasses import dataclass, field
+
+from . import metrics
+from .interface import (
+    BotFrames,
+    CallerTranscript,
+    CallSession,
+    CallSetup,
+    Engine,
+    EngineError,
+    EngineFull,
+    OracleUpdate,
+)
+from .link_wire import (
+    PROTOCOL_VERSION,
+    SOCKET_BUFFER_BYTES,
+    Address,
+    LinkError,
+    backlogged,
+    event_message,
+    frames_message,
+    json_message,
+    parse_audio,
+    read_message,
+    setup_from_wire,
+    tune_socket,
+)
+
+log = logging.getLogger(__name__)
+
+HELLO_MAX_BYTES = 4096  # a hello is ~100 bytes; before it the peer is unauthenticated
+HELLO_TIMEOUT_S = 2.0  # from accept (after TLS) to a whole hello; TLS handshakes get the same
+MAX_UNAUTHENTICATED = 8  # peers between accept and welcome held at once; edges reconnect one at a time
+
+
+
+@dataclass(eq=False)
+class _Edge:
+    name: str
+    writer: asyncio.StreamWriter
+    seats: int
+    number: int  # this connection's, on this engine: the namespace of its call ids
+    calls: dict[str, CallSession] = field(default_factory=dict)
+    pumps: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    # Seating a call can take a while (its back-end starts: an STT decoder, an LLM client), so it runs beside
+    # the edge's message loop, never in it: the edge's other calls keep streaming audio meanwhile.
+    opening: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    frames_dropped: int = 0
+
+    def engine_id(self, call_id: str) -> str:
+        """The call's id on the engine: the edge's own id can clash with (or be chosen as) another edge's."""
+        return f"{call_id}@e{self.number}"
+
+
+class EngineServer:
+    """Serves one loaded `Engine` to edges over a socket. Consumes the engine's `bot_frames()`."""
+
+    def __init__(
+        self, engine: Engine, *, token: str | None, backlog_bytes: int = 8 << 20,
+        socket_buffer_bytes: int = SOCKET_BUFFER_BYTES, tls: ssl.SSLContext | None = None,
+    ) -> None:  # fmt: skip
+        self.engine = engine
+        self.token = token
+        self.tls = tls  # used on a tls:// address (server_tls)
+        self.backlog_bytes = backlog_bytes  # unsent bytes to one edge beyond which its ticks are dropped
+        self.socket_buffer_bytes = socket_buffer_bytes
+        self._edges: set[_Edge] = set()
+        self._owner: dict[str, tuple[_Edge, str]] = {}  # engine call id -> (its edge, the edge's call id)
+        self._edge_numbers = itertools.count(1)
+        self._unauthenticated = 0  # connections accepted and not yet welcomed
+        self._server: asyncio.Server | None = None
+        self._fanout: asyncio.Task[None] | None = None
+        self.draining = False
+        self._no_calls = asyncio.Event()  # set while no call is seated: what a drain waits for
+        self._no_calls.set()
+
+    def _disown(self, edge: _Edge, call_id: str) -> None:
+        self._owner.pop(edge.engine_id(call_id), None)
+        if not self._owner:
+            self._no_calls.set()
+
+    @property
+    def seats_granted(self) -> int:
+        return sum(edge.seats for edge in self._edges)
+
+    async def listen(self, address: Address) -> Address:
+        """Start serving; returns the bound address (the real port when `address.port` is 0)."""
+        if address.unix_path is not None:
+            self._server = await asyncio.start_unix_server(self._serve_edge, path=address.unix_path)
+            bound = address
+        else:
+            if address.tls and self.tls is None:
+                raise ValueError(f"{address} needs a certificate and key (engine-serve --tls-cert/--tls-key)")
+            ssl_context = self.tls if address.tls else None
+            self._server = await asyncio.start_server(
+                self._serve_edge, address.host, address.port, ssl=ssl_context,
+                ssl_handshake_timeout=HELLO_TIMEOUT_S if ssl_context else None,
+            )  # fmt: skip
+            bound = Address(host=address.host, port=self._server.sockets[0].getsockname()[1], tls=address.tls)
+        self._fanout = asyncio.create_task(self._fan_out_frames(), name="engine-link-frames")
+        log.info("engine link listening on %s (%d seats)", bound, self.engine.max_calls)
+        return bound
+
+    @property
+    def calls(self) -> int:
+        return len(self._owner)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop seating calls (edges are told, and turn not-ready) and wait for the seated ones to end, up to
+        `timeout_s`; returns how many are still up. A restart then cuts no call that could finish."""
+        self.draining = True
+        for edge in self._edges:
+            if not edge.writer.transport.is_closing():
+                edge.writer.write(json_message(b"S", {"draining": True}))
+        log.info("draining: %d calls on %d edges", self.calls, len(self._edges))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._no_calls.wait(), timeout_s)
+        return self.calls
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for edge in list(self._edges):
+            edge.writer.close()
+        if self._fanout is not None:
+            self._fanout.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._fanout
+        for edge in list(self._edges):
+            await self._drop_edge(edge)
+
+    async def _serve_edge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername") or "unix socket"
+        edge: _Edge | None = None
+        if self._unauthenticated >= MAX_UNAUTHENTICATED:  # a flood of connections: refuse before reading a byte
+            metrics.ENGINE_LINK_ERRORS.labels(kind="unauthenticated_cap").inc()
+            log.warning("engine link from %s: %d connections await their hello already; refused",
+                        peer, self._unauthenticated)  # fmt: skip
+            writer.write(json_message(b"W", {"error": "too many connections awaiting their hello; retry"}))
+            writer.close()
+            return
+        try:
+            self._unauthenticated += 1
+            try:
+                edge = await self._welcome(reader, writer, peer)
+            finally:
+                self._unauthenticated -= 1
+            if edge is None:
+                return
+            tune_socket(writer, self.socket_buffer_bytes)  # large buffers only for a welcomed edge
+            while True:
+                kind, body = await read_message(reader)
+                if kind == b"A":
+                    self._on_audio(edge, body)
+                elif kind == b"O":
+                    opened = json.loads(bytes(body))
+                    call_id, setup = str(opened["call_id"]), setup_from_wire(opened.get("setup"))
+                    if call_id not in edge.opening:
+                        edge.opening[call_id] = asyncio.create_task(self._on_open(edge, call_id, setup))
+                elif kind == b"C":
+                    call_id = str(json.loads(bytes(body))["call_id"])
+                    asyncio.create_task(self._close_when_seated(edge, call_id))  # noqa: RUF006 - short, self-ending
+                else:
+                    raise LinkError(f"unknown message kind {kind!r}")
+        except (asyncio.IncompleteReadError, OSError):
+            pass  # the edge went away (reset, timed out, unreachable, TLS torn)
+        # A broken or hostile peer (deep JSON nesting, a number past float range included): drop it, not us.
+        except (LinkError, ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:
+            metrics.ENGINE_LINK_ERRORS.labels(kind="bad_message").inc()
+            log.warning("engine link from %s: %s; closing it", peer, e)
+        finally:
+            if edge is not None:
+                await self._drop_edge(edge)
+            writer.close()
+
+    async def _welcome(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: object) -> _Edge | None:
+        try:
+            kind, body = await asyncio.wait_for(read_message(reader, HELLO_MAX_BYTES), HELLO_TIMEOUT_S)
+            hello = json.loads(bytes(body)) if kind == b"H" else {}
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, LinkError, ValueError, RecursionError):
+            hello = {}  # RecursionError: 4 KB of nesting ("[[[[...") is enough for the JSON parser
+        if isinstance(hello, dict):
+            try:  # before the token: a hello that says nothing sane gets the same answer either way
+                asked = int(hello.get("seats", 0))
+            except (TypeError, ValueError, OverflowError):  # "many", 1e400, null
+                hello = {}
+        if not hello or not isinstance(hello, dict):
+            metrics.ENGINE_LINK_ERRORS.labels(kind="bad_hello").inc()
+            log.warning("engine link from %s: no hello; closing it", peer)
+            return None
+        given = str(hello.get("token", "")).encode()  # bytes: compare_digest refuses non-ASCII str
+        if self.token is not None and not hmac.compare_digest(given, self.token.encode()):
+            metrics.ENGINE_LINK_ERRORS.labels(kind="bad_token").inc()
+            log.warning("engine link from %s: wrong token; refused", peer)
+            writer.write(json_message(b"W", {"error": "wrong token", "permanent": True}))
+            return None
+        version = hello.get("version", 1)
+        if version != PROTOCOL_VERSION:
+            metrics.ENGINE_LINK_ERRORS.labels(kind="bad_version").inc()
+            why = (f"engine link protocol version mismatch: this engine speaks {PROTOCOL_VERSION}, the edge "
+                   f"{str(version)[:20]}; run the same kame-phone release on both")  # fmt: skip
+            log.warning("engine link from %s: %s; refused", peer, why)
+            writer.write(json_message(b"W", {"error": why, "permanent": True, "version": PROTOCOL_VERSION}))
+            return None
+        name = str(hello.get("name", "edge"))[:100]
+        free = self.engine.max_calls - self.seats_granted
+        seats = max(0, min(asked, free))
+        if seats == 0 or not self.engine.ready or self.draining:
+            reason = (
+                "the engine is draining" if self.draining
+                else "the engine is not ready" if not self.engine.ready
+                else f"no seats left ({free} free)"
+            )  # fmt: skip
+            log.warning("engine link from %s (%s): refused, %s", peer, name, reason)
+            writer.write(json_message(b"W", {"error": reason}))
+            return None
+        edge = _Edge(name, writer, seats, next(self._edge_numbers))
+        self._edges.add(edge)
+        metrics.ENGINE_LINK_EDGES.set(len(self._edges))
+        writer.write(json_message(b"W", {"version": PROTOCOL_VERSION, "seats": seats}))
+        log.info("edge %s (%s) joined as e%d with %d seats (%d of %d granted)",
+                 name, peer, edge.number, seats, self.seats_granted, self.engine.max_calls)  # fmt: skip
+        return edge
+
+    def _on_audio(self, edge: _Edge, body: bytes) -> None:
+        try:
+            call_id, pcm = parse_audio(body)
+        except (ValueError, struct.error) as e:  # one bad frame is dropped; the edge's other calls go on
+            metrics.ENGINE_LINK_ERRORS.labels(kind="bad_audio").inc()
+            log.warning("engine link from %s: bad audio message (%s); dropped", edge.name, e)
+            return
+        session = edge.calls.get(call_id)
+        if session is not None:  # audio racing a close is normal: dropped
+            session.push_audio(pcm)
+
+    async def _close_when_seated(self, edge: _Edge, call_id: str) -> None:
+        """A close that overtakes its open waits for it, so the seat it was opening is freed, not leaked."""
+        opening = edge.opening.get(call_id)
+        if opening is not None:
+            await asyncio.wait({opening})
+        await self._close_call(edge, call_id)
+
+    async def _on_open(self, edge: _Edge, call_id: str, setup: CallSetup | None) -> None:
+        try:
+            await self._seat(edge, call_id, setup)
+        finally:
+            edge.opening.pop(call_id, None)
+
+    async def _seat(self, edge: _Edge, call_id: str, setup: CallSetup | None) -> None:
+        error = None
+        others = (set(edge.calls) | set(edge.opening)) - {call_id}  # seated, or being seated beside this one
+        if self.draining:
+            error = "closed: the engine is draining"
+        elif call_id not in edge.calls and len(others) >= edge.seats:
+            error = "full"
+        else:
+            engine_id = edge.engine_id(call_id)
+            if engine_id in self._owner:  # the edge opens the call again (its stream came back): the old seat goes
+                await self._close_call(edge, call_id)
+            try:
+                session = await self.engine.open_call(engine_id, setup)
+            except EngineFull:
+                error = "full"
+            except EngineError as e:
+                error = f"closed: {e}"
+            else:
+                edge.calls[call_id] = session
+                self._owner[engine_id] = (edge, call_id)
+                self._no_calls.clear()
+                edge.pumps[call_id] = asyncio.create_task(self._pump(edge, call_id, session), name=f"link-{call_id}")
+        if not edge.writer.transport.is_closing():
+            edge.writer.write(json_message(b"R", {"call_id": call_id, "ok": error is None, "error": error}))
+
+    async def _pump(self, edge: _Edge, call_id: str, session: CallSession) -> None:
+        async for output in session.outputs():
+            if edge.writer.transport.is_closing():
+                continue
+            if isinstance(output, (OracleUpdate, CallerTranscript)) and backlogged(edge.writer, self.backlog_bytes):
+                metrics.ENGINE_LINK_DROPPED.labels(what="events").inc()  # an edge not reading: shed the chatter
+                continue
+            edge.writer.write(event_message(call_id, output, time.monotonic()))
+        if edge.calls.get(call_id) is session:  # the engine ended it (not the edge): tell the edge
+            del edge.calls[call_id]
+            self._disown(edge, call_id)
+            edge.pumps.pop(call_id, None)
+            if not edge.writer.transport.is_closing():
+                edge.writer.write(event_message(call_id, None, time.monotonic()))
+
+    async def _close_call(self, edge: _Edge, call_id: str) -> None:
+        session = edge.calls.pop(call_id, None)
+        pump = edge.pumps.pop(call_id, None)
+        self._disown(edge, call_id)
+        if session is not None:
+            await session.close()
+        if pump is not None:
+            pump.cancel()
+
+    async def _drop_edge(self, edge: _Edge) -> None:
+        if edge not in self._edges:
+            return
+        self._edges.discard(edge)
+        metrics.ENGINE_LINK_EDGES.set(len(self._edges))
+        if edge.opening:  # let seatings under way finish, then free those seats with the rest
+            await asyncio.wait(set(edge.opening.values()))
+        for call_id in list(edge.calls):
+            await self._close_call(edge, call_id)
+        log.info("edge %s left; its seats are free", edge.name)
+
+    async def _fan_out_frames(self) -> None:
+        async for frames in self.engine.bot_frames():
+            try:
+                self._send_tick(frames)
+            except Exception:  # one bad tick must not silence every edge from then on
+                log.exception("engine link: a tick could not be sent")
+
+    def _send_tick(self, frames: BotFrames) -> None:
+        """Each edge gets its own calls' rows of the tick, in one message."""
+        rows: dict[_Edge, tuple[list[int], list[str]]] = {}
+        for i, engine_id in enumerate(frames.call_ids):
+            owner = self._owner.get(engine_id)
+            if owner is not None:
+                mine, ids = rows.setdefault(owner[0], ([], []))
+                mine.append(i)
+                ids.append(owner[1])
+        now = time.monotonic()
+        for edge, (mine, ids) in rows.items():
+            if backlogged(edge.writer, self.backlog_bytes):  # an edge that stopped reading loses ticks
+                edge.frames_dropped += 1
+                metrics.ENGINE_LINK_DROPPED.labels(what="bot_frames").inc()
+                if edge.frames_dropped in (1, 100) or edge.frames_dropped % 1000 == 0:
+                    log.warning("edge %s is not reading: %d ticks dropped", edge.name, edge.frames_dropped)
+                continue
+            edge.writer.write(frames_message(frames, mine, now, ids))
