@@ -234,7 +234,10 @@ class RemoteEngine:
             raise EngineFull("every seat of this edge is taken")
         if error is not None:
             raise EngineClosed(error)
-        return self._calls[call_id]
+        session = self._calls.get(call_id)
+        if session is None:  # seated, then the link was lost in the same read: the seat went with it
+            raise EngineClosed("the engine link was lost while seating the call")
+        return session
 
     async def bot_frames(self) -> AsyncIterator[BotFrames]:
         while (frames := await self._frames.get()) is not None:

@@ -270,8 +270,9 @@ class MediaStreamSession:
         call_sid = start.call_sid
         call_id_var.set(call_sid)
         token = start.custom_parameters.get(TOKEN_PARAMETER)
-        if not await self.ctx.cluster.claim(call_sid, token):
-            # The token is single-use: a second socket for a live call here is refused, never swapped in.
+        # The token is single-use: a second socket for a live call here is refused, never swapped in (not even
+        # with a fresh token, as a replayed webhook gets once Redis has lost the first one's binding).
+        if call_sid in self.ctx.streams or not await self.ctx.cluster.claim(call_sid, token):
             reason = "second_stream" if call_sid in self.ctx.streams else "bad_token"
             metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason=reason).inc()
             log.warning("stream for %s rejected (%s)", call_sid, reason)
@@ -291,11 +292,19 @@ class MediaStreamSession:
         log.info("call answered by agent %s", self.state.agent)
         try:
             self.engine_call = await self.ctx.engine.open_call(call_sid, setup)
-        except EngineError as e:
-            log.error("engine refused the call: %s", e)
-            metrics.CALLS_TOTAL.labels(outcome="engine_full", agent=self.state.agent).inc()
+        except BaseException as e:
+            # Until the call is seated, end() does not know it: its stream and seat are given back here, or
+            # they would be held for good (a node losing capacity with every failed open).
             await self.ctx.forget_stream(call_sid, self)
-            self._end_reason = "engine_full"
+            if not isinstance(e, Exception):
+                raise  # cancelled: the socket's handler is going away
+            outcome = "engine_full" if isinstance(e, EngineError) else "engine_lost"
+            if outcome == "engine_full":
+                log.error("engine refused the call: %s", e)
+            else:
+                log.exception("engine failed to open the call")
+            metrics.CALLS_TOTAL.labels(outcome=outcome, agent=self.state.agent).inc()
+            self._end_reason = outcome
             await self.ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"engine busy")
             return
         self.state.call_sid = call_sid

@@ -334,6 +334,35 @@ async def test_an_engine_that_never_answers_a_seat_request_does_not_hold_the_cal
         server.close()
 
 
+async def test_a_link_lost_as_a_seat_is_granted_refuses_the_call_and_the_edge_holds_no_stream() -> None:
+    """The engine grants the seat and the link drops in the same read: the seat went with the link. The
+    open raised KeyError, which the media session did not expect: the stream stayed in the edge's books and
+    its seat was never given back. It is now EngineClosed, and the caller's stream is refused cleanly."""
+    async def seat_then_hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            kind, body = await _read_link_message(reader)
+            if kind == b"O":
+                answer = json.dumps({"call_id": body["call_id"], "ok": True, "error": None}).encode()
+                writer.write(_link_message(b"R", answer))
+                await writer.drain()
+                return  # closed at once: the answer and the end of the link arrive together
+
+    server, address = await _misbehaving_engine(seat_then_hang_up)
+    edge = await RemoteEngine.connect(address, token=None, seats=2)
+    handle = await edge_service(edge)
+    try:
+        report = await asyncio.wait_for(simulate_call(
+            handle.http_url.replace("http://", "ws://") + MEDIA_PATH, tone(300.0, 1.0), auth_token=TOKEN,
+            public_url=None, hold_after=0.2,
+        ), 15)  # fmt: skip
+        assert report.server_hung_up
+        assert not handle.ctx.streams  # nothing held for the refused stream
+    finally:
+        await handle.aclose()
+        await edge.stop()
+        server.close()
+
+
 async def test_over_tls_a_call_crosses_and_an_untrusted_engine_is_refused(engine_server) -> None:
     """tls://: the edge checks the engine's certificate (a test-only self-signed one in tests/data) and the
     call's audio goes both ways through TLS; an edge that does not trust it is refused for good."""
