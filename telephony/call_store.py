@@ -380,8 +380,17 @@ return 1
 _KEY_SUFFIXES = ("", ":turns", ":oracle", ":dtmf", ":turn_latencies", ":tools")  # KEYS 1-6, see _APPLY_LUA
 _LIST_KEY_POS = {"turns": 2, "oracle": 3, "dtmf": 4, "turn_latencies_s": 5, "tools": 6}
 _LIST_NAMES_BY_KEY = sorted(_LIST_KEY_POS, key=_LIST_KEY_POS.__getitem__)
-# Errors that mean "Redis is not usable right now", even when returned for a single op.
+# Refusals that pass, even when returned for a single op: Redis failing to save (MISCONF), short of replicas
+# (NOREPLICAS), busy in a script, loading, out of memory, failing over, or without our script. The batch is
+# retried (ops are idempotent by seq); taken for a poison op, the writes were thrown away for good.
 _TRANSIENT_OP_ERRORS = (NoScriptError, ReadOnlyError)
+_TRANSIENT_REPLY = re.compile(
+    r"\b(MISCONF|NOREPLICAS|BUSY|LOADING|OOM|MASTERDOWN|TRYAGAIN|CLUSTERDOWN|READONLY|NOSCRIPT)\b"
+)
+
+
+def _transient(error: ResponseError) -> bool:
+    return isinstance(error, _TRANSIENT_OP_ERRORS) or _TRANSIENT_REPLY.search(str(error)) is not None
 
 
 def _safe_url(url: str) -> str:
@@ -651,12 +660,13 @@ class RedisCallStore(_OpStore):
             results = await pipe.execute(raise_on_error=False)
         unknown: dict[str, list[_Op]] = {}
         for op, result in zip(batch, results, strict=True):
-            if isinstance(result, _TRANSIENT_OP_ERRORS):
+            if isinstance(result, ResponseError) and _transient(result):
                 raise result
             if isinstance(result, ResponseError):
-                # A poison op (e.g. a foreign key of the wrong type) would block the queue forever.
+                # A poison op (e.g. a foreign key of the wrong type) would block the queue forever: dropped.
                 REDIS_ERRORS.inc()
                 logger.error("call store: Redis rejected %s op for %s: %s", op.kind, op.call_sid, result)
+                self._drop(1, "rejected by Redis")
             elif result == -1:
                 unknown.setdefault(op.call_sid, []).append(op)
         for sid, ops in unknown.items():

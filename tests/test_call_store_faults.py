@@ -146,6 +146,33 @@ async def test_a_call_adopted_from_another_node_is_read_in_the_background_and_gi
         await proxy.aclose()
 
 
+async def test_writes_redis_refuses_for_a_while_wait_for_it_and_are_never_dropped(redis_server: RedisServer) -> None:
+    """Redis short of its replicas (min-replicas-to-write, a partition) refuses every write with NOREPLICAS, as it
+    does with MISCONF when its disk fails. Taken for a poison op, each write was logged and thrown away, the
+    call's end with it (its record "streaming" for a day). They wait in the buffer and land once Redis heals."""
+    store = open_call_store(redis_server.url, retry_max_s=0.2)
+    raw = aioredis.Redis.from_url(redis_server.url)
+    sid = new_call_sid()
+    dropped = metric("kame_call_store_dropped_ops_total")
+    try:
+        await store.create(CallRecord(call_sid=sid, state="streaming"))
+        await store.flush()
+        await raw.config_set("min-replicas-to-write", "1")
+        await store.append_turn(sid, "caller", "hello")
+        await store.end(sid, "completed")
+        await asyncio.sleep(1.0)  # several write attempts, each refused
+        assert store.pending_ops == 2  # still held, not dropped
+        await raw.config_set("min-replicas-to-write", "0")
+        async with asyncio.timeout(10):
+            await store.flush()
+        got = await _redis_record(redis_server.url, sid)
+        assert got is not None and got.state == "ended" and [t.text for t in got.turns] == ["hello"]
+        assert metric("kame_call_store_dropped_ops_total") == dropped
+    finally:
+        await raw.aclose()
+        await store.aclose()
+
+
 async def test_an_op_for_a_call_redis_does_not_have_is_counted_not_silent(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
