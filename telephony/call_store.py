@@ -580,9 +580,10 @@ class RedisCallStore(_OpStore):
     async def _adopt(self, call_sid: str) -> None:
         try:
             ((record, applied),) = await self._read([call_sid])
-        except CallStoreUnavailable:
+        except Exception as exc:  # Redis down, or a record this version cannot decode: the call goes on, uncopied
             self._adopting.pop(call_sid, None)
-            logger.warning("call store: cannot read call %s to keep a copy; it is lost if Redis loses it", call_sid)
+            logger.warning("call store: cannot read call %s to keep a copy (%s); it is lost if Redis loses it",
+                           call_sid, type(exc).__name__)  # fmt: skip
             return
         ops = self._adopting.pop(call_sid, None)
         if ops is None or call_sid in self._shadows:  # ended meanwhile, or created here after all
