@@ -109,7 +109,7 @@ def build_plan(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from engine.checkpoint import has_random_weights
 
     from .judge import Judge
-    from .runner import EvalPlan, Target
+    from .runner import EvalPlan, Target, check_url
     from .transcribe import OpenAITranscriber, PocketsphinxTranscriber
     from .voices import FliteVoice, OpenAIVoice
 
@@ -117,6 +117,11 @@ def build_plan(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         raise UsageError("the eval's plots need matplotlib: pip install -e '.[eval]'")
     if bool(args.checkpoint) == bool(args.url):
         raise UsageError("give one of --checkpoint (start a service) or --url (dial a running one)")
+    if args.url:
+        try:
+            check_url(args.url)  # now, not after every question was spoken
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     if bool(args.questions) == bool(args.suite):
         raise UsageError("give one of --questions FILE or --suite mt-bench-speech")
     if args.concurrency < 1 or args.probes < 0 or args.busy_redials < 0 or (args.limit is not None and args.limit < 1):
@@ -156,6 +161,7 @@ def build_plan(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    from .report import delay_label
     from .runner import run_eval
     from .voices import VoiceError
 
@@ -184,7 +190,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 1
     for block in report["summary"]["by_delay"]:
         a = block["all"]
-        delay = "service's own" if block["forced_delay_ms"] < 0 else f"{block['forced_delay_ms']:.0f} ms"
+        delay = delay_label(block["forced_delay_ms"])
         score = "–" if a["mean_score"] is None else f"{a['mean_score']:.2f}"
         lat = "–" if a["median_latency_s"] is None else f"{a['median_latency_s']:.2f} s"
         print(f"forced delay {delay}: mean score {score} ({a['scored']}/{a['questions']} scored), "

@@ -3,13 +3,14 @@ when the samples are too small (or too noisy) to tell a change from chance."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 from scipy import stats
 
-from .report import TOO_FEW, load_report
+from .report import TOO_FEW, delay_label, load_report
 
 
 def _values(report: dict[str, Any], delay: float, category: str | None, key: str) -> list[float]:
@@ -22,10 +23,16 @@ def _values(report: dict[str, Any], delay: float, category: str | None, key: str
 def _verdict(a: list[float], b: list[float], test: str) -> str:
     if len(a) < TOO_FEW or len(b) < TOO_FEW:
         return f"too few to tell (n={len(a)} vs {len(b)}; need {TOO_FEW}+ each)"
+    if len(set(a)) == 1 and len(set(b)) == 1:  # no spread: the tests would divide by 0 (p=nan)
+        if a[0] == b[0]:
+            return "no difference (the same value throughout)"
+        return "a clear difference (each side one value throughout)"
     if test == "t":  # scores: means, Welch's t-test
         p = stats.ttest_ind(a, b, equal_var=False).pvalue
     else:  # latencies: skewed, Mann-Whitney U
         p = stats.mannwhitneyu(a, b).pvalue
+    if not math.isfinite(p):
+        return "cannot tell (the test gave no p-value)"
     return f"p={p:.3f}" + ("" if p < 0.05 else ", could be chance")
 
 
@@ -49,13 +56,14 @@ def compare(a_path: Path, b_path: Path) -> str:
     lines = [f"A: {a_path}", f"B: {b_path}"]
     if not pairs and len(da) == 1 and len(db) == 1:  # one run each at different delays: compare them anyway
         pairs = [(next(iter(da)), next(iter(db)))]
-        lines.append(f"note: A ran at {pairs[0][0]:.0f} ms, B at {pairs[0][1]:.0f} ms")
+        lines.append(f"note: A ran at {delay_label(pairs[0][0])}, B at {delay_label(pairs[0][1])} forced delay")
     if not pairs:
-        return "\n".join(lines + [f"no forced delay in common (A: {sorted(da)}, B: {sorted(db)})"])
+        return "\n".join(lines + [f"no forced delay in common (A: {', '.join(delay_label(d) for d in sorted(da))}; "
+                                  f"B: {', '.join(delay_label(d) for d in sorted(db))})"])
     if a.get("random_weights") or b.get("random_weights"):
         lines.append("note: a run used random weights; its scores mean nothing")
     for d_a, d_b in pairs:
-        lines.append(f"\nforced delay {d_a:.0f} ms" + (f" vs {d_b:.0f} ms" if d_a != d_b else ""))
+        lines.append(f"\nforced delay {delay_label(d_a)}" + (f" vs {delay_label(d_b)}" if d_a != d_b else ""))
         cats = sorted({r["category"] for r in a["results"] + b["results"]})
         for cat in [None, *cats]:
             sa, sb = _values(a, d_a, cat, "score"), _values(b, d_b, cat, "score")

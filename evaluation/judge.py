@@ -4,14 +4,17 @@ The prompts are MT-Bench's `single-v1` and, for a question with a reference answ
 (Zheng et al. 2023, "Judging LLM-as-a-judge"; FastChat's llm_judge, Apache-2.0): the judge explains,
 then rates 1-10 as "[[N]]". The answer it grades is the ASR transcript of the bot's spoken reply, as in
 the KAME paper. A failure (an API error, no rating, a rating outside 1-10) is retried; after the last
-try the score is missing (None), never 0: a judge outage must not read as a bad model.
+try the score is missing (None), never 0: a judge outage must not read as a bad model. So is any other
+failure, an odd reply from a "compatible" server included: it costs that question's score, never the run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import openai
 
@@ -36,6 +39,10 @@ _WITH_REFERENCE = (
 _ANSWER = "[The Start of Assistant's Answer]\n{answer}\n[The End of Assistant's Answer]"
 _RATING = re.compile(r"\[\[(\d+\.?\d*)\]\]")
 _RATING_LOOSE = re.compile(r"\[(\d+\.?\d*)\]")  # FastChat accepts single brackets too
+NO_RATING = "the judge gave no rating [[1-10]]"
+NOT_A_COMPLETION = "the judge's answer was not a chat completion"
+
+log = logging.getLogger("kame-phone.eval")
 
 
 def prompt(question: Question, answer: str) -> str:
@@ -82,6 +89,8 @@ class Judge:
         )
 
     async def grade(self, question: Question, answer: str) -> Verdict:
+        """The judge's verdict; never raises (but for cancellation): every failure is a Verdict with
+        `error` set and the score missing."""
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt(question, answer)}]
         error, text = None, ""
         for attempt in range(1, self.attempts + 1):
@@ -89,16 +98,38 @@ class Judge:
                 resp = await self._client.chat.completions.create(
                     model=self.model, messages=messages, temperature=0, max_tokens=2048  # type: ignore[arg-type]
                 )
-                text = (resp.choices[0].message.content or "") if resp.choices else ""
-                score = parse_rating(text)
-                if score is not None:
-                    return Verdict(score, text, attempt)
-                error = "the judge gave no rating [[1-10]]"
-            except openai.OpenAIError as exc:
+                reply = reply_text(resp)
+                if reply is None:
+                    error = NOT_A_COMPLETION
+                else:
+                    text, score = reply, parse_rating(reply)
+                    if score is not None:
+                        return Verdict(score, text, attempt)
+                    error = NO_RATING
+            except Exception as exc:  # noqa: BLE001 - API errors and odd replies alike cost one score, not the run
                 error = f"{type(exc).__name__}: {str(exc)[:200]}"
+            log.debug("question %s: judge try %d of %d: %s", question.question_id, attempt, self.attempts, error)
             if attempt < self.attempts:
                 await asyncio.sleep(self.backoff_s * attempt)
         return Verdict(None, text, self.attempts, error)
 
     async def aclose(self) -> None:
         await self._client.close()
+
+
+def reply_text(resp: Any) -> str | None:
+    """The text of a chat completion's first choice; None when the reply is not one (an HTML page, a
+    choice without a message). Content given as parts (a list) is joined from its text parts."""
+    choices = getattr(resp, "choices", None)
+    if not isinstance(choices, list) or not choices:
+        return None
+    message = getattr(choices[0], "message", None)
+    if message is None:
+        return None
+    content = getattr(message, "content", None)
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = [p.get("text") if isinstance(p, dict) else getattr(p, "text", None) for p in content]
+        return "\n".join(p for p in parts if isinstance(p, str))
+    return None

@@ -27,6 +27,11 @@ class Listening:
     barge_after_s: float = 1.0  # probes: barge in once the bot has spoken this long after the question
 
 
+# A bot still sounding this long after the caller's barge-in phrase ended was talking over the caller;
+# sound that starts later is its answer to the barge-in.
+BARGE_IN_MARGIN_S = 0.2
+
+
 class _Phase(enum.Enum):
     LEAD = 1
     ASK = 2
@@ -48,21 +53,36 @@ class AskAndListen:
     # What happened, on the call's timeline:
     question_start_s: float | None = None
     question_end_s: float | None = None  # end of the last voiced packet of the question
+    asked_end_s: float | None = None  # end of the question's last packet, voiced or not
     pause_start_s: float | None = None  # end of the first part's speech
     pause_end_s: float | None = None  # the second part starts
     barge_in_start_s: float | None = None
+    barge_in_end_s: float | None = None  # end of the last voiced packet of the barge-in phrase
     hung_up_because: str = ""
     _phase: _Phase = _Phase.LEAD
     _plan: list[tuple[bytes, bool, str]] = field(default_factory=list)  # (packet, voiced, mark) to say
     _said: int = 0
     _last_sound_s: float | None = None
     _bot_talk_s: float = 0.0  # bot sound heard since the question ended
+    _barge_voiced: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._plan = _utterance(self.question, "a")
         if self.second_part is not None:
             gap = round(self.pause_s / sp.PACKET_SECONDS)
             self._plan += [(sp.SILENCE_PACKET, False, "pause")] * gap + _utterance(self.second_part, "b")
+        self._barge_voiced = sp.voiced_flags(self.barge_in) if self.barge_in else []
+
+    @property
+    def asked(self) -> bool:
+        """The whole question went out (a hang-up before this cut the question short)."""
+        return self.asked_end_s is not None
+
+    @property
+    def listen_from_s(self) -> float | None:
+        """Where the wait for a reply starts: the question's last voiced packet, or, when no packet of it
+        was voiced (a TTS that spoke silence), the end of its last packet."""
+        return self.question_end_s if self.question_end_s is not None else self.asked_end_s
 
     def next_packet(self, t: float, playout: sp.Playout) -> tuple[bytes, bool] | None:
         L = self.listening
@@ -75,12 +95,18 @@ class AskAndListen:
                 return sp.SILENCE_PACKET, False
             self._phase, self.question_start_s = _Phase.ASK, t
         if self._phase is _Phase.ASK:
-            return self._ask(t)
+            step = self._ask(t)
+            if step is not None:
+                return step
         if self._phase is _Phase.BARGE:
             return self._barge(t)
         return self._listen(t, playout)
 
     def _ask(self, t: float) -> tuple[bytes, bool] | None:
+        """The question's next packet; None once it is all said (an empty question: at once)."""
+        if self._said >= len(self._plan):
+            self._phase, self.asked_end_s = _Phase.LISTEN, t
+            return None
         packet, voiced, part = self._plan[self._said]
         self._said += 1
         if voiced:
@@ -90,11 +116,13 @@ class AskAndListen:
             elif self.pause_end_s is None:
                 self.pause_end_s = t
         if self._said == len(self._plan):
-            self._phase = _Phase.LISTEN
+            self._phase, self.asked_end_s = _Phase.LISTEN, t + sp.PACKET_SECONDS
         return packet, voiced
 
     def _listen(self, t: float, playout: sp.Playout) -> tuple[bytes, bool] | None:
-        L, end = self.listening, self.question_end_s or t
+        L, end = self.listening, self.listen_from_s
+        if end is None:  # not reached: LISTEN follows the whole question
+            end = t
         since_q = t - end
         # Sound heard only while the caller was asking is talking over, not a reply: wait for one.
         answered = self._last_sound_s is not None and self._last_sound_s > end
@@ -119,6 +147,8 @@ class AskAndListen:
             self._phase = _Phase.LISTEN
             return sp.SILENCE_PACKET, False
         packet = self.barge_in[self._said]
+        if self._barge_voiced[self._said]:
+            self.barge_in_end_s = t + sp.PACKET_SECONDS
         self._said += 1
         return packet, True
 
@@ -142,20 +172,32 @@ class Span:
         return self.end_s - self.start_s
 
 
+def _loud_windows(pcm8k: np.ndarray) -> np.ndarray:
+    """Per 20 ms window of int16 audio: is it bot sound (RMS over SOUND_RMS)?"""
+    n = sp.PACKET_BYTES
+    x = pcm8k[: len(pcm8k) // n * n].astype(np.float64).reshape(-1, n) / 32768.0
+    return np.sqrt((x * x).mean(axis=1)) > sp.SOUND_RMS if len(x) else np.zeros(0, dtype=bool)
+
+
 def speech_spans(pcm8k: np.ndarray, merge_gap_s: float = 0.5, min_s: float = 0.1) -> list[Span]:
     """Stretches of bot sound in the heard audio: 20 ms windows over SOUND_RMS, gaps under `merge_gap_s`
     bridged (pauses between words), stretches under `min_s` dropped (clicks)."""
-    n = sp.PACKET_BYTES
-    x = pcm8k[: len(pcm8k) // n * n].astype(np.float64).reshape(-1, n) / 32768.0
-    loud = np.sqrt((x * x).mean(axis=1)) > sp.SOUND_RMS if len(x) else np.zeros(0, dtype=bool)
     spans: list[Span] = []
-    for i in np.flatnonzero(loud).tolist():  # Python ints: figures must be plain floats and bools for JSON
+    for i in np.flatnonzero(_loud_windows(pcm8k)).tolist():  # Python ints: figures must be plain floats for JSON
         s, e = i * sp.PACKET_SECONDS, (i + 1) * sp.PACKET_SECONDS
         if spans and s - spans[-1].end_s < merge_gap_s:
             spans[-1] = Span(spans[-1].start_s, e)
         else:
             spans.append(Span(s, e))
     return [sp_ for sp_ in spans if sp_.seconds >= min_s]
+
+
+def sound_seconds(pcm8k: np.ndarray, start_s: float, end_s: float) -> float:
+    """How much bot sound (20 ms windows over SOUND_RMS) the heard audio holds between two times."""
+    loud = _loud_windows(pcm8k)
+    a = max(0, int(np.floor(start_s / sp.PACKET_SECONDS + 1e-9)))
+    b = max(a, int(np.ceil(end_s / sp.PACKET_SECONDS - 1e-9)))
+    return float(np.count_nonzero(loud[a:b]) * sp.PACKET_SECONDS)
 
 
 def answer_latency(spans: list[Span], question_end_s: float) -> float | None:
@@ -168,18 +210,22 @@ def answer_latency(spans: list[Span], question_end_s: float) -> float | None:
     return None
 
 
-def took_turn_in_pause(spans: list[Span], start_s: float, end_s: float, min_talk_s: float = 0.5) -> bool:
+def took_turn_in_pause(heard: np.ndarray, start_s: float, end_s: float, min_talk_s: float = 0.5) -> bool:
     """Full-Duplex-Bench's takeover in a pause: did the bot talk at least `min_talk_s` while the caller
-    paused mid-sentence (it should not: the caller has not finished)?"""
-    talk = sum(max(0.0, min(s.end_s, end_s) - max(s.start_s, start_s)) for s in spans)
-    return bool(talk >= min_talk_s)
+    paused mid-sentence (it should not: the caller has not finished)? Only actual sound counts: the gaps
+    `speech_spans` bridges between words are silence here, so short noises cannot add up to a turn."""
+    return bool(sound_seconds(heard, start_s, end_s) >= min_talk_s - 1e-9)
 
 
-def talk_after_barge_in(spans: list[Span], barge_s: float, call_end_s: float) -> tuple[float, bool]:
+def talk_after_barge_in(
+    spans: list[Span], barge_s: float, barge_end_s: float, call_end_s: float, margin_s: float = BARGE_IN_MARGIN_S
+) -> tuple[float, bool]:
     """How long the bot kept talking after the caller barged in, and whether it stopped before the call
-    ended: from the barge-in to the end of the stretch it was speaking in (0 if it was silent)."""
-    for s in spans:
-        if s.start_s <= barge_s < s.end_s:
-            stopped = s.end_s < call_end_s - sp.PACKET_SECONDS
-            return s.end_s - barge_s, stopped
-    return 0.0, True
+    ended. The bot talked over the caller if it sounded between the barge-in and the end of the caller's
+    phrase (plus `margin_s`), even after a pause; its talk runs to the end of the last such stretch (0 if it
+    was silent throughout). A stretch starting later is its answer to the barge-in, not talk over it."""
+    over = [s for s in spans if s.end_s > barge_s and s.start_s < barge_end_s + margin_s]
+    if not over:
+        return 0.0, True
+    end = over[-1].end_s
+    return end - barge_s, bool(end < call_end_s - sp.PACKET_SECONDS)

@@ -3,8 +3,11 @@ Fig. 1), the latency histogram, and scores per category."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
+
+from .report import delay_label
 
 SCORE_VS_LATENCY = "score_vs_latency.png"
 LATENCY_HISTOGRAM = "latency_histogram.png"
@@ -39,7 +42,7 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     if pts:
         ax.plot([p[1] for p in pts], [p[2] for p in pts], "-o", color="tab:red", zorder=3, label="this line")
         for d, x, y in pts:
-            ax.annotate(f"{d:.0f} ms", (x, y), textcoords="offset points", xytext=(6, 6), fontsize=8)
+            ax.annotate(delay_label(d), (x, y), textcoords="offset points", xytext=(6, 6), fontsize=8)
     xs = [p["median_latency_s"] for p in report["paper_points"]] + [p[1] for p in pts]
     ax.set_xlim(min(xs) - 0.5, max(xs) + 1.2)  # room for the labels on the right
     ax.set_xlabel("median response latency (s)")
@@ -62,7 +65,7 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
         lat = [r["latency_s"] for r in report["results"]
                if r["forced_delay_ms"] == b["forced_delay_ms"] and r["latency_s"] is not None]
         if lat:
-            ax.hist(lat, bins=min(20, max(3, len(lat))), alpha=0.6, label=f"{b['forced_delay_ms']:.0f} ms")
+            ax.hist(lat, bins=min(20, max(3, len(lat))), alpha=0.6, label=delay_label(b["forced_delay_ms"]))
     ax.axvline(0.0, color="0.4", lw=0.8)
     ax.set_xlabel("response latency (s); negative: the bot began before the question ended")
     ax.set_ylabel("questions")
@@ -78,8 +81,9 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     cats = sorted({c for b in blocks for c in b["categories"]})
     width = 0.8 / max(1, len(blocks))
     for i, b in enumerate(blocks):
-        ys = [(b["categories"].get(c) or {}).get("mean_score") or 0.0 for c in cats]
-        ax.bar([k + i * width for k in range(len(cats))], ys, width, label=f"{b['forced_delay_ms']:.0f} ms")
+        _category_bars(ax, [k + i * width for k in range(len(cats))],
+                       [(b["categories"].get(c) or {}).get("mean_score") for c in cats], width,
+                       delay_label(b["forced_delay_ms"]))  # fmt: skip
     ax.set_xticks([k + width * (len(blocks) - 1) / 2 for k in range(len(cats))], cats)
     ax.set_ylim(0, 10)
     ax.set_ylabel("mean MT-Bench score")
@@ -91,3 +95,13 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     plt.close(fig)
     names.append(CATEGORY_SCORES)
     return names
+
+
+def _category_bars(ax: Any, xs: list[float], means: list[float | None], width: float, label: str) -> None:
+    """One delay's bars; a category with no score gets no bar but a "no score" mark: a missing score
+    drawn as 0 would read as the worst answer."""
+    scored = [(x, y) for x, y in zip(xs, means, strict=True) if y is not None and math.isfinite(y)]
+    ax.bar([x for x, _ in scored], [y for _, y in scored], width, label=label)
+    for x, y in zip(xs, means, strict=True):
+        if y is None or not math.isfinite(y):
+            ax.text(x, 0.15, "no score", rotation=90, ha="center", va="bottom", fontsize=7, color="0.4")

@@ -27,6 +27,14 @@ RANDOM_WEIGHTS_NOTE = (
     "This run checks the pipeline and its timing, not answers."
 )
 TOO_FEW = 5  # below this many scores per side, a difference cannot be told from noise
+SERVICE_OWN_DELAY = -1.0  # forced_delay_ms of a --url run: the service keeps its own setting
+# The call's outcome when the service hung up before the question had been played in full: nothing to grade.
+HUNG_UP = "hung_up"
+
+
+def delay_label(ms: float) -> str:
+    """A forced delay as people read it: a --url run's is the service's own, not "-1 ms"."""
+    return "the service's own" if ms < 0 else f"{ms:.0f} ms"
 
 
 @dataclass
@@ -37,7 +45,7 @@ class Result:
     category: str
     question: str
     forced_delay_ms: float
-    outcome: str = "error"  # the call's: completed, busy, rejected, error
+    outcome: str = "error"  # the call's: completed, busy, rejected, error, hung_up (mid-question, not graded)
     transcript: str = ""
     score: float | None = None
     latency_s: float | None = None  # the paper's: answer start - question end (negative: began before)
@@ -46,11 +54,12 @@ class Result:
     judge_explanation: str = ""
     judge_error: str | None = None
     reply_s: float = 0.0  # bot audio heard from the question's start to the hang-up
-    hung_up_because: str = ""  # quiet, no_answer, max_reply
+    hung_up_because: str = ""  # quiet, no_answer, max_reply; server: the service hung up first
+    server_hung_up: bool = False  # the service closed the call (the caller had not hung up)
     call_sid: str = ""
     busy_redials: int = 0  # busy answers before this call (evaluation/runner.py dials again)
-    question_wav: str = ""
-    reply_wav: str = ""
+    question_wav: str = ""  # "" when it was never written
+    reply_wav: str = ""  # "" when the call never streamed (busy, rejected, error)
     errors: list[str] = field(default_factory=list)
 
 
@@ -61,13 +70,14 @@ class Probe:
     question_id: str
     forced_delay_ms: float
     outcome: str = "error"
+    server_hung_up: bool = False
     pause_s: float = 0.0
     took_turn_in_pause: bool | None = None  # None: the call did not get that far
     barge_in_talk_s: float | None = None  # None: the bot never talked long enough to barge in on
     barge_in_stopped: bool | None = None
     call_sid: str = ""
     busy_redials: int = 0
-    call_wav: str = ""
+    call_wav: str = ""  # "" when the call never streamed
     errors: list[str] = field(default_factory=list)
 
 
@@ -92,6 +102,7 @@ def group_figures(results: Iterable[Result]) -> dict[str, Any]:
     return {
         "questions": len(rs),
         "completed_calls": sum(r.outcome == "completed" for r in rs),
+        "hung_up_mid_question": sum(r.outcome == HUNG_UP for r in rs),  # the service cut the question off
         "busy_redials": sum(r.busy_redials for r in rs),  # the line's load during the run, not the bot
         "scored": len(scores),
         "missing_scores": len(rs) - len(scores),
@@ -112,6 +123,7 @@ def probe_figures(probes: Iterable[Probe]) -> dict[str, Any]:
     return {
         "probes": len(ps),
         "completed_calls": sum(p.outcome == "completed" for p in ps),
+        "hung_up_mid_question": sum(p.outcome == HUNG_UP for p in ps),
         "busy_redials": sum(p.busy_redials for p in ps),
         "takeover_rate_in_pause": (sum(pause) / len(pause)) if pause else None,
         "pauses_measured": len(pause),
@@ -151,9 +163,9 @@ def _clean(value: Any) -> Any:
 
 def build_report(
     results: list[Result], probes: list[Probe], *, target: dict[str, Any], settings: dict[str, Any],
-    random_weights: bool,
+    random_weights: bool, notes: list[str] | None = None,
 ) -> dict[str, Any]:
-    notes = [RANDOM_WEIGHTS_NOTE] if random_weights else []
+    notes = ([RANDOM_WEIGHTS_NOTE] if random_weights else []) + list(notes or [])
     return _clean({
         "kame_phone_eval": REPORT_VERSION,
         "target": target,
@@ -213,6 +225,11 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
     if busy:
         lines += [f"The line answered busy {busy} time(s); each such call was dialled again (`--busy-redials`). "
                   "Busy is the line's load (at capacity, or its engine falling behind), not the bot's answer.", ""]
+    cut = sum(b["all"].get("hung_up_mid_question", 0) + b["interaction"].get("hung_up_mid_question", 0)
+              for b in by_delay)
+    if cut:
+        lines += [f"**The service hung up {cut} call(s) before the question had been played in full** (outcome "
+                  f"`{HUNG_UP}`): they are not scored; see the outcome column below.", ""]
     lines += [
         "## Score and latency (the paper's Table 2 / Fig. 1)",
         "",
@@ -228,7 +245,7 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
         rows = [("**all**", block["all"])] + list(block["categories"].items())
         for name, g in rows:
             lines.append(
-                f"| {block['forced_delay_ms']:.0f} ms | {name} | {g['questions']} | {g['scored']} | "
+                f"| {delay_label(block['forced_delay_ms'])} | {name} | {g['questions']} | {g['scored']} | "
                 f"{_f(g['mean_score'])} | {_f(g['median_latency_s'], 2, ' s')} | {_f(g['p90_latency_s'], 2, ' s')} | "
                 f"{_f(g['median_first_word_latency_s'], 2, ' s')} | {_f(g['median_first_audio_s'], 2, ' s')} |"
             )
@@ -246,7 +263,7 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
     for block in report["summary"]["by_delay"]:
         i = block["interaction"]
         lines.append(
-            f"| {block['forced_delay_ms']:.0f} ms | {i['probes']} | {_pct(i['takeover_rate_in_pause'])} "
+            f"| {delay_label(block['forced_delay_ms'])} | {i['probes']} | {_pct(i['takeover_rate_in_pause'])} "
             f"({i['pauses_measured']}) | {_f(i['median_barge_in_talk_s'], 2, ' s')} "
             f"({i['barge_ins_measured']}) | {_f(i['p90_barge_in_talk_s'], 2, ' s')} | "
             f"{_pct(i['stopped_after_barge_in_rate'])} |"
@@ -255,12 +272,26 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += [
         "", "## Questions", "",
-        "| delay | id | category | score | latency | transcript | judge |", "|---|---|---|---|---|---|---|",
+        "| delay | id | category | outcome | score | latency | transcript | judge |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         judge = r["judge_error"] or r["judge_explanation"]
         lines.append(
-            f"| {r['forced_delay_ms']:.0f} | {r['question_id']} | {r['category']} | {_f(r['score'], 1)} | "
-            f"{_f(r['latency_s'], 2, ' s')} | {_cell(r['transcript'] or '(nothing heard)')} | {_cell(judge or '')} |"
+            f"| {delay_label(r['forced_delay_ms'])} | {_cell(r['question_id'], 40)} | {_cell(r['category'], 40)} | "
+            f"{_cell(outcome_text(r))} | {_f(r['score'], 1)} | {_f(r['latency_s'], 2, ' s')} | "
+            f"{_cell(r['transcript'] or '(nothing heard)')} | {_cell(judge or '')} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def outcome_text(r: dict[str, Any]) -> str:
+    """A call's outcome for people: who hung up, and the first error when it failed."""
+    if r["outcome"] == HUNG_UP:
+        return "the service hung up mid-question (not scored)"
+    text = r["outcome"]
+    if r["outcome"] == "completed" and r.get("hung_up_because") == "server":
+        text += ", then the service hung up"
+    if r["errors"]:
+        text += f": {r['errors'][0]}"
+    return text

@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
 import random
+import re
 import secrets
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,9 +30,9 @@ from .judge import Judge
 from .line_caller import AskAndListen, Listening, answer_latency, speech_spans, talk_after_barge_in, took_turn_in_pause
 from .plots import write_plots
 from .questions import Question
-from .report import Probe, Result, build_report, render_markdown
+from .report import HUNG_UP, SERVICE_OWN_DELAY, Probe, Result, build_report, render_markdown
 from .transcribe import AsrError, Transcriber
-from .voices import Voice, write_float_wav
+from .voices import Voice, VoiceError, write_float_wav
 
 log = logging.getLogger("kame-phone.eval")
 BARGE_IN_TEXT = "Sorry, wait a second, can I ask something else?"
@@ -77,9 +79,31 @@ class EvalPlan:
 @dataclass(frozen=True)
 class _Spoken:
     question: Question
+    stem: str  # the question's part of its file names (file_stems)
     packets: list[bytes]
     first_half: list[bytes] | None  # the probe's two parts, split mid-sentence
     second_half: list[bytes] | None
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def file_stems(question_ids: list[str]) -> dict[str, str]:
+    """A file-name part per question id, unique (also on case-blind disks): a readable id is kept as it
+    is; any other ("stem/1", "../x", "質問") is made safe and tagged with a hash of the id, so no id can
+    reach outside --out or collide with another."""
+    stems: dict[str, str] = {}
+    used: set[str] = set()
+    for qid in question_ids:
+        safe = _UNSAFE.sub("_", qid).strip("._")[:60]
+        stem = qid if safe == qid else f"{safe or 'q'}-{hashlib.sha1(qid.encode()).hexdigest()[:8]}"
+        base, n = stem, 1
+        while stem.lower() in used:
+            n += 1
+            stem = f"{base}-{n}"
+        used.add(stem.lower())
+        stems[qid] = stem
+    return stems
 
 
 def _split_mid_sentence(text: str) -> tuple[str, str] | None:
@@ -94,20 +118,41 @@ def _split_mid_sentence(text: str) -> tuple[str, str] | None:
 
 
 def _packets(audio: np.ndarray, rate: int) -> list[bytes]:
-    return sp.caller_packets(audio, rate)
+    return sp.caller_packets(audio, rate) if len(audio) else []
+
+
+def _audible(packets: list[bytes]) -> bool:
+    return any(sp.packet_rms(p) > sp.SOUND_RMS for p in packets)
+
+
+def _speech(voice: Voice, audio: np.ndarray, rate: int, what: str) -> list[bytes]:
+    """The line's packets for spoken audio; a VoiceError when the TTS gave nothing audible (an empty answer,
+    or flite's silence for text it cannot read): the call could never tell when the question ended."""
+    packets = _packets(audio, rate)
+    if not _audible(packets):
+        hint = " (flite reads only Latin-script text: try --tts openai)" if voice.name == "flite" else ""
+        raise VoiceError(f"{what}: the {voice.name} TTS spoke no audible speech{hint}")
+    return packets
 
 
 async def _speak_all(plan: EvalPlan, audio_dir: Path) -> tuple[list[_Spoken], list[bytes]]:
+    stems = file_stems([q.question_id for q in plan.questions])
+
     async def one(i: int, q: Question) -> _Spoken:
         audio, rate = await asyncio.to_thread(plan.voice.speak, q.text)
-        await asyncio.to_thread(write_float_wav, audio_dir / f"q{q.question_id}.wav", audio, rate)
+        packets = _speech(plan.voice, audio, rate, f"question {q.question_id}")
+        stem = stems[q.question_id]
+        await asyncio.to_thread(write_float_wav, audio_dir / f"q{stem}.wav", audio, rate)
         halves: tuple[list[bytes] | None, list[bytes] | None] = (None, None)
         parts = _split_mid_sentence(q.text) if i < plan.probes else None
         if parts is not None:
-            a = await asyncio.to_thread(plan.voice.speak, parts[0])
-            b = await asyncio.to_thread(plan.voice.speak, parts[1])
-            halves = (_packets(*a), _packets(*b))
-        return _Spoken(q, _packets(audio, rate), *halves)
+            a = _packets(*await asyncio.to_thread(plan.voice.speak, parts[0]))
+            b = _packets(*await asyncio.to_thread(plan.voice.speak, parts[1]))
+            if _audible(a) and _audible(b):
+                halves = (a, b)
+            else:  # the probe needs both halves heard; the question itself is still asked
+                log.warning("question %s: a half of it spoke no sound; no interaction probe for it", q.question_id)
+        return _Spoken(q, stem, packets, *halves)
 
     sem = asyncio.Semaphore(4)
 
@@ -116,7 +161,9 @@ async def _speak_all(plan: EvalPlan, audio_dir: Path) -> tuple[list[_Spoken], li
             return await one(i, q)
 
     spoken = await asyncio.gather(*(bounded(i, q) for i, q in enumerate(plan.questions)))
-    barge = _packets(*await asyncio.to_thread(plan.voice.speak, BARGE_IN_TEXT)) if plan.probes else []
+    barge: list[bytes] = []
+    if any(s.first_half is not None for s in spoken):
+        barge = _speech(plan.voice, *await asyncio.to_thread(plan.voice.speak, BARGE_IN_TEXT), "the barge-in phrase")
     return list(spoken), barge
 
 
@@ -128,11 +175,17 @@ class _Line:
     token: str | None
 
 
+def check_url(url: str) -> None:
+    """A ValueError unless `url` can be dialled (checked before any question is spoken)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+        raise ValueError(f"--url must be https://host[/prefix] (http:// for loopback), got {url!r}")
+
+
 def _line_for_url(t: Target) -> _Line:
     assert t.url is not None
+    check_url(t.url)
     parts = urlsplit(t.url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"--url must be https://host[/prefix] (http:// for loopback), got {t.url!r}")
     prefix = parts.path.rstrip("/")
     ws = ("wss" if parts.scheme == "https" else "ws") + f"://{parts.netloc}{prefix}/twilio/media"
     return _Line(ws, f"{parts.scheme}://{parts.netloc}{prefix}/twilio/voice", t.public_url or t.url, t.auth_token)
@@ -157,45 +210,93 @@ async def _own_service(plan: EvalPlan, delay: float, log_dir: Path) -> AsyncIter
         yield _Line(base.replace("http://", "ws://") + "/twilio/media", None, base, token)
 
 
+@dataclass
+class _Finished:
+    """What the run has so far: the report is written from it whatever stops the run."""
+
+    results: list[Result] = field(default_factory=list)
+    probes: list[Probe] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+
+
 async def run_eval(plan: EvalPlan, progress: bool = True) -> dict[str, Any]:
+    if plan.target.checkpoint is None:
+        check_url(plan.target.url or "")  # before any question is spoken
     out = plan.out
     audio_dir = out / "audio"
     audio_dir.mkdir(parents=True, exist_ok=True)
-    spoken, barge = await _speak_all(plan, audio_dir)
+    try:
+        spoken, barge = await _speak_all(plan, audio_dir)
+    except BaseException:
+        await plan.judge.aclose()
+        raise
     probes_per_delay = sum(s.first_half is not None for s in spoken)
     total = len(plan.delays) * (len(spoken) + probes_per_delay)
     bar = tqdm(total=total, desc="eval calls", unit="call", disable=not progress, file=sys.stderr)
-    results: list[Result] = []
-    probes: list[Probe] = []
-    scores: list[float] = []
+    got = _Finished()
 
     def done(score: float | None = None) -> None:
         if score is not None:
-            scores.append(score)
+            got.scores.append(score)
         bar.update(1)
-        bar.set_postfix_str(f"mean score {np.mean(scores):.2f}" if scores else "mean score –")
+        bar.set_postfix_str(f"mean score {np.mean(got.scores):.2f}" if got.scores else "mean score –")
 
+    stopped: Exception | None = None
     try:
         for delay in plan.delays:
             async with _line(plan, delay, out) as line:
-                sem = asyncio.Semaphore(plan.concurrency)
-                tasks = [_ask(plan, line, delay, s, audio_dir, sem, done) for s in spoken]
-                tasks += [_probe(plan, line, delay, s, barge, audio_dir, sem, done) for s in spoken
-                          if s.first_half is not None]
-                for item in await asyncio.gather(*tasks):
-                    (results if isinstance(item, Result) else probes).append(item)  # type: ignore[arg-type]
+                await _calls(plan, line, delay, spoken, barge, audio_dir, done, got)
+    except Exception as exc:  # noqa: BLE001 - e.g. a service that would not start: report what finished first
+        stopped = exc
+        log.error("the run stopped early: %s: %s; the report holds the %d call(s) that finished",
+                  type(exc).__name__, exc, len(got.results) + len(got.probes))  # fmt: skip
     finally:
         bar.close()
         await plan.judge.aclose()
+    report = await _write_report(plan, got, probes_per_delay, stopped)
+    if stopped is not None:
+        raise stopped
+    return report
+
+
+async def _calls(
+    plan: EvalPlan, line: _Line, delay: float | None, spoken: list[_Spoken], barge: list[bytes], audio_dir: Path,
+    done: Callable[[float | None], None], got: _Finished,
+) -> None:
+    """Every question's call (and probe) at one delay; each finished one is kept in `got` as it ends."""
+    sem = asyncio.Semaphore(plan.concurrency)
+
+    async def keep(qid: str, call: Coroutine[Any, Any, Result | Probe]) -> None:
+        try:
+            item = await call
+        except Exception as exc:  # noqa: BLE001 - _ask and _probe record their own errors; this is the last guard
+            log.error("question %s: the call failed: %s: %s", qid, type(exc).__name__, exc)
+            return
+        (got.results if isinstance(item, Result) else got.probes).append(item)  # type: ignore[arg-type]
+
+    tasks = [keep(s.question.question_id, _ask(plan, line, delay, s, audio_dir, sem, done)) for s in spoken]
+    tasks += [keep(s.question.question_id, _probe(plan, line, delay, s, barge, audio_dir, sem, done))
+              for s in spoken if s.first_half is not None]  # fmt: skip
+    await asyncio.gather(*tasks)
+
+
+async def _write_report(
+    plan: EvalPlan, got: _Finished, probes_per_delay: int, stopped: Exception | None
+) -> dict[str, Any]:
+    notes = []
+    if stopped is not None:
+        notes.append(f"The run stopped early ({type(stopped).__name__}: {str(stopped)[:200]}): this report holds "
+                     f"only the {len(got.results)} question call(s) and {len(got.probes)} probe(s) that finished.")
     report = build_report(
-        results, probes, target=plan.target.describe(), random_weights=plan.target.random_weights,
-        settings={
+        got.results, got.probes, target=plan.target.describe(), random_weights=plan.target.random_weights,
+        notes=notes, settings={
             "questions": len(plan.questions), "source": plan.source, "tts": plan.voice.name,
             "asr": plan.transcriber.name, "judge_model": plan.judge.model, "concurrency": plan.concurrency,
             "forced_delays_ms": [d for d in plan.delays if d is not None], "probes": probes_per_delay,
             "pause_s": plan.pause_s, "listening": dataclasses.asdict(plan.listening),
         },
     )
+    out = plan.out
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     plots = await asyncio.to_thread(write_plots, report, out)
     (out / "report.md").write_text(render_markdown(report, plots))
@@ -212,7 +313,7 @@ async def _line(plan: EvalPlan, delay: float | None, out: Path) -> AsyncIterator
 
 
 def _delay_of(delay: float | None) -> float:
-    return -1.0 if delay is None else delay  # -1: the service's own
+    return SERVICE_OWN_DELAY if delay is None else delay
 
 
 async def _dial(
@@ -221,6 +322,7 @@ async def _dial(
     """One call, dialled again after a busy answer (up to plan.busy_redials times; the pause is taken
     outside the semaphore, so the other calls go on). Returns the last call's report, its script, the
     audio heard and how many times it was redialled."""
+    await asyncio.to_thread(wav.unlink, missing_ok=True)  # an earlier run's file in this --out is not this call's
     for redials in range(plan.busy_redials + 1):
         script = make_script()  # each dial plays its own timeline
         async with sem:
@@ -245,39 +347,69 @@ def _read_heard(wav: Path) -> np.ndarray:
     return np.round(audio * 32768.0).astype(np.int16)
 
 
+def _hung_up_early(qid: str, report: CallReport, script: AskAndListen, errors: list[str]) -> bool:
+    """Did the service end the call before the whole question went out? Then there is no answer to grade:
+    the call's outcome is HUNG_UP, with the reason in `errors`."""
+    if report.outcome != "completed" or not report.server_hung_up or script.asked:
+        return False
+    why = f"the service hung up at {report.call_seconds:.2f} s, before the question had been played in full"
+    errors.append(why)
+    log.warning("question %s: %s (call %s); not scored", qid, why, report.call_sid)
+    return True
+
+
+def _wav_name(wav: Path) -> str:
+    """The report's pointer to a call's audio: "" when the call never streamed, so nothing was written."""
+    return f"audio/{wav.name}" if wav.is_file() else ""
+
+
 async def _ask(
     plan: EvalPlan, line: _Line, delay: float | None, s: _Spoken, audio_dir: Path, sem: asyncio.Semaphore,
     done: Callable[[float | None], None],
 ) -> Result:
     q = s.question
-    tag = f"d{_delay_of(delay):g}_q{q.question_id}"
-    r = Result(q.question_id, q.category, q.text, _delay_of(delay), question_wav=f"audio/q{q.question_id}.wav",
-               reply_wav=f"audio/{tag}_call.wav")
+    wav = audio_dir / f"d{_delay_of(delay):g}_q{s.stem}_call.wav"
+    r = Result(q.question_id, q.category, q.text, _delay_of(delay), question_wav=f"audio/q{s.stem}.wav")
     try:
         report, script, heard, r.busy_redials = await _dial(
-            plan, line, lambda: AskAndListen(s.packets, plan.listening), audio_dir / f"{tag}_call.wav", sem
+            plan, line, lambda: AskAndListen(s.packets, plan.listening), wav, sem
         )
+        r.reply_wav = _wav_name(wav)
         r.outcome, r.call_sid, r.errors = report.outcome, report.call_sid, list(report.errors)
-        r.first_audio_s, r.hung_up_because = report.first_audio_latency_s, script.hung_up_because
-        if report.outcome == "completed" and script.question_end_s is not None:
-            start = round((script.question_start_s or 0.0) * sp.RATE)
-            reply = heard[start:]
-            r.reply_s = float(len(reply) / sp.RATE)
-            r.latency_s = answer_latency(speech_spans(heard), script.question_end_s)
-            transcript = await asyncio.to_thread(plan.transcriber.transcribe, reply)
-            r.transcript = transcript.text
-            if transcript.first_word_s is not None:
-                heard_at = (script.question_start_s or 0.0) + transcript.first_word_s
-                r.first_word_latency_s = heard_at - script.question_end_s
-            verdict = await plan.judge.grade(q, r.transcript or "(the assistant said nothing)")
-            r.score, r.judge_explanation, r.judge_error = verdict.score, verdict.explanation, verdict.error
-            if verdict.error:
-                log.warning("question %s: no score from the judge after %d tries: %s", q.question_id,
-                            verdict.attempts, verdict.error)
+        r.first_audio_s, r.server_hung_up = report.first_audio_latency_s, report.server_hung_up
+        r.hung_up_because = "server" if report.server_hung_up else script.hung_up_because
+        if _hung_up_early(q.question_id, report, script, r.errors):
+            r.outcome = HUNG_UP
+        elif report.outcome == "completed" and script.question_end_s is not None:
+            await _grade(plan, q, r, script, heard)
     except (AsrError, OSError, ValueError) as exc:
         r.errors.append(f"{type(exc).__name__}: {exc}")
-    done(r.score)
+        log.warning("question %s: %s: %s", q.question_id, type(exc).__name__, exc)
+    except Exception as exc:  # noqa: BLE001 - one question's failure is its error, not the run's end
+        r.errors.append(f"{type(exc).__name__}: {exc}")
+        log.error("question %s: failed: %s: %s; recorded as its error", q.question_id, type(exc).__name__, exc)
+    finally:
+        done(r.score)
     return r
+
+
+async def _grade(plan: EvalPlan, q: Question, r: Result, script: AskAndListen, heard: np.ndarray) -> None:
+    """Transcribe the reply and have the judge score it (a judge failure is a missing score, not 0)."""
+    assert script.question_end_s is not None
+    start = round((script.question_start_s or 0.0) * sp.RATE)
+    reply = heard[start:]
+    r.reply_s = float(len(reply) / sp.RATE)
+    r.latency_s = answer_latency(speech_spans(heard), script.question_end_s)
+    transcript = await asyncio.to_thread(plan.transcriber.transcribe, reply)
+    r.transcript = transcript.text
+    if transcript.first_word_s is not None:
+        heard_at = (script.question_start_s or 0.0) + transcript.first_word_s
+        r.first_word_latency_s = heard_at - script.question_end_s
+    verdict = await plan.judge.grade(q, r.transcript or "(the assistant said nothing)")
+    r.score, r.judge_explanation, r.judge_error = verdict.score, verdict.explanation, verdict.error
+    if verdict.error:
+        log.warning("question %s: no score from the judge after %d tries: %s", q.question_id,
+                    verdict.attempts, verdict.error)
 
 
 async def _probe(
@@ -285,8 +417,8 @@ async def _probe(
     sem: asyncio.Semaphore, done: Callable[[float | None], None],
 ) -> Probe:
     q = s.question
-    tag = f"d{_delay_of(delay):g}_q{q.question_id}_probe"
-    p = Probe(q.question_id, _delay_of(delay), pause_s=plan.pause_s, call_wav=f"audio/{tag}.wav")
+    wav = audio_dir / f"d{_delay_of(delay):g}_q{s.stem}_probe.wav"
+    p = Probe(q.question_id, _delay_of(delay), pause_s=plan.pause_s)
     assert s.first_half is not None and s.second_half is not None
     first, second = s.first_half, s.second_half
 
@@ -294,18 +426,30 @@ async def _probe(
         return AskAndListen(first, plan.listening, second_part=second, pause_s=plan.pause_s, barge_in=barge)
 
     try:
-        report, script, heard, p.busy_redials = await _dial(plan, line, new_script, audio_dir / f"{tag}.wav", sem)
+        report, script, heard, p.busy_redials = await _dial(plan, line, new_script, wav, sem)
+        p.call_wav = _wav_name(wav)
         p.outcome, p.call_sid, p.errors = report.outcome, report.call_sid, list(report.errors)
-        if report.outcome == "completed":
-            spans = speech_spans(heard)
-            if script.pause_start_s is not None and script.pause_end_s is not None:
-                p.took_turn_in_pause = took_turn_in_pause(spans, script.pause_start_s, script.pause_end_s)
-            if script.barge_in_start_s is not None:
-                talk, stopped = talk_after_barge_in(speech_spans(heard, merge_gap_s=0.3), script.barge_in_start_s,
-                                                    len(heard) / sp.RATE)
-                p.barge_in_talk_s, p.barge_in_stopped = talk, stopped
+        p.server_hung_up = report.server_hung_up
+        if _hung_up_early(q.question_id, report, script, p.errors):
+            p.outcome = HUNG_UP
+        elif report.outcome == "completed":
+            _measure_probe(p, script, heard)
     except (OSError, ValueError) as exc:
         p.errors.append(f"{type(exc).__name__}: {exc}")
-    done(None)
+        log.warning("question %s (probe): %s: %s", q.question_id, type(exc).__name__, exc)
+    except Exception as exc:  # noqa: BLE001 - one probe's failure is its error, not the run's end
+        p.errors.append(f"{type(exc).__name__}: {exc}")
+        log.error("question %s (probe): failed: %s: %s; recorded as its error", q.question_id, type(exc).__name__, exc)
+    finally:
+        done(None)
     return p
 
+
+def _measure_probe(p: Probe, script: AskAndListen, heard: np.ndarray) -> None:
+    if script.pause_start_s is not None and script.pause_end_s is not None:
+        p.took_turn_in_pause = took_turn_in_pause(heard, script.pause_start_s, script.pause_end_s)
+    if script.barge_in_start_s is not None:
+        barge_end = script.barge_in_end_s if script.barge_in_end_s is not None else script.barge_in_start_s
+        p.barge_in_talk_s, p.barge_in_stopped = talk_after_barge_in(
+            speech_spans(heard, merge_gap_s=0.3), script.barge_in_start_s, barge_end, len(heard) / sp.RATE
+        )

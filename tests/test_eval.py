@@ -5,25 +5,38 @@ the OpenAI speech/transcription clients, usage errors."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import sys
 import wave
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from evaluation.compare import compare
-from evaluation.judge import Judge, parse_rating
-from evaluation.line_caller import answer_latency, speech_spans, talk_after_barge_in, took_turn_in_pause
+from evaluation.judge import NO_RATING, NOT_A_COMPLETION, Judge, parse_rating
+from evaluation.line_caller import (
+    AskAndListen,
+    Listening,
+    answer_latency,
+    speech_spans,
+    talk_after_barge_in,
+    took_turn_in_pause,
+)
 from evaluation.questions import Question, QuestionError, load_file, load_suite, narrow
 from evaluation.report import Result, build_report
+from evaluation.runner import EvalPlan, Target, file_stems, run_eval
 from evaluation.transcribe import OpenAITranscriber, PocketsphinxTranscriber
-from evaluation.voices import OpenAIVoice
+from evaluation.voices import FliteVoice, OpenAIVoice, VoiceError
+from telephony import sim_playout as sp
 
-from .eval_servers import serve_fake_judge
+from .eval_servers import FakeJudge, FakeLine, serve_fake_judge, serve_fake_line, silence, tone
 from .llm_server import serve_fake_llm
 from .phone_fixtures import running_phone
 
@@ -49,7 +62,13 @@ async def _kame(args: list[str], env: dict[str, str], limit_s: float = 280) -> t
         sys.executable, "-m", "kame_phone.cli", *args, cwd=ROOT, env={**clean, "PYTHONPATH": str(ROOT), **env},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), limit_s)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), limit_s)
+    finally:
+        if proc.returncode is None:  # timed out (or the test was cancelled): no command outlives its test
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
 
@@ -247,10 +266,10 @@ def test_the_lines_timeline() -> None:
     assert answer_latency(spans, 3.0) == pytest.approx(1.0)  # answered a second after the question ended
     assert answer_latency(spans, 2.0) == pytest.approx(-1.0)  # already talking when it ended
     assert answer_latency(spans, 6.5) is None
-    assert took_turn_in_pause(spans, 3.0, 4.5) is True and took_turn_in_pause(spans, 2.7, 3.9) is False
-    assert talk_after_barge_in(spans, 5.0, 8.0) == (pytest.approx(1.0), True)
-    assert talk_after_barge_in(spans, 3.0, 8.0) == (0.0, True)
-    assert talk_after_barge_in(speech_spans(_tone(3.0, [(0.5, 3.0)])), 1.0, 3.0)[1] is False  # never stopped
+    assert took_turn_in_pause(heard, 3.0, 4.5) is True and took_turn_in_pause(heard, 2.7, 3.9) is False
+    assert talk_after_barge_in(spans, 5.0, 5.5, 8.0) == (pytest.approx(1.0), True)
+    assert talk_after_barge_in(spans, 3.0, 3.5, 8.0) == (0.0, True)
+    assert talk_after_barge_in(speech_spans(_tone(3.0, [(0.5, 3.0)])), 1.0, 1.5, 3.0)[1] is False  # never stopped
 
 
 def test_pocketsphinx_transcribes_a_reply_with_word_times(question_wav: Path) -> None:
@@ -322,3 +341,254 @@ def test_compare_says_when_a_change_is_real(tmp_path: Path) -> None:
     assert "score 3.33 -> 8.50 (+5.17; p=0.000)" in text and "median latency 0.23 s -> 1.23 s (+1.00 s; p=0.00" in text
     small = write("s", _results(0.0, [9, 9], 1.0))
     assert "too few to tell (n=6 vs 2" in compare(a, small)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# run_eval on a stand-in line (tests/eval_servers.py): flite speaks, the stand-in APIs transcribe and judge
+
+
+def _line_plan(out: Path, questions: list[Question], line: FakeLine, api: FakeJudge, **kw: Any) -> EvalPlan:
+    listening = kw.pop("listening", Listening(lead_in_s=0.2, quiet_s=0.5, no_answer_s=2.0, max_reply_s=4.0))
+    return EvalPlan(
+        questions=questions, source="test", out=out, voice=FliteVoice(),
+        transcriber=OpenAITranscriber(api.base_url, "k"), judge=Judge("judge-1", api.base_url, "k", attempts=1),
+        target=Target(url=line.base_url), delays=[None], listening=listening,
+        **{"probes": 0, "busy_redials": 0, **kw},
+    )  # fmt: skip
+
+
+def _files_under(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_question_never_voiced_still_ends_its_call() -> None:
+    """flite speaks silence for text it cannot read (Japanese): with no voiced packet the question's end was
+    never set, so neither --no-answer-s nor --max-reply-s fired and the call went on for ever."""
+    listening = Listening(lead_in_s=0.2, quiet_s=0.5, no_answer_s=1.0, max_reply_s=3.0)
+    for packets in ([sp.SILENCE_PACKET] * 50, []):  # silence; a TTS that gave no samples at all
+        script, playout = AskAndListen(packets, listening), sp.Playout()
+        ticks = 0
+        while script.next_packet(ticks * sp.PACKET_SECONDS, playout) is not None and ticks < 50 * 30:
+            ticks += 1
+        asked_end = 0.2 + len(packets) * sp.PACKET_SECONDS
+        assert script.hung_up_because == "no_answer", (len(packets), ticks)
+        assert ticks * sp.PACKET_SECONDS == pytest.approx(asked_end + 1.0, abs=0.03)
+
+
+async def test_unvoiced_question_audio_is_refused_when_spoken_naming_the_question(tmp_path: Path) -> None:
+    async with serve_fake_line() as line, serve_fake_judge(empty_speech=("empty",)) as api:
+        japanese = [Question("ja-1", "stem", "東京の人口はどのくらいですか。")]
+        with pytest.raises(VoiceError, match=r"question ja-1: the flite TTS spoke no audible speech.*--tts openai"):
+            await asyncio.wait_for(run_eval(_line_plan(tmp_path / "ja", japanese, line, api), progress=False), 20)
+        empty = [Question("e-2", "stem", "An empty answer, please.")]
+        plan = _line_plan(tmp_path / "empty", empty, line, api)
+        plan.voice = OpenAIVoice(api.base_url, "k")  # answers a WAV with no samples
+        with pytest.raises(VoiceError, match="question e-2: the openai TTS spoke no audible speech"):
+            await asyncio.wait_for(run_eval(plan, progress=False), 20)
+        assert line.calls == 0  # refused before dialling
+
+
+async def test_the_judge_turns_any_odd_reply_into_a_missing_score() -> None:
+    def completion(choice: dict[str, Any]) -> tuple[str, str]:
+        body = {"id": "c", "object": "chat.completion", "created": 0, "model": "j", "choices": [choice]}
+        return "application/json", json.dumps(body)
+
+    odd = {
+        "html": ("text/html", "<html><body>Bad gateway, try later</body></html>"),  # a proxy's page, HTTP 200
+        "no-message": completion({"index": 0, "finish_reason": "stop"}),
+        "numbers": completion({"index": 0, "message": {"role": "assistant", "content": [1, 2]}}),
+        "not-json-object": ("application/json", "[1, 2, 3]"),
+    }
+    parts = {"index": 0, "message": {"role": "assistant", "content": [{"type": "text", "text": "Fine. [[6]]"}]}}
+    async with serve_fake_judge(odd_reply={**odd, "parts": completion(parts)}) as fake:
+        judge = Judge("j", fake.base_url, "k", attempts=2, backoff_s=0.01)
+        for key in odd:
+            verdict = await judge.grade(Question(key, "stem", f"Say {key}?"), "an answer")
+            assert verdict.score is None and verdict.attempts == 2, (key, verdict)
+            assert verdict.error in (NOT_A_COMPLETION, NO_RATING), (key, verdict)
+        verdict = await judge.grade(Question("p", "stem", "Say parts?"), "an answer")  # content as parts: read
+        assert (verdict.score, verdict.error) == (6.0, None)
+        await judge.aclose()
+
+
+async def test_one_questions_odd_judge_reply_costs_its_score_not_the_run(tmp_path: Path) -> None:
+    questions = [Question("1", "stem", "What is two plus two?"), Question("2", "stem", "Who wrote Hamlet?")]
+    html = {"Hamlet": ("text/html", "<html>proxy error</html>")}
+    async with serve_fake_line() as line, serve_fake_judge(rating=8, odd_reply=html) as api:
+        report = await run_eval(_line_plan(tmp_path / "run", questions, line, api, concurrency=2), progress=False)
+    by_q = {r["question_id"]: r for r in json.loads((tmp_path / "run" / "report.json").read_text())["results"]}
+    assert by_q["1"]["score"] == 8.0 and by_q["1"]["outcome"] == "completed"
+    assert by_q["2"]["score"] is None and by_q["2"]["judge_error"] == "the judge's answer was not a chat completion"
+    assert report["summary"]["by_delay"][0]["all"]["missing_scores"] == 1
+
+
+async def test_an_unexpected_failure_is_that_questions_error_and_the_report_is_written(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    questions = [Question("q-7", "stem", "What is two plus two?")]
+    odd_asr = {"text": "four", "words": [{"word": "four"}]}  # a word without its start time
+    async with serve_fake_line() as line, serve_fake_judge(transcription=odd_asr) as api:
+        await run_eval(_line_plan(tmp_path / "run", questions, line, api), progress=False)
+    [r] = json.loads((tmp_path / "run" / "report.json").read_text())["results"]
+    assert r["score"] is None and r["errors"] and r["errors"][0].startswith("TypeError")
+    assert any("question q-7" in m and "TypeError" in m for m in caplog.messages)
+    assert "TypeError" in (tmp_path / "run" / "report.md").read_text()
+
+
+async def test_a_call_the_service_hangs_up_mid_question_is_not_scored(tmp_path: Path) -> None:
+    question = Question("1", "stem", "If a train leaves at noon and travels for two hours, when does it arrive?")
+    async with serve_fake_line(hang_up_after_s=1.0) as line, serve_fake_judge() as api:
+        report = await run_eval(_line_plan(tmp_path / "run", [question], line, api), progress=False)
+    [r] = report["results"]
+    assert r["outcome"] == "hung_up" and r["hung_up_because"] == "server" and r["server_hung_up"] is True
+    assert r["score"] is None and "before the question had been played in full" in r["errors"][0]
+    assert api.requests == []  # nothing was graded
+    assert report["summary"]["by_delay"][0]["all"]["hung_up_mid_question"] == 1
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert "The service hung up 1 call(s) before the question had been played in full" in md
+    assert "| the service hung up mid-question (not scored)" in md
+
+
+async def test_question_ids_become_safe_unique_file_names_inside_out(tmp_path: Path) -> None:
+    out = tmp_path / "deep" / "run"
+    questions = [Question("stem/1", "stem", "What is two plus two?"), Question("../x", "stem", "Who wrote Hamlet?")]
+    async with serve_fake_line() as line, serve_fake_judge() as api:
+        report = await run_eval(_line_plan(out, questions, line, api, concurrency=2), progress=False)
+    assert _files_under(tmp_path) == _files_under(out)  # nothing written outside --out
+    for r in report["results"]:
+        assert r["outcome"] == "completed" and r["score"] == 7.0
+        for name in (r["question_wav"], r["reply_wav"]):
+            assert (out / name).is_file() and (out / name).resolve().parent == (out / "audio").resolve()
+    assert len({r["reply_wav"] for r in report["results"]}) == 2
+
+    assert file_stems(["101", "stem_2", "a.b-c"]) == {"101": "101", "stem_2": "stem_2", "a.b-c": "a.b-c"}  # readable
+    stems = file_stems(["stem/1", "stem_1", "stem:1", "../x", "..", "A", "a"])
+    assert len({s.lower() for s in stems.values()}) == 7 and stems["stem_1"] == "stem_1"  # unique, case-blind too
+    assert all("/" not in s and not s.startswith(".") for s in stems.values())
+    assert stems["stem/1"].startswith("stem_1-") and stems["../x"].startswith("x-")
+
+
+async def test_probe_counts_only_sound_in_the_pause_and_talk_over_a_barge_in_after_a_pause(tmp_path: Path) -> None:
+    """Short noises in the caller's pause are not a turn (the 0.5 s gaps speech_spans bridges are silence);
+    a bot that goes quiet for 0.4 s right after the barge-in and then talks on over it has not stopped."""
+    text = "Name a city in France, and then say why."  # the probe cuts it at the comma
+    first, _ = await asyncio.to_thread(FliteVoice().speak, "Name a city in France,")
+    lead_in, pause_s = 0.2, 0.8
+    chirps_until = lead_in + len(first) / 16000 + pause_s + 0.5  # flite speaks at 16 kHz
+    chirp = np.concatenate([tone(0.04), silence(0.26)])  # 13% sound, in gaps the 0.5 s bridging closes
+    timeline = np.tile(chirp, int(chirps_until / 0.3) + 1)
+    reply = np.concatenate([tone(1.1), silence(0.4), tone(8.0)])  # barge-in lands near 1.0 s into it
+    listening = Listening(lead_in_s=lead_in, quiet_s=0.5, no_answer_s=3.0, max_reply_s=3.0)
+    async with serve_fake_line(timeline=timeline, reply=reply, end_of_turn_s=1.2) as line, \
+            serve_fake_judge() as api:  # fmt: skip
+        plan = _line_plan(tmp_path / "run", [Question("1", "stem", text)], line, api, probes=1, pause_s=pause_s,
+                          listening=listening, concurrency=2)
+        report = await run_eval(plan, progress=False)
+    [p] = report["probes"]
+    assert p["outcome"] == "completed" and (tmp_path / "run" / p["call_wav"]).is_file()
+    assert p["took_turn_in_pause"] is False, p
+    assert p["barge_in_talk_s"] is not None and p["barge_in_talk_s"] > 1.5, p  # it talked on after its pause
+    assert p["barge_in_stopped"] is False, p  # and was still talking when the caller hung up
+
+
+def test_kame_kills_the_command_when_it_times_out(tmp_path: Path) -> None:
+    marker = f"kame-timeout-{os.getpid()}-{id(tmp_path)}"
+
+    def still_running() -> list[int]:
+        pids = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            with contextlib.suppress(OSError):
+                if marker.encode() in cmdline.read_bytes():
+                    pids.append(int(cmdline.parent.name))
+        return pids
+
+    async def run() -> None:
+        async with serve_fake_line(reply=None) as line:  # a line that never answers: the call runs 60 s
+            with pytest.raises(TimeoutError):
+                await _kame(["eval", "--url", line.base_url, "--questions", str(_write_questions(tmp_path / "q.jsonl")),
+                             "--probes", "0", "--no-progress", "--no-answer-s", "60", "--out", str(tmp_path / marker)],
+                            {}, limit_s=3)  # fmt: skip
+
+    try:
+        asyncio.run(run())
+        assert still_running() == []
+    finally:
+        for pid in still_running():  # what the old _kame left behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_bad_url_is_a_usage_error_before_any_question_is_spoken(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from evaluation.command import add_eval_arguments, run_from_args
+
+    parser = argparse.ArgumentParser()
+    add_eval_arguments(parser)
+    questions = _write_questions(tmp_path / "q.jsonl")
+    for url in ("ftp://line.example", "line.example", "https://line.example/?x=1"):
+        args = parser.parse_args(["--url", url, "--questions", str(questions), "--out", str(tmp_path / "out"),
+                                  "--no-progress"])  # fmt: skip
+        assert run_from_args(args) == 2
+        err = capsys.readouterr().err
+        assert "--url must be https://host[/prefix]" in err and "Traceback" not in err, err
+        assert not (tmp_path / "out").exists()  # nothing spoken, nothing written
+
+
+async def test_a_call_that_never_streamed_points_at_no_audio(tmp_path: Path) -> None:
+    async with serve_fake_line(busy=True) as line, serve_fake_judge() as api:
+        report = await run_eval(_line_plan(tmp_path / "run", [Question("1", "stem", "Hello?")], line, api, probes=0),
+                                progress=False)
+    [r] = report["results"]
+    assert r["outcome"] == "busy" and r["reply_wav"] == "" and r["score"] is None
+    assert (tmp_path / "run" / r["question_wav"]).is_file()
+    assert "busy" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_the_services_own_delay_is_named_not_minus_one_and_a_missing_score_is_not_drawn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import matplotlib.axes
+
+    from evaluation.plots import write_plots
+    from evaluation.report import render_markdown
+
+    results = _results(-1.0, [7, 8, 7], 0.5) + [Result("h", "humanities", "q", -1.0, outcome="completed")]
+    report = build_report(results, [], target={"url": "x"}, settings={}, random_weights=False)
+    bars: list[tuple[list[float], str]] = []
+    texts: list[str] = []
+    real_bar, real_text = matplotlib.axes.Axes.bar, matplotlib.axes.Axes.text
+
+    def bar(self: Any, x: Any, height: Any, *args: Any, **kwargs: Any) -> Any:
+        bars.append(([float(h) for h in np.atleast_1d(height)], kwargs.get("label", "")))
+        return real_bar(self, x, height, *args, **kwargs)
+
+    def text(self: Any, x: float, y: float, s: str, *args: Any, **kwargs: Any) -> Any:
+        texts.append(s)
+        return real_text(self, x, y, s, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", bar)
+    monkeypatch.setattr(matplotlib.axes.Axes, "text", text)
+    plots = write_plots(report, tmp_path)
+    # humanities has no score: no bar of 0 for it (only stem's 7.33), and the plot says so.
+    bars = [b for b in bars if b[1]]  # the category plot's (the histogram draws unlabelled bars too)
+    assert bars == [([pytest.approx(22 / 3)], "the service's own")] and "no score" in texts
+    md = render_markdown(report, plots)
+    assert "| the service's own | **all** | 4 | 3 |" in md and "-1 ms" not in md and "| -1 |" not in md
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    text_out = compare(path, path)
+    assert "forced delay the service's own" in text_out and "-1 ms" not in text_out
+
+
+def test_compare_says_no_difference_for_identical_constant_scores(tmp_path: Path) -> None:
+    def write(name: str, scores: list[float]) -> Path:
+        path = tmp_path / f"{name}.json"
+        report = build_report(_results(0.0, scores, 0.5), [], target={"url": "x"}, settings={}, random_weights=False)
+        path.write_text(json.dumps(report))
+        return path
+
+    text = compare(write("a", [7.0] * 6), write("b", [7.0] * 6))
+    assert "score 7.00 -> 7.00 (+0.00; no difference (the same value throughout))" in text and "nan" not in text
+    assert "nan" not in compare(write("c", [3.0] * 6), write("d", [8.0] * 6))
