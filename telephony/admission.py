@@ -96,6 +96,12 @@ class Admission:
         self._use_up(call_sid)
         return True
 
+    def mark_used(self, call_sid: str) -> None:
+        """Remember `call_sid` as used up though it had no grant here (its stream started on a grant kept
+        elsewhere): it gets no new token, and no second stream."""
+        self._grants.pop(call_sid, None)
+        self._use_up(call_sid)
+
     def release(self, call_sid: str) -> None:
         if self._grants.pop(call_sid, None) is not None:
             self._use_up(call_sid)

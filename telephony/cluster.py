@@ -14,11 +14,21 @@ Redis layout (prefix `kame:` by default; all times are Redis's own clock, in ms,
   <p>nodes              sorted set: node id scored by its last heartbeat; stale ones are pruned
   <p>node:<id>          hash url (the node's wss media URL), free, draining, ts; expires after node_ttl_s
   <p>node:<id>:resv     sorted set: CallSids with an unclaimed reservation on the node, scored by expiry
+  <p>node:<id>:held     sorted set: CallSids claimed on the node whose stream the node has not yet counted in a
+                        `free` it sent (see below), scored by expiry
   <p>resv:<sid>         hash node, url, token, state (reserved|claimed|ended); expires after reservation_ttl_s,
                         or bound_ttl_s once claimed or ended (a replayed webhook for it gets no new token)
 A node's room is `free - (live entries in its resv set)`. `free` counts engine seats not held by a
 stream; a claim moves a call from the resv set into `free` at once (HINCRBY -1), and the node's next
 heartbeat publishes the real figure.
+
+No process lock is held across a round trip to Redis: concurrent webhooks reserve in parallel, and the
+scripts alone keep the books. A node's own seat count (its `free` in a heartbeat, or in a reservation made
+from it) is computed before the script runs, so a claim landing in between would make it count a seat
+twice. So a claim also puts its call in the node's held set (until the call ends, or for a few seconds),
+and each figure the node sends comes with the calls whose stream it counts (`acked`): held calls not acked
+are seats taken that the figure has not subtracted. Entries leave the held set only by expiry or release,
+never because a newer figure counted them: an older one may still be on its way.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -148,10 +159,24 @@ class LocalCluster:
 _NOW_MS_LUA = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
 
 
-# KEYS 1 node hash, 2 nodes zset, 3 node resv zset. ARGV 1 node id, 2 stream url, 3 free, 4 draining (0/1),
-# 5 node ttl ms. Returns the node's live reservation count.
-_HEARTBEAT_LUA = _NOW_MS_LUA + """
-redis.call('HSET', KEYS[1], 'url', ARGV[2], 'free', ARGV[3], 'draining', ARGV[4], 'ts', now)
+# How many calls claimed in Redis on this node the node's own free-seat figure does not count yet: those in
+# its held zset that are not among ARGV[first_acked..] (the calls whose stream the figure counts).
+_HELD_LUA = """
+local function unsubtracted(held, first_acked, now)
+  redis.call('ZREMRANGEBYSCORE', held, '-inf', now)
+  local n = redis.call('ZCARD', held)
+  for i = first_acked, #ARGV do
+    if redis.call('ZSCORE', held, ARGV[i]) then n = n - 1 end
+  end
+  return n
+end
+"""
+
+# KEYS 1 node hash, 2 nodes zset, 3 node resv zset, 4 node held zset. ARGV 1 node id, 2 stream url, 3 free,
+# 4 draining (0/1), 5 node ttl ms, 6.. acked calls. Returns the node's live reservation count.
+_HEARTBEAT_LUA = _NOW_MS_LUA + _HELD_LUA + """
+local free = math.max(0, tonumber(ARGV[3]) - unsubtracted(KEYS[4], 6, now))
+redis.call('HSET', KEYS[1], 'url', ARGV[2], 'free', free, 'draining', ARGV[4], 'ts', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. (now - tonumber(ARGV[5])))
@@ -161,9 +186,9 @@ return redis.call('ZCARD', KEYS[3])
 """
 
 # KEYS 1 nodes zset, 2 resv:<sid>. ARGV 1 prefix, 2 call sid, 3 local node id, 4 token, 5 reservation ttl ms,
-# 6 node ttl ms, 7 local node draining (0/1), 8 local node's free slots now (fresher than its heartbeat).
-# Returns {node, url, token, reservations on that node} or nil.
-_RESERVE_LUA = _NOW_MS_LUA + """
+# 6 node ttl ms, 7 local node draining (0/1), 8 local node's free slots now (fresher than its heartbeat),
+# 9.. acked calls (see _HELD_LUA). Returns {node, url, token, reservations on that node} or nil.
+_RESERVE_LUA = _NOW_MS_LUA + _HELD_LUA + """
 local held = redis.call('HMGET', KEYS[2], 'node', 'url', 'token', 'state')
 if held[1] then
   if held[4] ~= 'reserved' then return 'used' end  -- its stream started (or ended): a replayed webhook
@@ -178,7 +203,7 @@ for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
     local rz = p .. 'node:' .. id .. ':resv'
     redis.call('ZREMRANGEBYSCORE', rz, '-inf', now)
     local free = tonumber(n[2]) or 0
-    if id == me then free = tonumber(ARGV[8]) end
+    if id == me then free = tonumber(ARGV[8]) - unsubtracted(p .. 'node:' .. id .. ':held', 9, now) end
     local room = free - redis.call('ZCARD', rz)
     if room > 0 and best ~= me then
       -- this node first (the webhook and the stream on one node: fewer hops), else the most room
@@ -198,34 +223,52 @@ redis.call('PEXPIRE', rz, ttl * 2)
 return {best, best_url, ARGV[4], redis.call('ZCARD', rz)}
 """
 
-# KEYS 1 resv:<sid>, 2 node resv zset, 3 node hash. ARGV 1 call sid, 2 node id, 3 token, 4 bound ttl ms.
-# The caller has already checked the token in constant time; this re-checks it to consume atomically.
-# Returns the node's reservation count, or -1 when the reservation is gone or not this node's.
-_CLAIM_LUA = """
+# The seat moves from the resv set to taken; held until the node's own figure counts the stream (_HELD_LUA).
+_TAKE_SEAT_LUA = """
+local function take_seat(resv, node, held, sid, held_ms, now)
+  redis.call('ZREM', resv, sid)
+  if redis.call('EXISTS', node) == 1 then
+    redis.call('HINCRBY', node, 'free', -1)  -- the stream now holds the seat; the heartbeat catches up
+  end
+  redis.call('ZADD', held, now + held_ms, sid)
+  redis.call('PEXPIRE', held, held_ms)
+  return redis.call('ZCARD', resv)
+end
+"""
+
+# KEYS 1 resv:<sid>, 2 node resv zset, 3 node hash, 4 node held zset. ARGV 1 call sid, 2 node id, 3 token,
+# 4 bound ttl ms, 5 held ttl ms. The caller has already checked the token in constant time; this re-checks it
+# to consume atomically. Returns the node's reservation count, or -1 when the reservation is gone or not ours.
+_CLAIM_LUA = _NOW_MS_LUA + _TAKE_SEAT_LUA + """
 local held = redis.call('HMGET', KEYS[1], 'node', 'token', 'state')
 if held[1] ~= ARGV[2] or held[2] ~= ARGV[3] or held[3] ~= 'reserved' then return -1 end  -- single-use
 redis.call('HSET', KEYS[1], 'state', 'claimed')
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
-if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 and redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('HINCRBY', KEYS[3], 'free', -1)  -- the stream now holds the seat; the heartbeat catches up
-end
-return redis.call('ZCARD', KEYS[2])
+return take_seat(KEYS[2], KEYS[3], KEYS[4], ARGV[1], tonumber(ARGV[5]), now)
 """
 
-# KEYS 1 resv:<sid>, 2 node resv zset. ARGV 1 call sid, 2 node id, 3 ms to remember the CallSid as used up.
+# Redis lost resv:<sid> (a restart without persistence, a failover, an eviction) and this node's own book
+# admitted the stream: write the binding back as claimed, so a replayed webhook gets no new token.
+# KEYS and ARGV as _CLAIM_LUA, plus ARGV 6 the node's stream url. Returns the node's reservation count.
+_RESTORE_LUA = _NOW_MS_LUA + _TAKE_SEAT_LUA + """
+redis.call('HSET', KEYS[1], 'node', ARGV[2], 'url', ARGV[6], 'token', ARGV[3], 'state', 'claimed')
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return take_seat(KEYS[2], KEYS[3], KEYS[4], ARGV[1], tonumber(ARGV[5]), now)
+"""
+
+# KEYS 1 resv:<sid>, 2 node resv zset, 3 node held zset. ARGV 1 call sid, 2 node id, 3 ms to remember the
+# CallSid as used up.
 _RELEASE_LUA = """
 if redis.call('HGET', KEYS[1], 'node') == ARGV[2] then
   redis.call('HSET', KEYS[1], 'state', 'ended')  -- kept, token and all, so a replayed webhook is known
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
 end
 redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
 return 1
 """
 
 _REDIS_FAILURES = (RedisError, OSError)  # OSError covers socket errors and TimeoutError
-
-
-_FALLBACK = object()  # reserve: Redis is failing, reserve on this node
 
 
 class RedisCluster:
@@ -258,14 +301,21 @@ class RedisCluster:
         self._heartbeat_script = client.register_script(_HEARTBEAT_LUA)
         self._reserve_script = client.register_script(_RESERVE_LUA)
         self._claim_script = client.register_script(_CLAIM_LUA)
+        self._restore_script = client.register_script(_RESTORE_LUA)
         self._release_script = client.register_script(_RELEASE_LUA)
         # Reservations made while Redis was failing, on this node only (counted in the published `free`).
         self._fallback = Admission(reservation_ttl_s)
-        # Tokens of Redis reservations on this node, so a stream can still be claimed if Redis fails
-        # between the webhook and the stream (not counted: Redis already counts them).
+        # Tokens of Redis reservations on this node, so a stream can still be claimed if Redis fails (or
+        # loses the reservation) between the webhook and the stream (not counted: Redis already counts them);
+        # and every call whose stream started here, however it was reserved: its token is spent.
         self._mine = Admission(reservation_ttl_s)
-        self._redis_reserved = 0  # this node's live Redis reservations, as of the last script reply
-        self._lock = asyncio.Lock()  # a heartbeat never interleaves with a claim (see _beat)
+        # This node's live Redis reservations as of the last script reply (at _redis_reserved_at, monotonic):
+        # each of them expires within reservation_ttl_s, so the figure is no use any older (a Redis outage).
+        self._redis_reserved = 0
+        self._redis_reserved_at = 0.0
+        # Calls claimed through Redis whose stream `capacity_fn` now counts (see the module docstring), and
+        # when: added in the same step the claim returns True, kept while the held set may still have them.
+        self._acked: dict[str, float] = {}
         self._poke = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -279,6 +329,14 @@ class RedisCluster:
 
     def _node_key(self, node_id: str) -> str:
         return f"{self.key_prefix}node:{node_id}"
+
+    @property
+    def _my_resv_key(self) -> str:
+        return self._node_key(self.node_id) + ":resv"
+
+    @property
+    def _my_held_key(self) -> str:
+        return self._node_key(self.node_id) + ":held"
 
     def _resv_key(self, call_sid: str) -> str:
         return f"{self.key_prefix}resv:{call_sid}"
@@ -301,7 +359,19 @@ class RedisCluster:
 
     @property
     def reserved(self) -> int:
-        return self._fallback.reserved + self._redis_reserved
+        return self._fallback.reserved + self._live_redis_reserved()
+
+    def _live_redis_reserved(self) -> int:
+        if time.monotonic() - self._redis_reserved_at >= self.reservation_ttl_s:
+            return 0  # all expired by now (or claimed): Redis has not answered since they were counted
+        return self._redis_reserved
+
+    def _set_redis_reserved(self, count: int) -> None:
+        self._redis_reserved, self._redis_reserved_at = count, time.monotonic()
+
+    def _one_reservation_claimed(self) -> None:
+        """A reservation of ours was claimed without a script reply to recount them: count it out here."""
+        self._redis_reserved = max(0, self._redis_reserved - 1)
 
     async def start(self) -> None:
         with contextlib.suppress(*_REDIS_FAILURES):
@@ -311,6 +381,15 @@ class RedisCluster:
                           self.node_id, other)
         await self._beat()  # visible (with free = 0 until the engine is ready) before the first webhook
         self._task = asyncio.create_task(self._heartbeats(), name="cluster-heartbeat")
+        self._task.add_done_callback(self._heartbeats_ended)
+
+    def _heartbeats_ended(self, task: asyncio.Task[None]) -> None:
+        if self._closing:
+            return
+        # Other nodes drop this one after node_ttl_s: it would take no more calls routed from elsewhere.
+        exc = None if task.cancelled() else task.exception()
+        log.error("cluster: heartbeats of node %r stopped (%r); other nodes will stop routing calls here",
+                  self.node_id, exc or "cancelled")
 
     async def refresh(self) -> None:
         await self._beat()
@@ -342,21 +421,23 @@ class RedisCluster:
                 async with asyncio.timeout(self.heartbeat_s):
                     await self._poke.wait()
             if not self._closing:
-                await self._beat()
+                try:
+                    await self._beat()
+                except Exception:  # a bug (capacity_fn, a bad reply) must not stop the heartbeats for good
+                    log.exception("cluster: heartbeat of node %r failed; beating on", self.node_id)
 
     async def _beat(self) -> None:
-        # Under the lock (as reserve and claim): otherwise a `free` computed before a claim could land after
-        # the claim's decrement and count the claimed call's seat as free. After a claim returns, the caller
-        # registers its stream before yielding, so `capacity_fn` sees it by the next locked read.
-        async with self._lock:
-            free = self._free_here()
-            keys = [self._node_key(self.node_id), self._nodes_key, self._node_key(self.node_id) + ":resv"]
-            args = [self.node_id, self.stream_url, free, int(self.draining), _ms(self.node_ttl_s)]
-            try:
-                self._redis_reserved = int(await self._heartbeat_script(keys=keys, args=args))
-            except _REDIS_FAILURES as exc:
-                self._failed("heartbeat", exc)
-                return
+        # `free` and `acked` are read together, with no await between: the script subtracts the calls claimed
+        # in Redis that this `free` does not count yet (held, not acked), however the round trips interleave.
+        free, acked = self._free_here(), self._acked_now()
+        keys = [self._node_key(self.node_id), self._nodes_key, self._my_resv_key, self._my_held_key]
+        args = [self.node_id, self.stream_url, free, int(self.draining), _ms(self.node_ttl_s), *acked]
+        try:
+            count = int(await self._heartbeat_script(keys=keys, args=args))
+        except _REDIS_FAILURES as exc:
+            self._failed("heartbeat", exc)
+            return
+        self._set_redis_reserved(count)
         self._succeeded()
 
     def _free_here(self) -> int:
@@ -376,20 +457,15 @@ class RedisCluster:
             # rather than refuses, each waited up to a second behind the one before (and the heartbeat),
             # and a burst of calls ran past Twilio's 15 s webhook timeout.
             return self._reserve_here(call_sid)
+        # No lock across the round trip: concurrent webhooks reserve in parallel. The script checks and takes
+        # a seat atomically, and a claim landing before it is subtracted there (held, not in `acked`).
         keys = [self._nodes_key, self._resv_key(call_sid)]
+        args: list[Any] = [self.key_prefix, call_sid, self.node_id, new_token(), _ms(self.reservation_ttl_s),
+                           _ms(self.node_ttl_s), int(self.draining), self._free_here(), *self._acked_now()]  # fmt: skip
         try:
-            async with self._lock:  # this node's free seats must not change (by a claim) until the script ran
-                if self._failing:  # it failed for whoever held the lock before us: do not wait for it again
-                    got = _FALLBACK
-                else:
-                    args: list[Any] = [self.key_prefix, call_sid, self.node_id, new_token(),
-                                       _ms(self.reservation_ttl_s), _ms(self.node_ttl_s), int(self.draining),
-                                       self._free_here()]  # fmt: skip
-                    got = await self._reserve_script(keys=keys, args=args)
+            got = await self._reserve_script(keys=keys, args=args)
         except _REDIS_FAILURES as exc:
             self._failed("reserve", exc)
-            return self._reserve_here(call_sid)
-        if got is _FALLBACK:
             return self._reserve_here(call_sid)
         self._succeeded()
         if got is None:
@@ -400,7 +476,7 @@ class RedisCluster:
         if node_id == self.node_id:
             self._mine.issue(call_sid, token)
             if int(count) >= 0:
-                self._redis_reserved = int(count)
+                self._set_redis_reserved(int(count))
         return Reservation(node_id, url, token)
 
     def _reserve_here(self, call_sid: str) -> Reservation | None:
@@ -411,34 +487,91 @@ class RedisCluster:
     async def claim(self, call_sid: str, token: str | None) -> bool:
         if token is None:
             return False
+        if self._mine.used(call_sid) or self._fallback.used(call_sid):
+            # Its stream started here already (or it ended): the token is single-use per call, so a replayed
+            # webhook's new reservation (Redis having lost the binding) never lets a second socket in.
+            log.warning("cluster: call %s already streamed on this node; refusing another stream", call_sid)
+            return False
         if self._fallback.token_for(call_sid) is not None:
             return self._fallback.claim(call_sid, token)
+        keys = [self._resv_key(call_sid), self._my_resv_key, self._node_key(self.node_id), self._my_held_key]
         try:
             node_id, held = await self._redis.hmget(self._resv_key(call_sid), ["node", "token"])
+            if node_id is None:
+                return await self._claim_lost(call_sid, token, keys)
             if node_id != self.node_id or held is None or not tokens_match(held, token):
                 return False
-            keys = [self._resv_key(call_sid), self._node_key(self.node_id) + ":resv", self._node_key(self.node_id)]
-            async with self._lock:
-                count = int(await self._claim_script(keys=keys, args=[call_sid, self.node_id, token,
-                                                                     _ms(self.bound_ttl_s)]))
+            count = int(await self._claim_script(keys=keys, args=[call_sid, self.node_id, token,
+                                                                 _ms(self.bound_ttl_s), self._held_ms]))
         except _REDIS_FAILURES as exc:
             self._failed("claim", exc)
-            return self._mine.claim(call_sid, token)  # reserved here through Redis before it failed
+            return self._claim_from_mine(call_sid, token)  # reserved here through Redis before it failed
         self._succeeded()
         if count < 0:
             return False
-        self._redis_reserved = count
-        self._mine.claim(call_sid, token)
+        self._set_redis_reserved(count)
+        if not self._mine.claim(call_sid, token):
+            self._mine.mark_used(call_sid)  # reserved by another node's webhook: spent all the same
+        self._acked[call_sid] = time.monotonic()  # the caller counts the stream before it next awaits
         return True
+
+    async def _claim_lost(self, call_sid: str, token: str, keys: list[str]) -> bool:
+        """Redis has no reservation for the call (it restarted empty, failed over, evicted it): this node's
+        own book decides, and the binding is written back as claimed (best effort)."""
+        if not self._mine.claim(call_sid, token):
+            return False
+        log.warning("cluster: Redis had lost the reservation of call %s; admitted on this node's own record",
+                    call_sid)
+        try:
+            count = int(await self._restore_script(keys=keys, args=[call_sid, self.node_id, token,
+                                                                   _ms(self.bound_ttl_s), self._held_ms,
+                                                                   self.stream_url]))  # fmt: skip
+        except _REDIS_FAILURES as exc:  # a replay may get a new token, but this node's book refuses its stream
+            self._failed("claim", exc)
+            self._one_reservation_claimed()
+        else:
+            self._succeeded()
+            self._set_redis_reserved(count)
+        self._acked[call_sid] = time.monotonic()  # the caller counts the stream before it next awaits
+        return True
+
+    def _claim_from_mine(self, call_sid: str, token: str) -> bool:
+        if not self._mine.claim(call_sid, token):
+            return False
+        self._one_reservation_claimed()  # else it would count both as reserved and as a stream
+        self._acked[call_sid] = time.monotonic()  # the claim script may have landed before the reply was lost
+        return True
+
+    @property
+    def _held_s(self) -> float:
+        # Longer than a figure computed before a claim's reply can take to land (socket timeouts of ~1 s).
+        return 2 * self.node_ttl_s
+
+    @property
+    def _held_ms(self) -> int:
+        return _ms(self._held_s)
+
+    def _acked_now(self) -> list[str]:
+        """The acked calls still possibly held in Redis (read with `capacity_fn`, no await in between)."""
+        old = time.monotonic() - self._held_s
+        for sid in [sid for sid, at in self._acked.items() if at < old]:
+            del self._acked[sid]
+        return list(self._acked)
 
     async def release(self, call_sid: str) -> None:
         self._fallback.release(call_sid)
         self._mine.release(call_sid)
-        keys = [self._resv_key(call_sid), self._node_key(self.node_id) + ":resv"]
-        try:
-            await self._release_script(keys=keys, args=[call_sid, self.node_id, _ms(self.bound_ttl_s)])
-        except _REDIS_FAILURES as exc:  # the binding expires after bound_ttl_s
-            self._failed("release", exc)
+        self._acked.pop(call_sid, None)  # held no more (below), or counted taken until it expires: no over-booking
+        if self._failing:
+            # Redis failed the last time it was asked: do not hold the call's end for a socket timeout.
+            # The binding stays claimed (a replay still gets no token) and expires after bound_ttl_s.
+            log.info("cluster: Redis failing; call %s's binding left to expire", call_sid)
+        else:
+            keys = [self._resv_key(call_sid), self._my_resv_key, self._my_held_key]
+            try:
+                await self._release_script(keys=keys, args=[call_sid, self.node_id, _ms(self.bound_ttl_s)])
+            except _REDIS_FAILURES as exc:  # the binding expires after bound_ttl_s
+                self._failed("release", exc)
         self._poke.set()  # publish the freed seat now
 
 

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -30,7 +31,7 @@ from telephony.twiml import parse_connect_stream
 
 from .phone_fixtures import flite_wav, new_call_sid
 from .polling import until
-from .redis_support import REDIS_URL, RedisServer, free_port, redis_errors
+from .redis_support import REDIS_URL, RedisServer, SlowProxy, free_port, redis_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -245,6 +246,203 @@ async def test_local_cluster() -> None:
     assert await c.claim(sid, r.token) and c.reserved == 0
     await c.drain()
     assert await c.reserve(new_call_sid()) is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Redis losing reservations, outages, a slow Redis
+
+
+async def _drop_prefix(raw: aioredis.Redis, prefix: str) -> None:
+    """Redis restarted without persistence (or failed over to a replica without these keys)."""
+    keys = [k async for k in raw.scan_iter(match=f"{prefix}*")]
+    if keys:
+        await raw.delete(*keys)
+
+
+async def test_a_claim_survives_redis_losing_the_reservation(prefix: str, raw: aioredis.Redis) -> None:
+    """Redis lost resv:<sid> between the webhook and the stream: the node that reserved still knows the token,
+    so the call is admitted (not rejected as bad_token) and the binding is written back as claimed."""
+    async with nodes(prefix, {"a": 2}) as n:
+        a = n["a"]
+        sid = new_call_sid()
+        r = await a.reserve(sid)
+        assert r is not None and r.node_id == "a"
+        await _drop_prefix(raw, prefix)
+        assert not await a.claim(sid, "x" * len(r.token))  # its own record still checks the token
+        assert await a.claim(sid, r.token)
+        assert await raw.hmget(f"{prefix}resv:{sid}", ["node", "state"]) == ["a", "claimed"]
+        assert not await a.claim(sid, r.token)  # still single-use
+        with pytest.raises(CallSidUsed):  # a replayed webhook gets no new token
+            await a.reserve(sid)
+
+
+async def test_a_replayed_webhook_after_redis_lost_the_binding_gets_no_second_stream(
+    prefix: str, raw: aioredis.Redis
+) -> None:
+    """The binding of a live call is lost; the signed webhook is replayed to another node, which reserves on
+    the node streaming the call with a new token. That node refuses the second stream: a call sid is claimed
+    once on a node, whichever token comes with it."""
+    async with nodes(prefix, {"a": 4, "b": 0}) as n:
+        a, b = n["a"], n["b"]
+        for reserved_by in (a, b):  # through a's own webhook, or through b's (then a never saw the token)
+            sid = new_call_sid()
+            r1 = await reserved_by.reserve(sid)
+            assert r1 is not None and r1.node_id == "a" and await a.claim(sid, r1.token)
+            await _drop_prefix(raw, prefix)
+            await until(lambda: _node_listed(raw, prefix, "a"), "a's next heartbeat")
+            r2 = await b.reserve(sid)  # b cannot know: Redis forgot the call
+            assert r2 is not None and r2.node_id == "a" and r2.token != r1.token
+            assert not await a.claim(sid, r2.token)
+            with pytest.raises(CallSidUsed):
+                await a.reserve(sid)
+
+
+def _redis_port() -> int:
+    return urlsplit(REDIS_URL).port or 6379
+
+
+async def _node_listed(raw: aioredis.Redis, prefix: str, node_id: str) -> bool:
+    return node_id in await raw.zrange(f"{prefix}nodes", 0, -1)
+
+
+async def test_reservations_counted_before_an_outage_do_not_outlive_it(prefix: str, tmp_path: Path) -> None:
+    """Redis dies with reservations open on this node. Claimed through the node's own record, they stop
+    counting as reserved at once (a stream is not also a reservation); unclaimed, they stop counting once
+    they have expired, so the node is not busy with idle seats and a drain does not wait for them."""
+    redis = RedisServer(tmp_path)
+    await redis.start()
+    try:
+        free = {"a": 4}
+        async with nodes(prefix, free, url=redis.url, reservation_ttl_s=0.5) as n:
+            a = n["a"]
+            res = {sid: await a.reserve(sid) for sid in (new_call_sid(), new_call_sid(), new_call_sid())}
+            assert a.reserved == 3
+            await redis.kill()
+            claimed = list(res)[:2]
+            for sid in claimed:
+                r = res[sid]
+                assert r is not None and await a.claim(sid, r.token)
+                free["a"] -= 1  # the stream takes its seat
+            assert a.reserved == 1  # the third: still expected
+            await asyncio.sleep(0.7)  # past reservation_ttl_s: it cannot be claimed any more
+            assert a.reserved == 0
+            assert where([await a.reserve(new_call_sid()) for _ in range(3)]) == ["a", "a", None]
+            for sid in claimed:
+                await a.release(sid)
+                free["a"] += 1
+    finally:
+        await redis.kill()
+
+
+async def test_concurrent_reservations_do_not_queue_behind_each_others_round_trip(prefix: str) -> None:
+    """With Redis 0.3 s away, webhooks took one round trip each in turn behind a process lock (40 at 0.2 s:
+    the last took 8 s, near Twilio's 15 s webhook timeout). Now they go to Redis side by side."""
+    proxy = SlowProxy(_redis_port(), 0.3)
+    await proxy.start()
+    try:
+        async with nodes(prefix, {"a": 30}, url=proxy.url, heartbeat_s=0.5, node_ttl_s=3.0) as n:
+            a = n["a"]
+            assert where([await a.reserve(new_call_sid())]) == ["a"]  # loads the script
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            got = await asyncio.gather(*[a.reserve(new_call_sid()) for _ in range(20)])
+            took = loop.time() - started
+            assert took < 8 * 0.3, f"{took:.1f} s for 20 reservations"  # was 20 round trips, 6 s and more
+            assert where(list(got)) == ["a"] * 20 and not a._failing and a._fallback.reserved == 0
+    finally:
+        await proxy.aclose()
+
+
+async def test_a_claim_racing_reservations_and_heartbeats_never_over_books(
+    prefix: str, raw: aioredis.Redis
+) -> None:
+    """No lock orders claims before reservations and heartbeats any more: a claim landing in Redis while a
+    reservation or a heartbeat computed from a `free` that does not count it yet is in flight must not make
+    its seat count twice."""
+    proxy = SlowProxy(_redis_port(), 0.2)
+    await proxy.start()
+    try:
+        free = {"a": 1}
+        async with nodes(prefix, free, url=proxy.url, heartbeat_s=1.0, node_ttl_s=5.0) as n, \
+                nodes(prefix, {"b": 0}, node_ttl_s=5.0) as m:  # fmt: skip
+            a, b = n["a"], m["b"]
+
+            async def stream(sid: str, token: str) -> bool:
+                if await a.claim(sid, token):
+                    free["a"] -= 1  # as add_stream: before the next await
+                    return True
+                return False
+
+            for claim_first in (False, True):
+                sid = new_call_sid()
+                r = await a.reserve(sid)
+                assert r is not None and r.node_id == "a"
+                await a.refresh()
+                claim = asyncio.create_task(stream(sid, r.token))
+                if claim_first:  # the claim has landed in Redis; its reply is still on the way (0.2 s)
+                    await until(lambda s=sid: _hget_is(raw, f"{prefix}resv:{s}", "state", "claimed"), every=0.01)
+                    assert not claim.done()
+                late = await asyncio.gather(a.reserve(new_call_sid()), a.refresh())
+                assert await claim
+                assert late[0] is None  # no seat left on a
+                assert await b.reserve(new_call_sid()) is None  # nor, as published, for another node
+                await a.release(sid)
+                free["a"] += 1
+                await a.refresh()
+    finally:
+        await proxy.aclose()
+
+
+async def test_the_heartbeat_survives_an_unexpected_error(prefix: str, raw: aioredis.Redis) -> None:
+    """A heartbeat that raised anything but a Redis error ended the heartbeat task, silently: the node dropped
+    out of the cluster after node_ttl_s. It is logged and the heartbeats go on."""
+    seats = {"n": 0}
+    boom = [True]
+
+    def capacity() -> int:
+        if boom[0] and seats["n"] == 1:
+            boom[0] = False
+            raise RuntimeError("engine state unreadable")
+        return seats["n"]
+
+    a = RedisCluster(client(), "a", f"ws://127.0.0.1/a{MEDIA_PATH}", capacity, key_prefix=prefix,
+                     heartbeat_s=0.1, node_ttl_s=0.6)  # fmt: skip
+    await a.start()
+    try:
+        seats["n"] = 1  # the next heartbeat raises once
+        await until(lambda: not boom[0], "the failing heartbeat")
+        seats["n"] = 2
+        await until(lambda: _hget_is(raw, f"{prefix}node:a", "free", "2"), "heartbeats going on", within=3)
+        assert a._task is not None and not a._task.done()
+    finally:
+        await a.aclose()
+
+
+async def test_during_an_outage_a_call_end_does_not_wait_for_redis(prefix: str, tmp_path: Path) -> None:
+    redis = RedisServer(tmp_path)
+    await redis.start()
+    try:
+        async with nodes(prefix, {"a": 2}, url=redis.url) as n:
+            a = n["a"]
+            sid = new_call_sid()
+            r = await a.reserve(sid)
+            assert r is not None and await a.claim(sid, r.token)
+            await redis.kill()
+            await until(lambda: a._failing, "a heartbeat failing")
+            tried: list[str] = []
+            script = a._release_script
+
+            async def spy(*args: object, **kw: object) -> object:
+                tried.append("release")
+                return await script(*args, **kw)  # type: ignore[arg-type]
+
+            a._release_script = spy  # type: ignore[assignment]
+            await a.release(sid)
+            assert tried == []  # Redis failed the last time it was asked: not asked again per call end
+            with pytest.raises(CallSidUsed):
+                await a.reserve(sid)
+    finally:
+        await redis.kill()
 
 
 # ---------------------------------------------------------------------------------------------------------
