@@ -18,6 +18,8 @@ from typing import Any
 
 import openai
 
+from knowledge.llm import refused_param, request_params
+
 from .questions import Question
 
 SYSTEM = "You are a helpful assistant."
@@ -87,6 +89,7 @@ class Judge:
         self._client = openai.AsyncOpenAI(
             base_url=self.base_url, api_key=self.api_key or "none", max_retries=2, timeout=120
         )
+        self._refused: set[str] = set()  # request parameters the judge model refused (knowledge.llm)
 
     async def grade(self, question: Question, answer: str) -> Verdict:
         """The judge's verdict; never raises (but for cancellation): every failure is a Verdict with
@@ -95,9 +98,7 @@ class Judge:
         error, text = None, ""
         for attempt in range(1, self.attempts + 1):
             try:
-                resp = await self._client.chat.completions.create(
-                    model=self.model, messages=messages, temperature=0, max_tokens=2048  # type: ignore[arg-type]
-                )
+                resp = await self._complete(messages)
                 reply = reply_text(resp)
                 if reply is None:
                     error = NOT_A_COMPLETION
@@ -112,6 +113,23 @@ class Judge:
             if attempt < self.attempts:
                 await asyncio.sleep(self.backoff_s * attempt)
         return Verdict(None, text, self.attempts, error)
+
+    async def _complete(self, messages: list[dict[str, str]]) -> Any:
+        """One chat completion. A reasoning model (o-series, gpt-5) refuses `max_tokens` and temperature 0
+        with a 400 each: asked again as it takes them (max_completion_tokens; its default temperature), and
+        so from then on; not a failed try."""
+        while True:
+            params = request_params({"temperature": 0, "max_tokens": 2048}, self._refused)
+            try:
+                return await self._client.chat.completions.create(
+                    model=self.model, messages=messages, **params  # type: ignore[arg-type]
+                )
+            except openai.BadRequestError as exc:
+                refused = refused_param(exc)
+                if refused is None or refused in self._refused:
+                    raise
+                self._refused.add(refused)
+                log.warning("the judge model %s does not take %r: asked without it", self.model, refused)
 
     async def aclose(self) -> None:
         await self._client.close()

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -97,6 +98,37 @@ def _refuses_tools(exc: BaseException) -> bool:
     error = body.get("error", body)
     param = str(error.get("param") or "") if isinstance(error, dict) else ""
     return not param.startswith("messages") and "tool" in str(exc).lower()
+
+
+# Parameters some models refuse (OpenAI's reasoning models: o-series, gpt-5): what to send instead (None: drop it).
+_PARAM_FALLBACKS: dict[str, str | None] = {"max_tokens": "max_completion_tokens", "temperature": None}
+_UNSUPPORTED = re.compile(r"[Uu]nsupported (?:parameter|value): '(\w+)'")
+
+
+def refused_param(exc: BaseException) -> str | None:
+    """The request parameter a 400 says this model does not take (`max_tokens`, `temperature`), else None."""
+    if not (isinstance(exc, openai.APIStatusError) and exc.status_code == 400):
+        return None
+    body = exc.body if isinstance(exc.body, dict) else {}
+    error = body.get("error", body)
+    param = str(error.get("param") or "") if isinstance(error, dict) else ""
+    if param not in _PARAM_FALLBACKS:
+        found = _UNSUPPORTED.search(str(exc))
+        param = found.group(1) if found else ""
+    return param if param in _PARAM_FALLBACKS else None
+
+
+def request_params(params: dict[str, Any], refused: set[str]) -> dict[str, Any]:
+    """`params` as this model takes them: each refused one renamed, or dropped."""
+    out: dict[str, Any] = {}
+    for name, value in params.items():
+        if name in refused:
+            instead = _PARAM_FALLBACKS.get(name)
+            if instead is not None:
+                out[instead] = value
+        else:
+            out[name] = value
+    return out
 
 
 def _httpx_error(exc: BaseException) -> str | None:
@@ -235,6 +267,9 @@ class LlmClient:
         # The server answered a request offering `tools` with a 4xx about them (vLLM without a tool parser,
         # llama.cpp without --jinja): from then on none are offered, rather than every request failing.
         self.tools_refused = False
+        # Per model, the parameters it refused (a reasoning model: max_tokens, temperature): renamed or dropped
+        # from then on, rather than every request of every call failing (agents may name other models).
+        self.params_refused: dict[str, set[str]] = {}
 
     async def aclose(self) -> None:
         await self._client.close()
@@ -255,15 +290,18 @@ class LlmClient:
         # error ratio (LLM_ERRORS / LLM_REQUESTS) too.
         metrics.LLM_REQUESTS.inc()
         cfg = self.config
-        extra: dict[str, Any] = {}
+        params: dict[str, Any] = {}
         if cfg.max_tokens is not None:
-            extra["max_tokens"] = cfg.max_tokens
+            params["max_tokens"] = cfg.max_tokens
         if cfg.temperature is not None:
-            extra["temperature"] = cfg.temperature
+            params["temperature"] = cfg.temperature
+        model = model or cfg.model  # an agent's own model, else the service's
+        refused_here = self.params_refused.setdefault(model, set())
+        extra = request_params(params, refused_here)
         if tools and not self.tools_refused:
             extra["tools"] = list(tools)
         calls: dict[int, _ToolCallParts] = {}
-        retry_without_tools = False
+        retry = False
         started = time.monotonic()
         streaming = False
         text = ""
@@ -277,7 +315,7 @@ class LlmClient:
                 # oracle), which delays every other call's request and first draft. The client still does
                 # the connection, auth, timeouts and the HTTP status errors (classified below).
                 async with self._client.chat.completions.with_streaming_response.create(
-                    model=model or cfg.model,  # an agent's own model, else the service's
+                    model=model,
                     # In extra_body the conversation is sent as is; as `messages` it would be transformed.
                     messages=[],
                     extra_body={"messages": list(messages)},
@@ -314,16 +352,24 @@ class LlmClient:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if "tools" in extra and not streaming and _refuses_tools(exc):
+            refused = None if streaming else refused_param(exc)
+            if refused is not None and refused in params and refused not in refused_here:
+                refused_here.add(refused)
+                instead = _PARAM_FALLBACKS[refused]
+                log.warning("the LLM (%s) does not take %r: %s from now on", model, refused,
+                            f"sending {instead!r} instead" if instead else "not sent")  # fmt: skip
+                retry = True
+            elif "tools" in extra and not streaming and _refuses_tools(exc):
                 self.tools_refused = True
                 log.warning("the LLM server refused function calling (%s): the agents' tools are off in this "
                             "process; enable it on the server (vLLM: --enable-auto-tool-choice and "
                             "--tool-call-parser; llama.cpp: --jinja)", self._scrub(str(exc))[:200])  # fmt: skip
-                retry_without_tools = True
+                retry = True
             else:
                 self._fail(exc, streaming, text, call_id)
-        if retry_without_tools:  # the same request, now without tools (counted once more)
-            async for draft in self.stream_draft(messages, call_id=call_id, request_id=request_id, model=model):
+        if retry:  # the same request, as the server takes it (counted once more)
+            async for draft in self.stream_draft(messages, call_id=call_id, request_id=request_id, model=model,
+                                                 tools=tools):
                 yield draft
 
     def _fail(self, exc: Exception, streaming: bool, text: str, call_id: str) -> NoReturn:

@@ -24,6 +24,7 @@ from telephony.mulaw import pcm16_to_ulaw
 from telephony.sim_playout import PACKET_SECONDS, RATE, has_sound
 from telephony.twilio_messages import media_message
 
+from .llm_server import REASONING_MODEL_REFUSALS
 from .loopback_http import serve_on_loopback
 
 
@@ -42,6 +43,7 @@ class FakeJudge:
     # Speech for a text containing a key is a valid WAV with no samples.
     empty_speech: tuple[str, ...] = ()
     transcription: dict[str, Any] | None = None  # the transcriptions answer, when not the usual one
+    refuse_params: tuple[str, ...] = ()  # refused as OpenAI's reasoning models do (tests/llm_server.py)
     requests: list[dict[str, Any]] = field(default_factory=list)
     speech_requests: list[dict[str, Any]] = field(default_factory=list)
     transcription_requests: int = 0
@@ -52,6 +54,9 @@ class FakeJudge:
         body = await request.json()
         self.requests.append(body)
         prompt = body["messages"][-1]["content"]
+        for name in self.refuse_params:
+            if name in body and not (name == "temperature" and body[name] == 1):
+                return web.json_response({"error": REASONING_MODEL_REFUSALS[name]}, status=400)
         if any(k in prompt for k in self.always_fail):
             return web.json_response({"error": {"message": "judge overloaded"}}, status=500)
         for key, (content_type, text) in self.odd_reply.items():

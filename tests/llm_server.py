@@ -28,6 +28,16 @@ def answer_for(messages: list[dict[str, Any]]) -> str:
     return f"Sure, about {last_user}, let me help you with that right away."
 
 
+REASONING_MODEL_REFUSALS = {  # OpenAI's words
+    "max_tokens": {"message": "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
+                              "'max_completion_tokens' instead.", "type": "invalid_request_error",
+                   "param": "max_tokens", "code": "unsupported_parameter"},
+    "temperature": {"message": "Unsupported value: 'temperature' does not support 0.3 with this model. Only the "
+                               "default (1) value is supported.", "type": "invalid_request_error",
+                    "param": "temperature", "code": "unsupported_value"},
+}  # fmt: skip
+
+
 def _bad_tool_name_in(messages: list[dict[str, Any]]) -> bool:
     names = [call["function"]["name"] for m in messages for call in m.get("tool_calls") or ()]
     return any(re.fullmatch(r"[a-zA-Z0-9_-]+", name) is None for name in names)
@@ -48,6 +58,8 @@ class FakeLlm:
     tool_triggers: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
     tool_preamble: str = ""
     invent_tools: bool = False  # call the trigger's tool even when it was not offered (models make names up)
+    # Parameters refused as OpenAI's reasoning models refuse them (o-series, gpt-5): one per 400, in this order.
+    refuse_params: tuple[str, ...] = ()
     base_url: str = ""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -71,6 +83,9 @@ class FakeLlm:
                      "type": "invalid_request_error", "param": "messages[3].tool_calls[0].function.name",
                      "code": "invalid_value"}  # fmt: skip
             return web.json_response({"error": error}, status=400)
+        for name in self.refuse_params:
+            if name in body and not (name == "temperature" and body[name] == 1):
+                return web.json_response({"error": REASONING_MODEL_REFUSALS[name]}, status=400)
         if mode == "no_tools" and "tools" in body:  # llama.cpp without --jinja
             error = {"code": 400, "type": "invalid_request_error", "message": "tools param requires --jinja flag"}
             return web.json_response({"error": error}, status=400)

@@ -378,6 +378,31 @@ async def test_a_request_refused_for_its_history_leaves_tools_on(llm_server: Fak
     assert not llm.tools_refused and len(llm_server.requests) == 1  # not retried without tools either
 
 
+async def test_a_model_refusing_max_tokens_and_temperature_is_asked_as_it_takes_them(llm_server: FakeLlm) -> None:
+    """OpenAI's reasoning models (o-series, gpt-5) refuse `max_tokens` (they take max_completion_tokens) and any
+    temperature but 1, with a 400 for each: every request of every call failed, the calls front-end only. The
+    client renames or drops what the model refused, once, for that model only, and the draft still comes."""
+    llm_server.refuse_params = ("max_tokens", "temperature")
+    llm = LlmClient(LlmConfig(model="o4-mini", base_url=llm_server.base_url, api_key="k", temperature=0.3))
+    errors = metric("kame_llm_errors_total", kind="other")
+    try:
+        first = await _drafts(llm, "hi", _offer("end_call"))
+        second = await _drafts(llm, "again", _offer("end_call"))
+        llm_server.refuse_params = ()
+        other = [d async for d in llm.stream_draft([{"role": "user", "content": "x"}], model="gpt-4.1")]
+    finally:
+        await llm.aclose()
+    assert first[-1] == "Sure, about hi, let me help you with that right away." and second and other
+    sent = [{k for k in ("max_tokens", "max_completion_tokens", "temperature", "tools") if k in r}
+            for r in llm_server.requests]  # fmt: skip
+    assert sent == [{"max_tokens", "temperature", "tools"}, {"max_completion_tokens", "temperature", "tools"},
+                    {"max_completion_tokens", "tools"}, {"max_completion_tokens", "tools"},
+                    {"max_tokens", "temperature"}]  # fmt: skip
+    assert llm_server.requests[2]["max_completion_tokens"] == 96  # the same budget, under its new name
+    assert not llm.tools_refused
+    assert metric("kame_llm_errors_total", kind="other") == errors
+
+
 async def test_a_server_without_function_calling_gets_no_tools_and_still_answers(llm_server: FakeLlm) -> None:
     """llama.cpp without --jinja, vLLM without a tool parser: a 400 naming tools. The request is made again
     without them, and later ones offer none (one warning, not an error on every request of every call)."""

@@ -411,6 +411,21 @@ async def test_the_judge_turns_any_odd_reply_into_a_missing_score() -> None:
         await judge.aclose()
 
 
+async def test_a_reasoning_model_as_judge_is_asked_as_it_takes_it() -> None:
+    """o-series and gpt-5 judges refuse max_tokens and temperature 0 with a 400 each: every score was missing.
+    Asked again without them (max_completion_tokens instead), once, and the scores come."""
+    async with serve_fake_judge(rating=9, refuse_params=("max_tokens", "temperature")) as fake:
+        judge = Judge("o4-mini", fake.base_url, "k", attempts=1, backoff_s=0.01)
+        first = await judge.grade(Question("1", "stem", "Say one?"), "one")
+        second = await judge.grade(Question("2", "stem", "Say two?"), "two")
+        await judge.aclose()
+    assert (first.score, first.error, first.attempts) == (9.0, None, 1)
+    assert (second.score, second.error) == (9.0, None)
+    sent = [{k for k in ("max_tokens", "max_completion_tokens", "temperature") if k in r} for r in fake.requests]
+    assert sent == [{"max_tokens", "temperature"}, {"max_completion_tokens", "temperature"},
+                    {"max_completion_tokens"}, {"max_completion_tokens"}]  # fmt: skip
+
+
 async def test_one_questions_odd_judge_reply_costs_its_score_not_the_run(tmp_path: Path) -> None:
     questions = [Question("1", "stem", "What is two plus two?"), Question("2", "stem", "Who wrote Hamlet?")]
     html = {"Hamlet": ("text/html", "<html>proxy error</html>")}
