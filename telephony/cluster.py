@@ -102,6 +102,11 @@ class Cluster(Protocol):
         """The call has ended on this node: forget its binding."""
         ...
 
+    async def streamed(self, call_sid: str) -> bool | None:
+        """Whether the call's stream started on some node (claimed, or ended since), whatever its record
+        says: the record lags while that node's writes wait out a Redis outage. None: cannot tell."""
+        ...
+
 
 class LocalCluster:
     """One node, in process: the per-call tokens of `Admission` plus this node's free slots."""
@@ -154,6 +159,9 @@ class LocalCluster:
 
     async def release(self, call_sid: str) -> None:
         self.admission.release(call_sid)
+
+    async def streamed(self, call_sid: str) -> bool | None:
+        return self.admission.used(call_sid)
 
 
 _NOW_MS_LUA = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
@@ -573,6 +581,18 @@ class RedisCluster:
             except _REDIS_FAILURES as exc:  # the binding expires after bound_ttl_s
                 self._failed("release", exc)
         self._poke.set()  # publish the freed seat now
+
+    async def streamed(self, call_sid: str) -> bool | None:
+        if self._mine.used(call_sid) or self._fallback.used(call_sid):
+            return True
+        if self._failing:
+            return None
+        try:
+            state = await self._redis.hget(self._resv_key(call_sid), "state")
+        except _REDIS_FAILURES as exc:
+            self._failed("streamed", exc)
+            return None
+        return None if state is None else state != "reserved"  # gone: expired or lost, cannot tell
 
 
 def _ms(seconds: float) -> int:

@@ -299,8 +299,13 @@ async def handle_call_status(request: web.Request) -> web.Response:
         except CallStoreUnavailable:
             return web.Response(status=204)  # the record keeps its state; Redis errors are counted already
         if record is not None and record.state == "ringing":
-            metrics.CALLS_TOTAL.labels(outcome="no_stream", agent=record.agent or "default").inc()
-            await ctx.store.end(call_sid, "no_stream")
+            if await ctx.cluster.streamed(call_sid):
+                # Its stream did start, on a node whose writes have not landed (a Redis outage there): that
+                # node records the call's outcome; ending it here would count the call twice.
+                log.info("call status %s for a call whose stream started elsewhere; its node records it", status)
+            else:
+                metrics.CALLS_TOTAL.labels(outcome="no_stream", agent=record.agent or "default").inc()
+                await ctx.store.end(call_sid, "no_stream")
     return web.Response(status=204)
 
 

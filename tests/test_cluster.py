@@ -111,12 +111,15 @@ async def test_claim_needs_this_node_and_the_token(prefix: str, raw: aioredis.Re
         assert not await b.claim(new_call_sid(), r.token)  # another call's token
         await b.refresh()  # b learns of reservations made elsewhere from its heartbeat
         assert b.reserved == 1
+        assert await a.streamed(sid) is False and await a.streamed(new_call_sid()) is None  # reserved; unknown
         assert await b.claim(sid, r.token)
+        assert await a.streamed(sid) is True  # any node can tell the stream started (a call status callback)
         assert b.reserved == 0
         # The claim moved the seat from "reserved" to "taken" in b's published record at once.
         assert await raw.hget(f"{prefix}node:b", "free") == "0"
         assert not await b.claim(sid, r.token)  # single-use: a second socket with it is refused
         await b.release(sid)
+        assert await a.streamed(sid) is True
         assert not await b.claim(sid, r.token)  # the call is over: its token is dead
         for node in (a, b):  # a replayed webhook (signatures carry no nonce) gets no new token, on any node
             with pytest.raises(CallSidUsed):

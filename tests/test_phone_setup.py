@@ -167,6 +167,24 @@ async def test_the_call_status_callback_closes_a_call_that_never_streamed(tiny_c
     assert metric("kame_twilio_call_status_total", status="completed") >= 1
 
 
+async def test_the_call_status_callback_leaves_a_call_that_did_stream_to_its_node(tiny_checkpoint: Path) -> None:
+    """The call's stream started (its seat claimed) but its record still says ringing: the streaming node's
+    writes wait out a Redis outage. Ended here as no_stream, the call was counted twice (no_stream here,
+    completed there) and its record flipped once the other node's writes landed."""
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
+        call_sid, params = await phone.answer(http)
+        assert await phone.ctx.cluster.claim(call_sid, params["token"])  # the stream's start, as far as seats go
+        before = metric("kame_calls_total", outcome="no_stream")
+        url = phone.base + CALL_STATUS_PATH
+        form = {"CallSid": call_sid, "AccountSid": ACCOUNT, "CallStatus": "completed"}
+        async with http.post(url, data=form, headers={"X-Twilio-Signature": phone.sign(url, form)}) as r:
+            assert r.status == 204
+        await phone.store.flush()
+        record = await phone.store.get(call_sid)
+    assert record is not None and record.state == "ringing" and record.end_reason is None
+    assert metric("kame_calls_total", outcome="no_stream") == before
+
+
 def test_serve_says_once_which_webhook_url_twilio_must_use_and_whether_signatures_can_work() -> None:
     good = ServiceConfig(host="0.0.0.0", port=8080, twilio_auth_token="t", public_url="https://abc.trycloudflare.com")
     assert good.twilio_summary().startswith("Twilio voice webhook: POST https://abc.trycloudflare.com/twilio/voice")
