@@ -161,7 +161,7 @@ class _Op:
     fields: dict[str, str | float | None] = field(default_factory=dict)
     list_name: _ListName | None = None
     item: Turn | OracleNote | str | float | None = None
-    submitted: float = field(default_factory=time.time)  # epoch s; orders `list_recent` by activity
+    submitted: float = field(default_factory=lambda: time.time())  # epoch s (this node's clock): orders `list_recent`
 
 
 def _apply(record: CallRecord | None, op: _Op) -> CallRecord | None:
@@ -352,8 +352,12 @@ elseif kind ~= 'noop' then
   end
 end
 redis.call('HSET', h, ARGV[2], ARGV[3])
-redis.call('ZADD', KEYS[7], 'GT', ARGV[6], ARGV[5])
-redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', '(' .. (tonumber(ARGV[6]) - tonumber(ARGV[4]) / 1000))
+-- Scored by the write's own time, but never past Redis's clock, and pruned by Redis's clock: a node whose
+-- clock runs a day fast must not prune every other node's calls from the index.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZADD', KEYS[7], 'GT', math.min(tonumber(ARGV[6]), now), ARGV[5])
+redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', '(' .. (now - tonumber(ARGV[4]) / 1000))
 for i = 1, 7 do redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
 return 1
 """
@@ -372,7 +376,8 @@ for i = 1, 5 do
   redis.call('DEL', KEYS[i + 1])
   for _, item in ipairs(lists[i]) do redis.call('RPUSH', KEYS[i + 1], item) end
 end
-redis.call('ZADD', KEYS[7], 'GT', ARGV[5], ARGV[4])
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[7], 'GT', math.min(tonumber(ARGV[5]), tonumber(t[1]) + tonumber(t[2]) / 1000000), ARGV[4])
 for i = 1, 7 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
 return 1
 """

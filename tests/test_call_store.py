@@ -118,6 +118,28 @@ async def test_record_lifecycle(kind: str, prefix: str) -> None:
     await store.aclose()
 
 
+async def test_a_node_whose_clock_runs_fast_does_not_hide_the_other_nodes_calls(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index of calls was scored and pruned by each writer's own clock: one write from a node two days
+    ahead pruned every other call from `list_recent` (retention 1 day). Redis's clock prunes it now."""
+    honest = make_store("redis", prefix, ttl_s=86_400)
+    fast = make_store("redis", prefix, ttl_s=86_400)
+    try:
+        for sid in ("CA0", "CA1"):
+            await honest.create(CallRecord(sid))
+        await flushed(honest)
+        skewed = time.time() + 2 * 86_400
+        monkeypatch.setattr(time, "time", lambda: skewed)  # this node's clock, for the one write below
+        await fast.create(CallRecord("CA2"))
+        monkeypatch.undo()
+        await flushed(fast)
+        assert [r.call_sid for r in await honest.list_recent(10)] == ["CA2", "CA1", "CA0"]
+    finally:
+        await honest.aclose()
+        await fast.aclose()
+
+
 async def test_update_rejects_unknown_fields(kind: str, prefix: str) -> None:
     store = make_store(kind, prefix)
     with pytest.raises(TypeError):
