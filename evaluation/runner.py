@@ -9,7 +9,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import random
 import re
 import secrets
@@ -194,6 +193,7 @@ def _line_for_url(t: Target) -> _Line:
 @contextlib.asynccontextmanager
 async def _own_service(plan: EvalPlan, delay: float, log_dir: Path) -> AsyncIterator[_Line]:
     from kame_phone.serve_process import free_port, serve_process
+    from kame_phone.throwaway_env import throwaway_env
 
     t = plan.target
     assert t.checkpoint is not None
@@ -205,7 +205,7 @@ async def _own_service(plan: EvalPlan, delay: float, log_dir: Path) -> AsyncIter
     if not any(a == "--max-calls" or a.startswith("--max-calls=") for a in t.serve_args):
         argv += ["--max-calls", str(max(2, plan.concurrency))]
     argv += t.serve_args
-    env = dict(os.environ, TWILIO_AUTH_TOKEN=token, PUBLIC_URL=base, KAME_ENV_FILE="")
+    env = throwaway_env(TWILIO_AUTH_TOKEN=token, PUBLIC_URL=base)  # never joined to a deployment
     async with serve_process(argv, env, base, log_dir / f"serve_{delay:g}ms.log"):
         yield _Line(base.replace("http://", "ws://") + "/twilio/media", None, base, token)
 

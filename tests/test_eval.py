@@ -12,12 +12,14 @@ import json
 import os
 import signal
 import sys
+import uuid
 import wave
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import redis.asyncio as aioredis
 
 from evaluation.compare import compare
 from evaluation.judge import NO_RATING, NOT_A_COMPLETION, Judge, parse_rating
@@ -34,11 +36,13 @@ from evaluation.report import Result, build_report
 from evaluation.runner import EvalPlan, Target, file_stems, run_eval
 from evaluation.transcribe import OpenAITranscriber, PocketsphinxTranscriber
 from evaluation.voices import FliteVoice, OpenAIVoice, VoiceError
+from kame_phone.throwaway_env import DEPLOYMENT_VARIABLES, throwaway_env
 from telephony import sim_playout as sp
 
 from .eval_servers import FakeJudge, FakeLine, serve_fake_judge, serve_fake_line, silence, tone
 from .llm_server import serve_fake_llm
 from .phone_fixtures import running_phone
+from .redis_support import REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [
@@ -73,6 +77,13 @@ async def _kame(args: list[str], env: dict[str, str], limit_s: float = 280) -> t
     return proc.returncode, out.decode(), err.decode()
 
 
+def test_a_throwaway_service_gets_the_operators_settings_but_none_of_the_deployments() -> None:
+    base = {name: "prod" for name in DEPLOYMENT_VARIABLES} | {"OPENAI_BASE_URL": "http://llm", "KAME_STT": "kyutai"}
+    env = throwaway_env(base, PUBLIC_URL="http://127.0.0.1:9")
+    assert env == {"OPENAI_BASE_URL": "http://llm", "KAME_STT": "kyutai", "KAME_ENV_FILE": "",
+                   "PUBLIC_URL": "http://127.0.0.1:9"}  # fmt: skip
+
+
 def _short_listening() -> list[str]:
     return ["--lead-in-s", "0.5", "--quiet-s", "1", "--no-answer-s", "3", "--max-reply-s", "4"]
 
@@ -81,14 +92,23 @@ def _short_listening() -> list[str]:
 async def test_eval_sweeps_delays_on_the_tiny_model_and_reports(tiny_checkpoint: Path, tmp_path: Path) -> None:
     questions = _write_questions(tmp_path / "q.jsonl")
     out = tmp_path / "run"
+    prefix = f"evaltest:{uuid.uuid4().hex[:8]}:"
     async with serve_fake_llm() as llm, serve_fake_judge(no_rating_first=("train",), always_fail=("Romeo",)) as judge:
         rc, stdout, stderr = await _kame([
             "eval", "--checkpoint", str(tiny_checkpoint), "--questions", str(questions), "--judge-model", "judge-1",
             "--judge-base-url", judge.base_url, "--forced-delay-ms", "0,500", "--concurrency", "3", "--probes", "1",
             "--serve-arg=--max-calls=2",  # 3 calls at once on 2 seats: one is answered busy, and dialled again
             "--out", str(out), *_short_listening(),
-        ], {"OPENAI_BASE_URL": llm.base_url, "OPENAI_API_KEY": "none"})  # fmt: skip
+        ], {"OPENAI_BASE_URL": llm.base_url, "OPENAI_API_KEY": "none",
+            # A production box's settings: the eval's own service must not join that deployment.
+            "REDIS_URL": REDIS_URL, "KAME_REDIS_PREFIX": prefix, "KAME_NODE_URL": "https://prod.example.com",
+            "TWILIO_ACCOUNT_SID": "AC" + "9" * 32, "TWILIO_API_KEY": "SK" + "9" * 32, "TWILIO_API_SECRET": "s"})
     assert rc == 0, stderr[-3000:]
+    raw = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        assert not await raw.keys(prefix + "*"), "the eval's service wrote into the deployment's Redis"
+    finally:
+        await raw.aclose()
     assert "eval calls" in stderr and "mean score 7.00" in stderr  # the progress bar and its running mean
     report = json.loads((out / "report.json").read_text())
 
