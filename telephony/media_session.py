@@ -124,6 +124,7 @@ class MediaStreamSession:
         self._last_message_at = time.monotonic()
         self._oracle_draft: tuple[int, str, float] | None = None  # (candidate, latest text, started)
         self._ended = False
+        self._ended_as = ""  # the reason end() was given (it may run before the call is known: a drain)
         self._end_reason = "completed"
         self._agent: Agent | None = None  # set at `start`
         self._acting = False  # a transfer or hang-up through the REST API is under way
@@ -305,7 +306,17 @@ class MediaStreamSession:
                 log.exception("engine failed to open the call")
             metrics.CALLS_TOTAL.labels(outcome=outcome, agent=self.state.agent).inc()
             self._end_reason = outcome
+            # The record gets this outcome: left ringing, Twilio's status callback counted it again (no_stream).
+            await self.ctx.store.end(call_sid, outcome)
             await self.ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"engine busy")
+            return
+        if self._ended:
+            # end() ran while the seat was being opened (a drain that timed out): it could not know the call
+            # then, so the seat, the stream and the record are given back here, not held for good.
+            await self.engine_call.close()
+            await self.ctx.forget_stream(call_sid, self)
+            metrics.CALLS_TOTAL.labels(outcome=self._ended_as, agent=self.state.agent).inc()
+            await self.ctx.store.end(call_sid, self._ended_as)
             return
         self.state.call_sid = call_sid
         self.state.stream_sid = message.stream_sid
@@ -587,7 +598,7 @@ class MediaStreamSession:
         """Idempotent: close the engine seat, record the outcome, close the socket."""
         if self._ended:
             return
-        self._ended = True
+        self._ended, self._ended_as = True, reason
         if self._requesting and self._action_task is not None:
             # Twilio's `stop` (or the socket closing) for a call we transferred or hung up travels apart from
             # the REST answer and may overtake it: the REST outcome, once known, is the call's.

@@ -357,6 +357,48 @@ async def test_a_link_lost_as_a_seat_is_granted_refuses_the_call_and_the_edge_ho
         ), 15)  # fmt: skip
         assert report.server_hung_up
         assert not handle.ctx.streams  # nothing held for the refused stream
+        # Its record has the outcome: left ringing, Twilio's status callback counted it again as no_stream.
+        record = await handle.ctx.store.get(report.call_sid)
+        assert record is not None and (record.state, record.end_reason) == ("ended", "engine_full")
+    finally:
+        await handle.aclose()
+        await edge.stop()
+        server.close()
+
+
+async def test_a_call_whose_drain_timed_out_while_its_seat_was_granted_gives_it_all_back() -> None:
+    """SIGTERM's drain times out while a remote engine is still seating a call (it may take up to 10 s): the
+    drain ended the session before it knew its call, so the seat the engine granted afterwards was kept, the
+    stream stayed in the edge's books and its record said streaming for a day."""
+    closes: list[str] = []
+
+    async def seat_late(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            kind, body = await _read_link_message(reader)
+            if kind == b"O":
+                await asyncio.sleep(1.5)  # the drain's 0.5 s runs out meanwhile
+                answer = json.dumps({"call_id": body["call_id"], "ok": True, "error": None}).encode()
+                writer.write(_link_message(b"R", answer))
+            elif kind == b"C":
+                closes.append(body["call_id"])
+
+    server, address = await _misbehaving_engine(seat_late)
+    edge = await RemoteEngine.connect(address, token=None, seats=2)
+    handle = await edge_service(edge)
+    try:
+        call = asyncio.create_task(simulate_call(
+            handle.http_url.replace("http://", "ws://") + MEDIA_PATH, tone(300.0, 4.0), auth_token=TOKEN,
+            public_url=None, hold_after=0.2,
+        ))  # fmt: skip
+        await until(lambda: bool(handle.ctx.streams), "the stream to reach its seating")
+        (sid,) = handle.ctx.streams
+        await handle.drain(timeout_s=0.5)
+        await until(lambda: closes == [sid], "the late seat given back to the engine")
+        assert not handle.ctx.streams
+        record = await handle.ctx.store.get(sid)
+        assert record is not None and (record.state, record.end_reason) == ("ended", "drain_timeout")
+        report = await asyncio.wait_for(call, 15)
+        assert report.server_hung_up
     finally:
         await handle.aclose()
         await edge.stop()
