@@ -410,6 +410,9 @@ class FrameLoop:
         log.info("engine warm-up: %d ticks in %.1f s (compile %s)", ticks, time.monotonic() - t0,
                  self.batch.compile_mode)
 
+    def abort_start(self) -> None:
+        """Nothing to kill in process: a warm-up under way runs to its end (seconds), then `stop`."""
+
     def start(self, warmup_ticks: int = 4) -> None:
         if self._ticker.running:
             return

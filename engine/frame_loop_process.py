@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,6 +97,7 @@ class FrameLoopProcess:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._reader: threading.Thread | None = None
         self._closed = False
+        self._abort_start = threading.Event()  # SIGTERM while the child loads: kill it, stop waiting
         self.alive = False
         self._counted = (0, 0)  # (underruns, overruns) already added to this process's metrics
         self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
@@ -119,9 +121,14 @@ class FrameLoopProcess:
         theirs.close()
         self._conn = ours
         timeout = START_TIMEOUT_S + (COMPILE_TIMEOUT_S if self.spec.compile_mode != "off" else 0.0)
-        if not ours.poll(timeout):
-            self._process.kill()
-            raise EngineError(f"the engine process did not come up in {timeout:.0f}s")
+        deadline = time.monotonic() + timeout
+        while not ours.poll(0.25):  # in slices: a stop while loading must not wait out a 7B load
+            aborted = self._abort_start.is_set()
+            if aborted or time.monotonic() > deadline:
+                self._process.kill()
+                self._process.join()
+                raise EngineError("the engine process was stopped while starting" if aborted
+                                  else f"the engine process did not come up in {timeout:.0f}s")  # fmt: skip
         try:
             kind, *rest = ours.recv()
         except EOFError:
@@ -140,6 +147,10 @@ class FrameLoopProcess:
         self._sender = threading.Thread(target=self._send_forever, name="kame-engine-sender", daemon=True)
         self._sender.start()
         log.info("engine process %d ready: %d slots; %s", self._process.pid, self.max_calls, self.memory.describe())
+
+    def abort_start(self) -> None:
+        """From any thread: a `start` still waiting for the child kills it and raises EngineError."""
+        self._abort_start.set()
 
     def stop(self) -> None:
         with self._lock:

@@ -222,7 +222,13 @@ class LocalEngine:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self.frame_loop.start, self.config.warmup_ticks)
+        try:
+            await asyncio.to_thread(self.frame_loop.start, self.config.warmup_ticks)
+        except asyncio.CancelledError:
+            # Stopped while loading (SIGTERM): the thread cannot be cancelled, so the loop is told to give up
+            # (the engine process is killed), or the process would wait out the whole load before exiting.
+            self.frame_loop.abort_start()
+            raise
         self._ready = True
         log.info("engine ready: %d call slots on %s; sampling: %s", self.max_calls, self.config.device,
                  self.frame_loop.sampling.describe() if self.frame_loop.sampling else "?")

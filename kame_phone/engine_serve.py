@@ -26,6 +26,7 @@ from engine.link_server import EngineServer
 from engine.link_wire import Address, server_tls
 from knowledge.agents import AgentsError
 from telephony.metrics_http import METRICS_PATH, handle_metrics
+from telephony.server import LOADING_STOP_TIMEOUT_S
 
 from .app import agents_from_args, load_engine
 
@@ -104,7 +105,8 @@ async def run_engine_server(args: argparse.Namespace) -> int:
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait({loading, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not loading.done():
-            loading.cancel()
+            loading.cancel()  # the engine gives up its load (engine/service.py: start)
+            await asyncio.wait({loading}, timeout=LOADING_STOP_TIMEOUT_S)
             return 0
         engine = state["engine"] = loading.result()
         server = state["server"] = EngineServer(engine, token=token, tls=tls)

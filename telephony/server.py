@@ -50,6 +50,7 @@ APOLOGY_MESSAGE = "Sorry, we have lost the line on our side. Please call again i
 MEDIA_PATH = "/twilio/media"
 STATUS_PATH = "/twilio/stream-status"
 CALL_STATUS_PATH = "/twilio/call-status"  # the number's StatusCallback: the call's own progress
+LOADING_STOP_TIMEOUT_S = 15.0  # a stop while the engine loads: its load is given up within this
 _CALL_SID = re.compile(r"^CA[0-9a-fA-F]{32}$")
 BUSY_MESSAGE = "All our lines are busy right now. Please call again in a few minutes. Goodbye."
 UNAVAILABLE_MESSAGE = "Sorry, we cannot take your call right now. Please call again later. Goodbye."
@@ -515,7 +516,8 @@ async def run_service(
             log.info("ready: %d call slots", engine.max_calls)
             await stopped
         else:
-            loading.cancel()
+            loading.cancel()  # the engine gives up its load (engine/service.py: start)
+            await asyncio.wait({loading}, timeout=LOADING_STOP_TIMEOUT_S)
         log.info("stopping: draining %d calls (up to %.0fs)", len(ctx.streams), config.drain_timeout_s)
         await handle.drain(config.drain_timeout_s)
     finally:

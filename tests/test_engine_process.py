@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,10 @@ from telephony.server import MEDIA_PATH, ServerContext, ServiceHandle
 from telephony.sim_caller import simulate_call
 
 from .phone_fixtures import metric
+from .polling import until
+from .redis_support import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 async def _engine(checkpoint: Path, slots: int = 2) -> LocalEngine:
@@ -194,6 +200,31 @@ async def test_an_engine_process_whose_every_tick_fails_exits_and_its_calls_are_
         await engine.stop()
     said = [r.getMessage() for r in caplog.records if "the engine process is broken" in r.getMessage()]
     assert len(said) == 1 and "IndexError" in said[0], said  # the child's reason, logged here once
+
+
+async def test_sigterm_while_the_engine_process_loads_gives_up_the_load(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """A stop during the model's load (a rollout, a scale-down) cancelled the wait but not the load: `serve`
+    logged "stopped", then went on loading the model in its engine process to the end (minutes for 7B, past
+    the orchestrator's grace) before it could exit. The engine process is now killed and serve exits."""
+    log_path = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAME_", "TWILIO_", "PUBLIC_URL", "REDIS_"))}
+    argv = [sys.executable, "-m", "kame_phone.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
+            "--metrics-port", str(free_port()), "--insecure-dev", "--checkpoint", str(tiny_checkpoint),
+            "--engine-process", "--stt", "none", "--llm", "none"]  # fmt: skip
+    with log_path.open("wb") as out:
+        proc = await asyncio.create_subprocess_exec(*argv, cwd=ROOT, env=env, stdout=out, stderr=out)
+    try:
+        await until(lambda: "listening on" in log_path.read_text(), "serve to listen (the load starts)", 60)
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), 60)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    text = log_path.read_text()
+    assert code == 0, text[-3000:]
+    assert "stopped" in text
+    assert re.search(r"engine process \d+ ready", text) is None, text[-3000:]  # killed before it was up
 
 
 async def test_a_dead_engine_process_ends_its_calls_and_fails_liveness(tiny_checkpoint: Path) -> None:
