@@ -60,6 +60,8 @@ class BenchReport:
     compile_mode: str = "off"
     results: list[BatchResult] = field(default_factory=list)
     max_batch_realtime: int | None = None  # largest batch with p99 <= 80 ms
+    out_of_memory: list[int] = field(default_factory=list)  # batches that did not fit the GPU
+    pending: list[int] = field(default_factory=list)  # batches not yet run (a report written mid-run)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -114,12 +116,48 @@ def _timing_phases(kb: KameBatch, clock: _PhaseClock) -> Iterator[None]:
         state.graphed_main, state.graphed_depth = main, depth
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    """CUDA out of memory, however it surfaces: `torch.OutOfMemoryError` from the caching allocator, or a
+    plain RuntimeError from a CUDA graph's capture, cuBLAS's workspace or a kernel launch."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(s in text for s in (
+        "out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation", "CUDNN_STATUS_ALLOC_FAILED"))
+
+
+def _leave_streaming(lm: KameLM, mimi) -> None:  # type: ignore[no-untyped-def]
+    """After `KameBatch` failed half way (out of memory while streaming allocated its caches, say), some
+    modules may be left streaming with no stack to close: out of streaming mode, so the next batch can enter."""
+    lm._stop_streaming()
+    mimi._stop_streaming()
+
+
 def bench_batch(
     lm: KameLM, mimi, batch: int, ticks: int, warmup: int, kv_dtype: str = "auto",  # type: ignore[no-untyped-def]
-    compile_mode: str = "off", phases: bool = False,
+    compile_mode: str = "off", phases: bool = False, log: Callable[[str], None] | None = None,
+) -> BatchResult:
+    kb = None
+    try:
+        kb = KameBatch(lm, mimi, batch, SamplingConfig(), kv_dtype=kv_dtype, compile_mode=compile_mode)
+        return _bench_batch(kb, lm, batch, ticks, warmup, phases, log)
+    finally:
+        if kb is not None:
+            kb.close()
+            del kb
+        else:
+            _leave_streaming(lm, mimi)
+        gc.collect()
+        if lm.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _bench_batch(
+    kb: KameBatch, lm: KameLM, batch: int, ticks: int, warmup: int, phases: bool,
+    log: Callable[[str], None] | None,
 ) -> BatchResult:
     device = lm.device
-    kb = KameBatch(lm, mimi, batch, SamplingConfig(), kv_dtype=kv_dtype, compile_mode=compile_mode)
+    started = time.perf_counter()
     rng = np.random.default_rng(0)
     pcm = (0.1 * rng.standard_normal((batch, FRAME_SAMPLES))).astype(np.float32)
     active = np.ones(batch, dtype=bool)
@@ -134,25 +172,28 @@ def bench_batch(
         kb.step(pcm, active, oracle)  # ends with a device->host copy, so the GPU work is done
         return time.perf_counter() - t0
 
+    def progress(what: str) -> None:  # where a run cut short by its timeout was (compiling takes minutes)
+        if log is not None:
+            log(f"      [batch {batch}, {time.perf_counter() - started:.0f} s] {what}")
+
+    progress("warm-up: compiling and capturing (the first tick)")
     t0 = time.perf_counter()
     for i in range(warmup):
-        tick(kb, i)
+        dt = tick(kb, i)
+        if i < 2 or dt > 1.0:  # the first ticks compile and capture: say how long each took
+            progress(f"warm-up tick {i + 1}/{warmup}: {dt:.1f} s")
     warmup_s = time.perf_counter() - t0
     times = [tick(kb, warmup + i) for i in range(ticks)]
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
     phases_p50 = None
     if phases:
+        progress(f"{ticks} ticks measured; {ticks} more with the phases timed")
         clock = _PhaseClock(device)
         with _timing_phases(kb, clock):
             totals = [tick(kb, warmup + ticks + i) * 1000 for i in range(ticks)]
         phases_p50 = {p: float(np.median(clock.ms[p])) for p in PHASES}
         phases_p50["other"] = float(np.median(np.array(totals) - sum(np.array(clock.ms[p]) for p in PHASES)))
     kv_bytes = kb.memory.kv_cache_bytes  # what the batch sized its caches at
-    kb.close()
-    del kb
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     ms = np.array(times) * 1000
     return BatchResult(
         batch=batch,
@@ -190,13 +231,18 @@ def run_engine_bench(
     weights_dtype: str = "auto",
     int8_matmul: str = "auto",
     log=print,
+    on_batch: Callable[[BenchReport], None] | None = None,
 ) -> BenchReport:
+    """`on_batch(report)`, if given, after loading and after each batch (measured or out of memory), with
+    the figures so far: a run cut short (a timeout) keeps every finished batch's figures."""
     dev = torch.device(device)
     if size != "tiny" and dev.type != "cuda":
         raise SystemExit(f"size {size} needs a CUDA GPU (it is ~16 GB in bf16); use --size tiny on CPU")
     torch_dtype = bench_dtype(dev, dtype)
     torch.set_grad_enabled(False)
+    t0 = time.perf_counter()
     bundle = load_random(size, dev, torch_dtype, context, weights_dtype)
+    load_s = time.perf_counter() - t0
     lm, mimi = bundle.lm, bundle.mimi
     set_int8_matmul(lm, int8_matmul)  # before any tick: the CUDA graphs and compiled steps keep their kernel
     kernels = {m.kernel for m in lm.modules() if isinstance(m, Int8Linear)}
@@ -217,16 +263,34 @@ def run_engine_bench(
     weights = f"weights {weights_dtype} ({report.weights_gb:.2f} GB" + (
         f", int8 matmul {report.int8_matmul})" if report.int8_matmul else ")")
     log(f"# {size} on {report.device_name}, {report.dtype}, context {report.context} frames, "
-        f"KV {kv_dtype}, {weights}, compile {compile_mode}, torch {torch.__version__}")
+        f"KV {kv_dtype}, {weights}, compile {compile_mode}, torch {torch.__version__}; loaded in {load_s:.0f} s")
     log(f"{'batch':>5} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'RTF':>6} {'peak GB':>8} {'KV GB':>7}")
+    report.pending = list(batches)
+
+    def update() -> None:
+        fitting = [r.batch for r in report.results if r.p99_ms <= FRAME_SECONDS * 1000]
+        report.max_batch_realtime = max(fitting) if fitting else None
+        if on_batch is not None:
+            on_batch(report)
+
+    update()
     for b in batches:
+        report.pending.remove(b)
+        if any(b >= o for o in report.out_of_memory):
+            log(f"{b:>5} skipped: a batch of {min(report.out_of_memory)} did not fit")
+            report.out_of_memory.append(b)
+            update()
+            continue
         try:
-            r = bench_batch(lm, mimi, b, ticks, warmup, kv_dtype, compile_mode, phases)
-        except torch.OutOfMemoryError:
-            log(f"{b:>5} out of GPU memory")
-            gc.collect()
-            torch.cuda.empty_cache()
-            break
+            r = bench_batch(lm, mimi, b, ticks, warmup, kv_dtype, compile_mode, phases,
+                            log if compile_mode != "off" else None)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not is_out_of_memory(e):
+                raise
+            log(f"{b:>5} out of GPU memory ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+            report.out_of_memory.append(b)
+            update()
+            continue
         report.results.append(r)
         peak = f"{r.peak_gpu_mem_gb:.1f}" if r.peak_gpu_mem_gb is not None else "-"
         log(f"{b:>5} {r.p50_ms:>8.1f} {r.p99_ms:>8.1f} {r.max_ms:>8.1f} {r.realtime_factor:>6.2f} "
@@ -236,7 +300,6 @@ def run_engine_bench(
         if r.phases_p50_ms is not None:
             log("      phases p50 ms (device synchronised around each): "
                 + ", ".join(f"{p} {ms:.2f}" for p, ms in r.phases_p50_ms.items()))
-    fitting = [r.batch for r in report.results if r.p99_ms <= FRAME_SECONDS * 1000]
-    report.max_batch_realtime = max(fitting) if fitting else None
+        update()
     log(f"largest batch with p99 <= 80 ms: {report.max_batch_realtime}")
     return report

@@ -116,9 +116,11 @@ def _bench(args: argparse.Namespace) -> int:
             int8_matmul=args.int8_matmul,
             compile_mode=args.compile,
             phases=args.phases,
+            # After each batch, so a run its timeout cuts short keeps every finished batch's figures.
+            on_batch=(lambda r: _write_atomically(Path(args.json), r.to_json() + "\n")) if args.json else None,
         )
         if args.json:
-            Path(args.json).write_text(report.to_json() + "\n")
+            _write_atomically(Path(args.json), report.to_json() + "\n")
         return 0
     if args.what == "kv":
         from engine.kv_cache import KV_DTYPES
@@ -173,6 +175,13 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """The whole file or the one before it, never half of one: written beside it, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def _twilio(args: argparse.Namespace) -> int:

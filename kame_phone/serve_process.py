@@ -1,6 +1,6 @@
 """`kame-phone serve` in a child process, for the commands that test the service as deployed (the node
 bench, the eval): started with the given flags and environment, waited for until /readyz says 200,
-its output drained all along and written to a log file when it stops."""
+its output drained all along into a log file as it comes (a bench killed by its timeout keeps the log)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ async def serve_process(argv: list[str], env: dict[str, str], base: str, log_pat
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )
     assert proc.stdout is not None
-    logged = asyncio.create_task(proc.stdout.read())  # drained all along: a full pipe would stall the service
+    # Drained all along (a full pipe would stall the service) into the log as it comes, flushed per chunk:
+    # a bench that its timeout kills (no `finally` then) leaves the log of what serve said up to then.
+    logged = asyncio.create_task(_drain(proc.stdout, log_path))
     try:
         async with aiohttp.ClientSession() as session:
             deadline = time.monotonic() + 180
@@ -53,4 +55,14 @@ async def serve_process(argv: list[str], env: dict[str, str], base: str, log_pat
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-        await asyncio.to_thread(log_path.write_bytes, await logged)
+        await logged
+
+
+async def _drain(stream: asyncio.StreamReader, log_path: Path) -> bytes:
+    """Everything `stream` says until it closes, appended to `log_path` as it comes; returns it all."""
+    said = bytearray()
+    with log_path.open("wb", buffering=0) as log:
+        while chunk := await stream.read(65536):
+            said += chunk
+            log.write(chunk)
+    return bytes(said)

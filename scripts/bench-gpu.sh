@@ -1,92 +1,154 @@
 #!/usr/bin/env bash
 # The benchmarks that need a GPU, at full size with random weights (speed does not depend on the weights'
-# values). Usage: scripts/bench-gpu.sh OUTDIR [engine|capacity|batch1|compiled-int8|batch1-autotune|weights|weights-autotune|kv|node|oracle|media|all]
+# values). Usage: scripts/bench-gpu.sh OUTDIR PART, or scripts/bench-gpu.sh --budget PART (the seconds PART
+# can take at most), or scripts/bench-gpu.sh --parts (each part and its budget).
 # Needs the package importable (an installed venv, or PYTHONPATH=repo root) and a CUDA GPU with ~80 GB.
-# Each part writes OUTDIR/<part>.txt (what it printed) and OUTDIR/<part>.json (the figures). Each part but
-# `all` ends within 580 s (its commands' timeouts), so one part fits one call of the device tool (600 s), and
-# writes at most 8 files (what one call brings back). The callers' voices: VOICES (scripts/gpu-carry.sh).
+# Each command writes OUTDIR/<name>.txt (what it printed) and OUTDIR/<name>.json (the figures; the engine
+# bench rewrites it after each batch, so a command cut short keeps its finished batches). Each part but
+# `all` ends within its budget (its commands' timeouts, and 5 s more each to end what a command left), at
+# most 580 s, so one part fits one call of the device tool (600 s), and writes at most 8 files (what one
+# call brings back). docs/benchmarks.md ("Owed") says which parts a 15-minute session runs, in what order.
+# The callers' voices: VOICES (scripts/gpu-carry.sh).
 set -uo pipefail
-out=${1:?usage: scripts/bench-gpu.sh OUTDIR [engine|capacity|batch1|compiled-int8|batch1-autotune|weights|weights-autotune|kv|node|oracle|media|all]}
-what=${2:-all}
+
+# part -> budget in seconds: the sum of its commands' timeouts, and 5 s a command for `reap` (a bench
+# dies at timeout's SIGTERM: none traps it; the SIGKILL 10 s later is for one that would not).
+declare -A budget=(
+  [batch1]=580 [node-48]=275 [node-64]=275 [node]=550 [weights]=305 [kv-cache]=285 [kv-weights]=285 [kv]=570
+  [compiled-int8]=575 [weights-autotune]=575 [batch1-autotune]=575 [capacity]=575 [engine]=545 [oracle]=410
+  [media]=375
+)
+parts="batch1 node-48 node-64 node weights kv-cache kv-weights kv compiled-int8 weights-autotune batch1-autotune capacity engine oracle media"
+usage="usage: scripts/bench-gpu.sh OUTDIR PART | --budget PART | --parts (PART: ${parts// /|}|all)"
+case ${1:-} in
+  --budget) [[ -n ${budget[${2:-}]:-} ]] || { echo "$usage" >&2; exit 2; }; echo "${budget[$2]}"; exit 0 ;;
+  --parts) for p in $parts; do echo "$p ${budget[$p]}"; done; exit 0 ;;
+esac
+out=${1:?$usage}
+what=${2:?$usage}
+[[ $what == all || -n ${budget[$what]:-} ]] || { echo "$usage" >&2; exit 2; }
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 
+# Whatever a command left running: serve and its engine process trap SIGTERM and drain, so after
+# `timeout` has ended the bench they can live on, holding GPU memory, into the next command. `timeout`
+# leads a process group of its own (its pid) that they share: ended here, the group waited for.
+reap() {
+  local g=$1 i
+  for i in 1 2 3 4 5 6; do
+    kill -0 -- "-$g" 2>/dev/null || return 0
+    ((i == 1)) && echo "bench-gpu: ending what the command left running (process group $g)" >&2 \
+      && kill -TERM -- "-$g" 2>/dev/null
+    ((i == 3)) && kill -KILL -- "-$g" 2>/dev/null
+    ((i == 6)) && break
+    sleep 1
+  done
+  echo "bench-gpu: process group $g still there 5 s on (zombies?)" >&2
+}
+
+# run NAME SECONDS ARGS...: `kame-phone bench ARGS` under `timeout` (SIGTERM at SECONDS, SIGKILL 10 s later
+# if it were still there), its output on the screen and in OUTDIR/NAME.txt, then reap.
+run() {
+  local name=$1 t=$2
+  shift 2
+  echo "bench-gpu: $name (at most ${t} s) at $(date +%T)"
+  {
+    timeout -k 10 "$t" "$py" -m kame_phone.cli bench "$@" &
+    local pid=$!
+    wait "$pid"
+    local rc=$?
+    reap "$pid"
+    ((rc == 124 || rc == 137)) && echo "bench-gpu: $name ran out of its ${t} s"
+    exit "$rc"
+  } 2>&1 | tee "$out/$name.txt"
+}
+
 if [[ $what == engine || $what == all ]]; then
   # context 2000 frames (160 s) is what lets 48 calls' KV caches fit 80 GB (docs/benchmarks.md).
-  timeout 540 "$py" -m kame_phone.cli bench engine --size moshi-7b --batch 1,8,16,32,48,64 --context 2000 \
-    --json "$out/engine.json" 2>&1 | tee "$out/engine.txt"
+  run engine 540 engine --size moshi-7b --batch 1,8,16,32,48,64 --context 2000 --json "$out/engine.json"
 fi
 if [[ $what == capacity || $what == all ]]; then
   # Calls per GPU at the full 4-minute context (issue 15): 8-bit KV caches against the model's bf16.
   for kv in int8 fp8 auto; do
     case $kv in int8) batches=1,48,64,72 ;; fp8) batches=1,64 ;; auto) batches=1,32,48 ;; esac
     case $kv in int8) t=220 ;; fp8) t=160 ;; auto) t=180 ;; esac
-    timeout "$t" "$py" -m kame_phone.cli bench engine --size moshi-7b --batch "$batches" --context 3000 \
-      --kv-dtype "$kv" --json "$out/capacity-$kv.json" 2>&1 | tee "$out/capacity-$kv.txt"
+    run "capacity-$kv" "$t" engine --size moshi-7b --batch "$batches" --context 3000 --kv-dtype "$kv" \
+      --json "$out/capacity-$kv.json"
   done
+fi
+if [[ $what == batch1 || $what == all ]]; then
+  # Batch-1 latency (issue 15): the official step against --compile (engine/compiled_step.py), phase by
+  # phase, at the 4-minute context. The official step loads and runs in ~2 min; compiling the 7B step
+  # takes minutes more (220 s of compile warm-up measured on dev-2c's CPU at the full layer count).
+  for c in off default; do
+    case $c in off) t=170 ;; default) t=400 ;; esac
+    run "batch1-$c" "$t" engine --size moshi-7b --batch 1 --context 3000 --ticks 300 --compile "$c" --phases \
+      --json "$out/batch1-$c.json"
+  done
+fi
+if [[ $what == compiled-int8 || $what == all ]]; then
+  # The compiled tick with the 8-bit cache, at 1 and 64 calls: two compiles (a batch size is a compile of
+  # its own), so 64 may run out of time; batch 1's figures are kept either way.
+  run compiled-int8 570 engine --size moshi-7b --batch 1,64 --context 3000 --kv-dtype int8 \
+    --compile default --phases --json "$out/compiled-int8.json"
+fi
+if [[ $what == batch1-autotune ]]; then
+  # Inductor's autotuned matmuls for the LM (Mimi as default, no coordinate-descent tuning: a warm-up
+  # that may fit; all of max-autotune does not): only worth a deployment's start-up if it beats default.
+  run batch1-max-autotune-lm 570 engine --size moshi-7b --batch 1 --context 3000 --ticks 300 \
+    --compile max-autotune-lm --phases --json "$out/batch1-max-autotune-lm.json"
 fi
 if [[ $what == weights || $what == all ]]; then
   # 8-bit weights (engine/weight_quant.py): ~7.4 GB freed for KV caches (calls past 64 on an H100 with the
   # int8 cache). Eager, the int8 matmul dequantizes each weight every step (slower than bf16: the figure says
-  # by how much); compiled with max-autotune, inductor can fuse that into its matmul (batch 1, with phases).
-  # torch's own CUDA int8 kernel is a reference kernel, not measured.
-  timeout 300 "$py" -m kame_phone.cli bench engine --size moshi-7b --batch 1,64,80 --context 3000 --kv-dtype int8 \
-    --weights-dtype int8 --json "$out/weights.json" 2>&1 | tee "$out/weights.txt"
+  # by how much). torch's own CUDA int8 kernel is a reference kernel, not measured.
+  run weights 300 engine --size moshi-7b --batch 1,64,80 --context 3000 --kv-dtype int8 \
+    --weights-dtype int8 --json "$out/weights.json"
 fi
 if [[ $what == weights-autotune || $what == all ]]; then
-  timeout 570 "$py" -m kame_phone.cli bench engine --size moshi-7b --batch 1 --context 3000 --ticks 300 \
-    --weights-dtype int8 --compile max-autotune --phases --json "$out/batch1-int8w-autotune.json" 2>&1 \
-    | tee "$out/batch1-int8w-autotune.txt"
+  # Batch 1 with int8 weights where inductor can fuse the conversion into its autotuned matmul (as
+  # batch1-autotune: the LM's matmuls autotuned, Mimi as default).
+  run batch1-int8w-autotune-lm 570 engine --size moshi-7b --batch 1 --context 3000 --ticks 300 \
+    --weights-dtype int8 --compile max-autotune-lm --phases --json "$out/batch1-int8w-autotune-lm.json"
 fi
-if [[ $what == batch1 || $what == all ]]; then
-  # Batch-1 latency (issue 15): the official step against --compile (engine/compiled_step.py), phase by
-  # phase, at the 4-minute context (the official step loads and runs in ~2 min; compiling takes the rest).
-  for c in off default; do
-    case $c in off) t=140 ;; default) t=430 ;; esac
-    timeout "$t" "$py" -m kame_phone.cli bench engine --size moshi-7b --batch 1 --context 3000 --ticks 300 \
-      --compile "$c" --phases --json "$out/batch1-$c.json" 2>&1 | tee "$out/batch1-$c.txt"
-  done
+if [[ $what == kv-cache || $what == kv || $what == all ]]; then
+  # What the 8-bit caches cost in accuracy at full size: greedy steps against the bf16 cache (3 runs).
+  run kv-cache 280 kv --size moshi-7b --context 3000 --steps 500 --kv-dtype int8,fp8 --weights-dtype auto \
+    --json "$out/kv-cache.json"
 fi
-if [[ $what == compiled-int8 || $what == all ]]; then
-  # The compiled tick with the 8-bit cache, at 1 and 64 calls.
-  timeout 540 "$py" -m kame_phone.cli bench engine --size moshi-7b --batch 1,64 --context 3000 --kv-dtype int8 \
-    --compile default --phases --json "$out/compiled-int8.json" 2>&1 | tee "$out/compiled-int8.txt"
+if [[ $what == kv-weights || $what == kv || $what == all ]]; then
+  # 8-bit weights alone and with the int8 cache (4 runs: the reference, KV int8, weights int8, both; 300
+  # steps: with random weights the first difference comes within a few steps, and the logit error is read
+  # before it).
+  run kv-weights 280 kv --size moshi-7b --context 3000 --steps 300 --kv-dtype int8 --weights-dtype int8 \
+    --json "$out/kv-weights.json"
 fi
-if [[ $what == batch1-autotune ]]; then
-  # Inductor's autotuned kernels (minutes of warm-up): only worth a deployment's start-up if it beats default.
-  timeout 570 "$py" -m kame_phone.cli bench engine --size moshi-7b --batch 1 --context 3000 --ticks 300 \
-    --compile max-autotune --phases --json "$out/batch1-max-autotune.json" 2>&1 | tee "$out/batch1-max-autotune.txt"
-fi
-if [[ $what == kv || $what == all ]]; then
-  # What the 8-bit caches cost in accuracy at full size: 500 greedy steps against the bf16 cache.
-  timeout 300 "$py" -m kame_phone.cli bench kv --size moshi-7b --context 3000 --steps 500 \
-    --json "$out/kv.json" 2>&1 | tee "$out/kv.txt"
-fi
-if [[ $what == node || $what == all ]]; then
+if [[ $what == node-48 || $what == node-64 || $what == node || $what == all ]]; then
   # The whole node (issue 15) with no weights on the box: KAME random at full size, the STT in Kyutai's
   # 2.6B layout with random weights on the same GPU, a local LLM stand-in; the callers' voices come from
   # VOICES, default var/voices (made beforehand where flite is: scripts/gpu-carry.sh). With bf16
   # weights, 64 calls and the STT need more than an 80 GB H100 holds at context 3000 (docs/benchmarks.md):
-  # WEIGHTS=int8 (the default here) frees ~7.4 GB for them.
-  for calls in 48 64; do
-    KAME_STT_CHECKPOINT=random:stt-2.6b-en timeout 280 "$py" -m kame_phone.cli bench node --calls "$calls" \
+  # WEIGHTS=int8 (the default here) frees ~7.4 GB for them. serve's log: OUTDIR/node-N.serve.log.
+  case $what in node-48) counts=48 ;; node-64) counts=64 ;; *) counts="48 64" ;; esac
+  for calls in $counts; do
+    KAME_STT_CHECKPOINT=random:stt-2.6b-en run "node-$calls" 270 node --calls "$calls" \
       --checkpoint random:moshi-7b --voices "${VOICES:-var/voices}" --serve-arg=--stt=kyutai \
       --serve-arg=--kv-dtype=int8 --serve-arg=--weights-dtype="${WEIGHTS:-int8}" --serve-arg=--context=3000 \
-      --json "$out/node-$calls.json" 2>&1 | tee "$out/node-$calls.txt"
+      --json "$out/node-$calls.json"
   done
 fi
 if [[ $what == oracle || $what == all ]]; then
   # 32 calls, the engine in its own process as served: a fixed TTFT (the target's setting), then varying.
   for jitter in 0 100; do
-    timeout 200 "$py" -m kame_phone.cli bench oracle --size moshi-7b --calls 32 --seconds 20 --context 2000 \
-      --engine-process --llm-ttft-jitter-ms "$jitter" --json "$out/oracle-$jitter.json" 2>&1 | tee "$out/oracle-$jitter.txt"
+    run "oracle-$jitter" 200 oracle --size moshi-7b --calls 32 --seconds 20 --context 2000 \
+      --engine-process --llm-ttft-jitter-ms "$jitter" --json "$out/oracle-$jitter.json"
   done
 fi
 if [[ $what == media || $what == all ]]; then
   # The phone edge alone (no model), 200 calls: one edge process, then two and four on one engine link.
   for edges in 1 2 4; do
-    timeout 120 "$py" -m kame_phone.cli bench media --calls 200 --seconds 20 --edges "$edges" \
-      $([[ $edges == 1 ]] || echo --engine-link) --json "$out/media-$edges.json" 2>&1 | tee "$out/media-$edges.txt"
+    run "media-$edges" 120 media --calls 200 --seconds 20 --edges "$edges" \
+      $([[ $edges == 1 ]] || echo --engine-link) --json "$out/media-$edges.json"
   done
 fi

@@ -77,3 +77,133 @@ def test_node_bench_with_the_stt_shaped_like_kyutais_and_voices_made_beforehand(
     assert r["stt_errors"] == 0 and r["stt_dropped_frames"] == 0
     assert r["oracle_lag_p50_ms"] is not None  # the random STT's words reached the LLM, its drafts the oracle
     assert "random:tiny" in (tmp_path / "node.serve.log").read_text()  # the service's log, kept beside the figures
+
+
+def test_engine_bench_json_holds_each_finished_batch_when_cut_short(tmp_path) -> None:
+    """The JSON is rewritten after each batch (a timeout on the GPU kills the bench mid-run): killed once
+    the first batch is in, the file holds it, says which batches were left, and parses (written atomically)."""
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "bench.json"
+    proc = subprocess.Popen([sys.executable, "-m", "kame_phone.cli", "bench", "engine", "--size", "tiny", "--batch",
+                             ",".join(["1"] * 12), "--ticks", "60", "--warmup", "2", "--device", "cpu", "--json",
+                             str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out.exists() and json.loads(out.read_text())["results"]):
+            assert proc.poll() is None and time.monotonic() < deadline, "no batch's figures before the run ended"
+            time.sleep(0.05)
+        assert proc.poll() is None  # still running: the figures came before the end
+    finally:
+        proc.kill()
+        proc.wait()
+    report = json.loads(out.read_text())
+    assert report["results"][0]["batch"] == 1 and report["results"][0]["ticks"] == 60
+    assert len(report["results"]) + len(report["pending"]) == 12 and report["pending"]
+
+
+def test_engine_bench_records_out_of_memory_and_goes_on(monkeypatch) -> None:
+    """Out of memory however CUDA says it (a RuntimeError from a graph's capture, not only
+    torch.OutOfMemoryError): the batch is recorded as such, larger ones skipped, smaller ones still run on
+    modules left out of streaming mode; the report goes to `on_batch` after loading and after each batch."""
+    import pytest
+    import torch
+
+    import engine.bench as bench
+
+    real = bench._bench_batch
+
+    def failing(kb, lm, batch, *args):  # type: ignore[no-untyped-def]
+        if batch == 3:
+            raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported")
+        if batch == 5:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(kb, lm, batch, *args)
+
+    monkeypatch.setattr(bench, "_bench_batch", failing)
+    seen: list[tuple[list[int], list[int], list[int]]] = []
+    report = run_engine_bench("tiny", [1, 3, 4, 2, 5], "cpu", ticks=3, warmup=1, log=lambda *_: None,
+                              on_batch=lambda r: seen.append(([x.batch for x in r.results], list(r.out_of_memory),
+                                                              list(r.pending))))
+    assert [r.batch for r in report.results] == [1, 2] and report.out_of_memory == [3, 4, 5]
+    assert seen[0] == ([], [], [1, 3, 4, 2, 5]) and seen[2] == ([1], [3], [4, 2, 5]) and len(seen) == 6
+    assert json.loads(report.to_json())["out_of_memory"] == [3, 4, 5]
+
+    def broken(kb, lm, batch, *args):  # type: ignore[no-untyped-def]
+        raise RuntimeError("shape mismatch")  # not memory: the bench fails, as before
+
+    monkeypatch.setattr(bench, "_bench_batch", broken)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        run_engine_bench("tiny", [1], "cpu", ticks=3, warmup=1, log=lambda *_: None)
+
+
+async def test_serve_log_is_written_while_serve_runs(tmp_path) -> None:
+    """serve's output reaches its log as it comes: a bench that its timeout kills (no `finally`) keeps it."""
+    import sys
+
+    from kame_phone.serve_process import _drain
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import time; print('listening on 127.0.0.1', flush=True); time.sleep(30)",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    assert proc.stdout is not None
+    log = tmp_path / "serve.log"
+    drained = asyncio.create_task(_drain(proc.stdout, log))
+    try:
+        for _ in range(200):
+            if log.exists() and b"listening on" in log.read_bytes():
+                break
+            await asyncio.sleep(0.05)
+        assert log.read_bytes() == b"listening on 127.0.0.1\n" and proc.returncode is None
+    finally:
+        proc.kill()
+        await proc.wait()
+    assert (await drained).endswith(b"listening on 127.0.0.1\n")
+
+
+def test_bench_gpu_parts_fit_a_call_and_end_what_they_leave_running(tmp_path) -> None:
+    """scripts/bench-gpu.sh: every part's budget fits one device call (580 s of the tool's 600); a part
+    whose bench left a process running that ignores SIGTERM (serve draining) ends it before it returns."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench-gpu.sh"
+    parts = dict(line.split() for line in subprocess.run([script, "--parts"], capture_output=True, text=True,
+                                                         check=True).stdout.splitlines())
+    assert {"batch1", "node-48", "node-64", "kv-cache", "kv-weights", "weights"} <= parts.keys()
+    assert all(0 < int(s) <= 580 for s in parts.values())
+    assert subprocess.run([script, "--budget", "node-48"], capture_output=True, text=True).stdout == "275\n"
+
+    fake = tmp_path / "python"  # stands for python3 -m kame_phone.cli bench node: leaves a "serve" behind
+    left = tmp_path / "left.pid"
+    fake.write_text(f"#!/bin/bash\necho \"args: $*\"\n(trap '' TERM; exec sleep 300) &\necho $! >{left}\n")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    done = subprocess.run([script, str(out), "node-48"], capture_output=True, text=True, timeout=30,
+                          env=dict(os.environ, PYTHON=str(fake)))
+    assert done.returncode == 0, done.stderr
+    pid = int(left.read_text())
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    assert "args: -m kame_phone.cli bench node --calls 48" in (out / "node-48.txt").read_text()
+
+
+def test_max_autotune_lm_autotunes_the_lm_only(monkeypatch) -> None:
+    """The autotune parts' mode (bench-gpu.sh batch1-autotune, weights-autotune): the LM's functions under
+    max_autotune without coordinate-descent tuning, Mimi's as `default`; `default` itself unchanged."""
+    import torch
+
+    import engine.compiled_step as cs
+    from engine.batch import KameBatch
+    from engine.checkpoint import load_random
+
+    bundle = load_random("tiny", torch.device("cpu"), torch.float32)
+    for mode, lm_expected in (("max-autotune-lm", {"fallback_random": True, "max_autotune": True}),
+                              ("default", {"fallback_random": True})):
+        seen: list[dict[str, bool]] = []
+        monkeypatch.setattr(cs, "_compile", lambda fn, options, seen=seen: (seen.append(options), fn)[1])
+        KameBatch(bundle.lm, bundle.mimi, 1, compile_mode=mode).close()
+        assert seen[:2] == [lm_expected] * 2  # the depformer's steps, the main transformer
+        assert seen[2:] and all(o == {"fallback_random": True} for o in seen[2:])  # Mimi's, as default
