@@ -38,6 +38,7 @@ from telephony.sim_caller import CallReport, simulate_call
 from .media_bench import bucket_quantile
 from .oracle_bench import _serve_llm
 from .serve_process import free_port, serve_process
+from .throwaway_env import throwaway_env
 
 QUESTIONS = (
     "Hello, what time does the store open on Monday?",
@@ -151,8 +152,8 @@ async def run_node_bench(
             argv += ["--max-calls", str(calls)]
         argv += serve_args
         async with _llm_server(ttft_ms) as llm_url:
-            env = dict(os.environ, OPENAI_BASE_URL=llm_url, OPENAI_API_KEY="none", KAME_LLM_MODEL="bench")
-            env.pop("TWILIO_AUTH_TOKEN", None)
+            # Never joined to a deployment it runs beside (kame_phone/throwaway_env.py); --insecure-dev: no token.
+            env = throwaway_env(OPENAI_BASE_URL=llm_url, OPENAI_API_KEY="none", KAME_LLM_MODEL="bench")
             # `--stt kyutai` serves this many calls at once (its batch); every caller needs a row.
             env.setdefault("KAME_STT_MAX_STREAMS", str(max(calls, 16)))
             log(f"serve {' '.join(argv)}")
