@@ -99,6 +99,11 @@ BEHIND_LATE_SHARE = 0.2
 # Ticks failing this many times in a row (2 s): the model or the device is not coming back (a sticky CUDA
 # error). Failing ticks are fast, so the engine would otherwise look healthy and keep seating calls on silence.
 BROKEN_AFTER_FAILED_TICKS = 25
+# A loop with calls seated records a tick every 80 ms. None for this long: a tick is hung (a GPU hang, a
+# deadlock), which no deadline miss is ever recorded for; the engine turns not ready (no new calls onto a
+# dead loop), and after HUNG_S fails liveness so the orchestrator restarts it.
+STALLED_S = 2.0
+HUNG_S = 30.0
 
 
 @dataclass
@@ -110,6 +115,23 @@ class LoopStats:
     underruns: int = 0  # all slots, since start
     overruns: int = 0
     recent: deque[tuple[float, bool]] = field(default_factory=lambda: deque(maxlen=64))  # (finished at, late)
+    busy_since: float | None = None  # when calls were first seated since the loop was last empty
+
+    def seated(self, calls: int, now: float | None = None) -> None:
+        """How many calls are seated now (from join and leave)."""
+        if calls == 0:
+            self.busy_since = None
+        elif self.busy_since is None:
+            self.busy_since = time.monotonic() if now is None else now
+
+    def stalled_s(self, now: float | None = None) -> float:
+        """How long a loop with calls seated has recorded no tick: 0 while idle or ticking."""
+        busy_since = self.busy_since
+        if busy_since is None:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        last = self.recent[-1][0] if self.recent else busy_since
+        return max(0.0, now - max(last, busy_since))
 
     def record_tick(self, elapsed: float, late: bool, now: float | None = None) -> None:
         """One tick's wall time, and whether it missed its 80 ms deadline, into the stats and metrics."""
@@ -201,7 +223,9 @@ class FrameLoop:
                     oracle = OracleBuffer(lm.oracle_start_token_id, lm.text_padding_token_id)
                     self._slots[row] = Slot(row, call_id, sink, oracle, on_reset,
                                             forced_delay_frames=self._delay_frames(forced_delay_ms))
-                    metrics.ENGINE_SLOTS_BUSY.set(self.max_calls - sum(s is None for s in self._slots))
+                    busy = self.max_calls - sum(s is None for s in self._slots)
+                    metrics.ENGINE_SLOTS_BUSY.set(busy)
+                    self.stats.seated(busy)
                     return row
         raise EngineFull(f"all {self.max_calls} call slots are busy")
 
@@ -210,7 +234,9 @@ class FrameLoop:
             slot = self._slots[row]
             if slot is not None and slot.call_id == call_id:
                 self._slots[row] = None  # its row sits out (exec mask off) until a new call resets it
-            metrics.ENGINE_SLOTS_BUSY.set(self.max_calls - sum(s is None for s in self._slots))
+            busy = self.max_calls - sum(s is None for s in self._slots)
+            metrics.ENGINE_SLOTS_BUSY.set(busy)
+            self.stats.seated(busy)
 
     def push_audio(self, row: int, call_id: str, pcm: np.ndarray) -> None:
         if pcm.shape != (FRAME_SAMPLES,):

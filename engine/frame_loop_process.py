@@ -188,7 +188,9 @@ class FrameLoopProcess:
             for row, taken in enumerate(self._rows):
                 if taken is None:
                     self._rows[row] = _Row(call_id, on_reset)
-                    metrics.ENGINE_SLOTS_BUSY.set(sum(r is not None for r in self._rows))
+                    busy = sum(r is not None for r in self._rows)
+                    metrics.ENGINE_SLOTS_BUSY.set(busy)
+                    self.stats.seated(busy)
                     self._send_locked(("join", row, call_id, forced_delay_ms))
                     return row
         raise EngineFull(f"all {self.max_calls} call slots are busy")
@@ -199,7 +201,9 @@ class FrameLoopProcess:
             if taken is not None and taken.call_id == call_id:
                 self._rows[row] = None
                 self._send_locked(("leave", row, call_id))
-            metrics.ENGINE_SLOTS_BUSY.set(sum(r is not None for r in self._rows))
+            busy = sum(r is not None for r in self._rows)
+            metrics.ENGINE_SLOTS_BUSY.set(busy)
+            self.stats.seated(busy)
 
     def push_audio(self, row: int, call_id: str, pcm: np.ndarray) -> None:
         if pcm.shape != (FRAME_SAMPLES,):

@@ -20,7 +20,7 @@ import torch
 from . import metrics
 from .batch import KameBatch
 from .checkpoint import KameBundle, load_kame
-from .frame_loop import BEHIND_LATE_SHARE, BEHIND_WINDOW_S, FrameLoop, SlotOutput
+from .frame_loop import BEHIND_LATE_SHARE, BEHIND_WINDOW_S, HUNG_S, STALLED_S, FrameLoop, SlotOutput
 from .frame_loop_process import ChildSpec, FrameLoopProcess
 from .interface import (
     BotFrames,
@@ -209,6 +209,7 @@ class LocalEngine:
         self._frames_dropped = 0
         self._backend_closes: set[asyncio.Task[None]] = set()  # hung-up calls whose back-end is still closing
         self._behind = False  # the frame loop was falling behind when last asked
+        self._hung = False  # said once
 
     @classmethod
     async def load(cls, config: EngineConfig, backend: BackendProvider | None = None) -> LocalEngine:
@@ -295,11 +296,16 @@ class LocalEngine:
         return self._ready and self.frame_loop.alive and not self._falling_behind()
 
     def _falling_behind(self) -> bool:
-        behind = self.frame_loop.stats.falling_behind()
+        stats = self.frame_loop.stats
+        stalled = stats.stalled_s()
+        behind = stalled > STALLED_S or stats.falling_behind()
         if behind != self._behind:
             self._behind = behind
             metrics.ENGINE_FALLING_BEHIND.set(int(behind))
-            if behind:
+            if stalled > STALLED_S:
+                log.error("engine stalled: calls seated and no tick for %.1f s (a hung tick: the device?); not "
+                          "ready, no new calls", stalled)  # fmt: skip
+            elif behind:
                 log.warning("engine falling behind: over %.0f%% of its ticks in the last %.0f s missed their "
                             "80 ms frame; not ready, no new calls until it keeps time", 100 * BEHIND_LATE_SHARE,
                             BEHIND_WINDOW_S)
@@ -309,7 +315,14 @@ class LocalEngine:
 
     @property
     def failed(self) -> bool:
-        return self.frame_loop.died
+        if self.frame_loop.died:
+            return True
+        hung = self.frame_loop.stats.stalled_s() > HUNG_S
+        if hung and not self._hung:
+            self._hung = True
+            log.critical("engine hung: calls seated and no tick for over %.0f s; liveness failing: restart the "
+                         "process", HUNG_S)  # fmt: skip
+        return hung
 
     def _on_engine_lost(self) -> None:  # the pipe's reader thread, or the frame loop's
         loop = self._loop

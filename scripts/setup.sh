@@ -37,9 +37,12 @@ $VPIP install -q --upgrade pip
 # has no local wheels or mirror configured, PyPI's Linux wheel would be the CUDA build (GBs of nvidia-*):
 # take PyTorch's CPU index instead (TORCH_INDEX_URL overrides either way).
 torch_src=()
+# Read whole before matching: `pip config list | grep -q` under pipefail fails whenever grep exits before pip
+# has written everything (pip gets SIGPIPE), and a box with a local mirror went to the internet for torch.
+pip_config=$($VPIP config list 2>/dev/null || true)
 if [ -n "${TORCH_INDEX_URL:-}" ]; then
   torch_src=(--index-url "$TORCH_INDEX_URL")
-elif ! $VPIP config list 2>/dev/null | grep -qE "index-url|find-links"; then
+elif ! grep -qE "index-url|find-links" <<<"$pip_config"; then
   torch_src=(--index-url https://download.pytorch.org/whl/cpu)
 fi
 .venv/bin/python -c "import torch" 2>/dev/null || $VPIP install -q ${torch_src[@]+"${torch_src[@]}"} "torch==2.13.0"

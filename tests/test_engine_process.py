@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -225,6 +226,36 @@ async def test_sigterm_while_the_engine_process_loads_gives_up_the_load(tiny_che
     assert code == 0, text[-3000:]
     assert "stopped" in text
     assert re.search(r"engine process \d+ ready", text) is None, text[-3000:]  # killed before it was up
+
+
+async def test_a_hung_tick_turns_the_engine_not_ready_then_fails_liveness(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tick that never returns (a GPU hang, a deadlock) records no deadline miss: the engine looked healthy
+    and went on seating calls onto a dead loop. With calls seated and no tick for 2 s it is not ready; after
+    HUNG_S its liveness fails, so the orchestrator restarts it."""
+    monkeypatch.setattr("engine.service.HUNG_S", 4.0)  # 30 s in production
+    config = EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", max_calls=2, warmup_ticks=2,
+                          sampling=SamplingOverrides(greedy=True))  # fmt: skip
+    engine = await LocalEngine.load(config)
+    await engine.start()
+    gate = threading.Event()
+    hook = None
+    try:
+        call = await engine.open_call("CA-hung")
+        await until(lambda: engine.frame_loop.stats.ticks > 5, "the call's first ticks")
+        assert engine.ready and not engine.failed
+        assert engine.bundle is not None
+        hook = engine.bundle.lm.text_emb.register_forward_pre_hook(lambda *_: gate.wait(30))  # the next tick hangs
+        await until(lambda: not engine.ready, "not ready once the loop is stalled", within=6)
+        assert not engine.failed and engine.free_slots == 0  # no new calls; not restarted for a short stall
+        await until(lambda: engine.failed, "liveness failing once it is hung", within=8)
+        call.push_audio(np.zeros(FRAME_SAMPLES, np.float32))
+    finally:
+        gate.set()
+        if hook is not None:
+            hook.remove()
+        await engine.stop()
 
 
 async def test_a_dead_engine_process_ends_its_calls_and_fails_liveness(tiny_checkpoint: Path) -> None:
