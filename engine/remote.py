@@ -227,6 +227,8 @@ class RemoteEngine:
                 if (seated := self._calls.get(call_id)) is not None:
                     self._forget(seated)
                     seated._end()
+                elif self._writer is not None and not self._failed:  # one granted later: held until we go
+                    self._writer.write(json_message(b"C", {"call_id": call_id}))
                 raise
         finally:
             self._opening.pop(call_id, None)

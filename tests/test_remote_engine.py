@@ -329,6 +329,12 @@ async def test_an_engine_that_never_answers_a_seat_request_does_not_hold_the_cal
             await asyncio.wait_for(edge.open_call("CA-waiting"), 5)
         await until(lambda: closes == ["CA-waiting"], "the edge gives back a seat granted too late")
         assert edge.free_slots == 2  # nothing held for it
+        # Whoever opened it gone before the answer (its socket's handler cancelled): given back as well.
+        opening = asyncio.create_task(edge.open_call("CA-gone"))
+        await asyncio.sleep(0.1)
+        opening.cancel()
+        await until(lambda: closes == ["CA-waiting", "CA-gone"], "the edge gives back a seat nobody waits for")
+        assert edge.free_slots == 2
     finally:
         await edge.stop()
         server.close()
