@@ -83,16 +83,26 @@ class BotAudioFanout:
         began = time.monotonic()
         sessions: list[MediaStreamSession] = []
         rows: list[int] = []
+        quiet: list[MediaStreamSession] = []
         for i, call_id in enumerate(frames.call_ids):
             session = self.streams.get(call_id)
             if session is None or not session.playing:
                 continue  # not (or no longer) streaming on this node: nothing to play it to
             session.note_bot_text(frames.texts[i])
             if frames.fresh[i]:
+                self.downsampler.forget(session)  # the speech the reset cut off: not the start of the next
                 await session.restart_playout()
             if frames.voiced[i]:
                 sessions.append(session)
                 rows.append(i)
+            else:
+                # Nothing is sent: the line goes quiet. Its filter's history is the speech before the gap
+                # (or before an engine reset): kept, the next frame would begin with a click of it.
+                self.downsampler.forget(session)
+                quiet.append(session)
+        now = time.monotonic()
+        for session in quiet:
+            session.bot_silent(now)  # the turn tracker hears the bot stop (a held reply, a reset)
         if not rows:
             return
         picked = time.monotonic()

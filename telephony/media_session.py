@@ -36,7 +36,7 @@ from . import metrics
 from .framing import InboundFramer
 from .logs import call_id_var
 from .stream_limits import StreamLimits
-from .turns import TurnTracker
+from .turns import SILENCE_DBFS, TurnTracker
 from .twilio_messages import (
     BINARY_FRAME,
     DUPLICATE_START,
@@ -363,6 +363,9 @@ class MediaStreamSession:
                 metrics.TURN_OVERLAPS.inc()
                 metrics.TURN_LATENCY_SECONDS.observe(0.0)
                 self._store_soon(self.ctx.store.add_latency(st.call_sid, "turn", 0.0))
+            elif ended is not None and ended.reply_latency_s is not None:  # answered inside the hangover
+                metrics.TURN_LATENCY_SECONDS.observe(ended.reply_latency_s)
+                self._store_soon(self.ctx.store.add_latency(st.call_sid, "turn", ended.reply_latency_s))
 
     def _on_mark(self, name: str) -> None:
         # Twilio echoes a mark once the audio queued before it has played (or was cleared).
@@ -528,6 +531,10 @@ class MediaStreamSession:
         if reply is not None:
             metrics.TURN_LATENCY_SECONDS.observe(reply.latency_s)
             self._store_soon(self.ctx.store.add_latency(st.call_sid, "turn", reply.latency_s))
+
+    def bot_silent(self, at: float) -> None:
+        """The engine gave this call no audio this tick (held by a forced delay, or just reset)."""
+        self.turns.bot_level(SILENCE_DBFS, at)
 
     async def send_mark_if_due(self) -> None:
         """A mark every `mark_every_frames` frames, so Twilio's echoes tell what has actually played."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 _FLOOR_MEAN_SQUARE = 1e-18  # -180 dBFS: digital silence
+SILENCE_DBFS = -180.0
 
 
 def level_dbfs(pcm: np.ndarray) -> float:
@@ -29,6 +30,9 @@ def levels_dbfs(rows: np.ndarray) -> np.ndarray:
 class TurnEnd:
     at: float  # when the caller's last voiced frame arrived
     overlap: bool  # the bot was already speaking when the caller's turn ended
+    # The bot began its reply after the caller's last voice but before the silence that ends a turn had
+    # passed (a full-duplex model answers that fast): its latency, known only now.
+    reply_latency_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +60,11 @@ class TurnTracker:
         if self.caller_speaking and at - self.last_caller_voice >= self.caller_hangover_s:
             self.caller_speaking = False
             ended = self.last_caller_voice
-            overlap = self.bot_speaking_since is not None and self.bot_speaking_since < ended
+            since = self.bot_speaking_since
+            if since is not None and since >= ended:  # already answering: the reply started at `since`
+                self.waiting_since = None
+                return TurnEnd(at=ended, overlap=False, reply_latency_s=since - ended)
+            overlap = since is not None
             self.waiting_since = None if overlap else ended
             return TurnEnd(at=ended, overlap=overlap)
         return None
