@@ -95,6 +95,7 @@ class LocalCallSession:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=queue_size)
         self._closed = False
+        self._ended = False  # outputs() has ended: after the back-end's close (it may hear the last words)
         self._dropped = 0
         self.backend: CallBackendHooks | None = None
 
@@ -108,7 +109,9 @@ class LocalCallSession:
                 log.warning("call %s: output consumer is behind, %d outputs dropped", self.call_id, self._dropped)
 
     def _on_transcript(self, text: str, final: bool, at: float) -> None:
-        if self._closed:  # a hung-up call's back-end may still be closing: its late words go nowhere
+        if self._closed:  # a hung-up call's back-end, closing, ends the caller's last utterance: it is kept
+            if final and text and not self._ended:
+                put_dropping_oldest(self._queue, CallerTranscript(text=text, final=True, at=at))
             return
         self._engine.frame_loop.caller_turn(self.row, self.call_id, speaking=not final)
         self._put(CallerTranscript(text=text, final=final, at=at))
@@ -152,11 +155,16 @@ class LocalCallSession:
             return
         self._closed = True
         self._engine._forget(self)
-        if self.backend is not None:
-            self._engine._close_in_background(self.call_id, self.backend)
         while not self._queue.empty():
             self._queue.get_nowait()
-        self._queue.put_nowait(_CLOSED)
+        if self.backend is not None:  # outputs() ends once the back-end has closed (the caller's last final)
+            self._engine._close_in_background(self.call_id, self.backend, then=self._end_outputs)
+        else:
+            self._end_outputs()
+
+    def _end_outputs(self) -> None:
+        self._ended = True
+        put_dropping_oldest(self._queue, _CLOSED)
 
 
 class LocalEngine:
@@ -357,12 +365,17 @@ class LocalEngine:
                 session.backend = None
         return session
 
-    def _close_in_background(self, call_id: str, backend: CallBackendHooks) -> None:
+    def _close_in_background(
+        self, call_id: str, backend: CallBackendHooks, then: Callable[[], None] | None = None
+    ) -> None:
         async def close() -> None:
             try:
                 await backend.aclose()
             except Exception:
                 log.exception("call %s: back-end close failed", call_id)
+            finally:
+                if then is not None:
+                    then()
 
         task = asyncio.create_task(close(), name=f"backend-close:{call_id}")
         self._backend_closes.add(task)

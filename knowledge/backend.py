@@ -267,16 +267,34 @@ class CallBackend:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         job = self._stt_job
+        heard: list[SttResult] = []
         if job is not None:  # a cancelled await does not stop the worker thread: let it finish
             await asyncio.wait([job])
-            if not job.cancelled():
-                job.exception()  # retrieved: a late failure is moot once the call is over
-        if self._stt is not None and self._loop is not None:
-            stt, self._stt = self._stt, None
+            if not job.cancelled() and job.exception() is None and isinstance(job.result(), list):
+                heard += job.result()  # a feed the pump was cancelled waiting for: nobody handled it
+            # (a late failure is moot once the call is over)
+        stt, self._stt = self._stt, None
+        if stt is not None and self._loop is not None:
+            # The caller's last words: what is still queued, then the utterance ended now (a "...goodbye"
+            # and an immediate hang-up has no trailing silence to close it).
+            frames = [f for f, _ in self._audio]
+            self._audio.clear()
+            try:
+                heard += await self._loop.run_in_executor(self._executor, self._last_words, stt, frames)
+            except Exception:
+                log.warning("call %s: flushing the STT failed", self.call_id, exc_info=True)
+        for result in heard:  # to the conversation and on_transcript (no new LLM request: the call is over)
+            self._handle_transcript(result, self._clock())
+        if stt is not None and self._loop is not None:
             try:
                 await self._loop.run_in_executor(self._executor, stt.close)
             except Exception:
                 log.warning("call %s: closing the STT failed", self.call_id, exc_info=True)
+
+    @staticmethod
+    def _last_words(stt: StreamingSTT, frames: list[np.ndarray]) -> list[SttResult]:
+        results = stt.feed(np.concatenate(frames)) if frames else []
+        return results + stt.flush()
 
     # --- plumbing ----------------------------------------------------------------------------------
     def _deliver_draft(self, text: str, triggered_at: float, candidate_id: int, complete: bool = False) -> None:
@@ -289,7 +307,14 @@ class CallBackend:
         task = asyncio.create_task(coro, name=f"{name}:{self.call_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_ended)
         return task
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        # The pump and the policy loop never end by themselves: one that died would leave the rest of the
+        # call deaf (STT) or front-end only (LLM) without a word, were it not said here.
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("call %s: back-end task %s died", self.call_id, task.get_name(), exc_info=exc)
 
     def _call_on_loop(self, fn: Callable[..., None], *args: object) -> None:
         if self._loop is None or threading.get_ident() == self._loop_thread:
@@ -315,7 +340,9 @@ class CallBackend:
         job = self._loop.run_in_executor(self._executor, fn)
         self._stt_job = job
         # shield: cancelling the pump must not orphan a job that still uses the STT object
-        return await asyncio.shield(job)
+        result = await asyncio.shield(job)
+        self._stt_job = None  # its result is the caller's now (aclose handles a job left unawaited)
+        return result
 
     async def _stt_pump(self) -> None:
         assert self._audio_ready is not None
@@ -385,7 +412,7 @@ class CallBackend:
             self._on_transcript(result.text, result.final, now)
         except Exception:
             log.exception("call %s: on_transcript callback failed", self.call_id)
-        if self._llm is not None and self.policy.config.react_to_updates:
+        if self._llm is not None and self.policy.config.react_to_updates and not self._closed and not self._quiet(now):
             reason = self.policy.poll(now)
             if reason is not None:
                 self._start_request(reason, now)
@@ -396,15 +423,24 @@ class CallBackend:
         while True:
             await asyncio.sleep(interval)
             now = self._clock()
+            if self._quiet(now):
+                continue  # the policy keeps what the caller said for when the action's window is over
             reason = self.policy.poll(now)
             if reason is not None:
-                triggered_at = now if reason is TriggerReason.RETRY else (self._last_update_at or now)
+                triggered_at = self._last_update_at or now
+                if reason is TriggerReason.RETRY or triggered_at < self._quiet_until:
+                    triggered_at = now  # words heard while a call action was under way are asked about now
                 self._start_request(reason, triggered_at)
+
+    def _quiet(self, now: float) -> bool:
+        """A call action's line is being said: no draft may replace it. The policy is not even asked (asking
+        counts as a request started: the caller's final would be spent on a request never made)."""
+        return now < self._quiet_until
 
     def _start_request(self, reason: TriggerReason, triggered_at: float) -> None:
         assert self._llm is not None
-        if self._clock() < self._quiet_until:
-            return  # the line of a call action is being said: no draft may replace it
+        if self._quiet(self._clock()):
+            return  # the line of a call action is being said: no draft may replace it (a tool's result)
         if self._request is not None:
             self._request.cancel()  # superseded: the newest draft always wins
         self._candidate_id += 1
@@ -421,7 +457,16 @@ class CallBackend:
         # ORACLE_LAG_SECONDS is observed by the frame loop, when the candidate's first token is fed.
         sent_at: float | None = None
         latest: str | None = None  # the newest draft (it may be held back until a frame has passed)
+        held: asyncio.TimerHandle | None = None  # sends a held-back draft once its frame has passed
         calls: list[ToolCallRequest] = []
+
+        def send_held() -> None:
+            nonlocal held, sent_at
+            held = None
+            if latest is not None and candidate_id == self._candidate_id and not self._closed:
+                self._deliver_draft(latest, triggered_at, candidate_id)
+                sent_at = self._clock()
+
         try:
             request_id = f"{self.call_id}-{candidate_id}"
             drafts_stream = self._llm.stream_draft(messages, call_id=self.call_id, request_id=request_id,
@@ -437,9 +482,18 @@ class CallBackend:
                     # frame: the engine feeds one token per 80 ms frame while an LLM streams several, and
                     # each update is a message to the engine and a re-tokenization of the whole draft.
                     latest, now = text, self._clock()
+                    if held is not None:
+                        held.cancel()  # this newer text goes (or is held) instead
+                        held = None
                     if sent_at is None or now - sent_at >= DRAFT_UPDATE_INTERVAL_S:
                         self._deliver_draft(text, triggered_at, candidate_id)
                         sent_at = now
+                    else:  # held, but only until its frame has passed: a stalling LLM must not keep it
+                        delay = max(0.0, sent_at + DRAFT_UPDATE_INTERVAL_S - now)
+                        held = asyncio.get_running_loop().call_later(delay, send_held)
+            if held is not None:
+                held.cancel()
+                held = None
             # The end of the stream settles the last word (even if this text already went, incomplete).
             if latest is not None and candidate_id == self._candidate_id:
                 self._deliver_draft(latest, triggered_at, candidate_id, complete=True)
@@ -459,6 +513,9 @@ class CallBackend:
                 self.policy.on_failure(self._clock())
             self._report_error("llm_error", f"other: {type(exc).__name__}")
             return
+        finally:
+            if held is not None:  # superseded, cancelled (a newer request, a call action, the call's end)
+                held.cancel()
         if candidate_id == self._candidate_id:
             self.policy.on_success()
             if calls:

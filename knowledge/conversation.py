@@ -54,6 +54,12 @@ def _clean(text: str) -> str:
     return " ".join(text.split())
 
 
+def _letters(text: str) -> str:
+    """Only what identifies the words: lower-case letters and digits (the front-end's pieces may differ
+    from the greeting's text in case, spacing and punctuation)."""
+    return "".join(ch for ch in text.lower() if ch.isalnum())
+
+
 def word_count(text: str) -> int:
     return len(text.split())
 
@@ -72,11 +78,16 @@ class Conversation:
     # While the front-end speaks the greeting (until the caller first speaks), its pieces are the greeting
     # again: the greeting turn stands for them.
     _greeting_spoken: bool = field(default=False, init=False, repr=False)
+    # The greeting's letters and digits the front-end has not said yet (None: no greeting, or the bot has
+    # moved on): a caller talking over the greeting does not stop the front-end saying the rest of it, and
+    # the greeting turn already holds those words.
+    _greeting_left: str | None = field(default=None, init=False, repr=False)
 
     def greet(self, greeting: str) -> None:
         """The agent's greeting as the first assistant turn."""
         self.turns.insert(0, Turn("assistant", _clean(greeting)))
         self._greeting_spoken = True
+        self._greeting_left = _letters(greeting)
 
     # --- caller ------------------------------------------------------------------------------------
     def caller_partial(self, text: str) -> None:
@@ -105,10 +116,19 @@ class Conversation:
     # --- bot ---------------------------------------------------------------------------------------
     def bot_piece(self, piece: str) -> None:
         """Add one SentencePiece piece the bot emitted. '' (padding) and '<...>' controls are ignored."""
-        if not piece or (piece.startswith("<") and piece.endswith(">")) or self._greeting_spoken:
+        if not piece or (piece.startswith("<") and piece.endswith(">")):
             return
         starts_word = piece.startswith(WORD_START)
         text = piece.replace(WORD_START, " ")
+        if self._greeting_left is not None:
+            said = _letters(text)
+            if self._greeting_left.startswith(said):  # more of the greeting (or its punctuation)
+                self._greeting_left = self._greeting_left[len(said):]
+                return
+            if not self._greeting_spoken:
+                self._greeting_left = None  # the bot moved on from the greeting: its own words from here
+        if self._greeting_spoken:
+            return
         if not starts_word and self._bot_word_turn is not None:
             # Continuation of a word: it belongs to the turn holding that word, even if a caller final
             # landed in between ("hel" | caller final | "lo" stays "hello").

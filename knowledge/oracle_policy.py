@@ -90,6 +90,10 @@ class OraclePolicy:
         s.max_pending_since_final = 0
         if words > 0:
             s.final_pending = True
+        if s.asked_at_words is not None and s.asked_at_words > s.committed_words:
+            # The final retracted words the last request counted (an empty final after noise's partials):
+            # growth is measured from what was really said, or the next utterance would need those words too.
+            s.asked_at_words = s.committed_words
 
     @property
     def word_count(self) -> int:

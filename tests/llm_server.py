@@ -61,6 +61,10 @@ class FakeLlm:
     # Parameters refused as OpenAI's reasoning models refuse them (o-series, gpt-5): one per 400, in this order.
     refuse_params: tuple[str, ...] = ()
     base_url: str = ""
+    # Stall mid-answer: before streamed chunk number `stall_at_chunk` (0-based), wait `stall_s` (a server that
+    # stops for a while after its first words).
+    stall_at_chunk: int | None = None
+    stall_s: float = 0.0
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -115,6 +119,8 @@ class FakeLlm:
                         piece = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0,
                                  "model": body["model"], "choices": [{"index": 0, "delta": {"content": half}}]}
                         await resp.write(f"data: {json.dumps(piece)}\n\n".encode())
+                if i == self.stall_at_chunk:
+                    await asyncio.sleep(self.stall_s)
                 chunk = {
                     "id": "chatcmpl-1",
                     "object": "chat.completion.chunk",

@@ -20,7 +20,11 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from engine.interface import FRAME_SAMPLES
+from engine.interface import FRAME_SAMPLES, CallerTranscript
+from engine.sampling import SamplingOverrides
+from engine.service import EngineConfig, LocalEngine
+from knowledge import backend as backend_module
+from knowledge.agents import Agents
 from knowledge.backend import BackendConfig, BackendServices, CallBackend
 from knowledge.conversation import Conversation, ToolExchange
 from knowledge.llm import LlmClient, LlmConfig, LlmError
@@ -34,6 +38,7 @@ from knowledge.stt import (
     SttResult,
     make_stt,
 )
+from knowledge.tools import CallTools, HttpSession
 
 from .llm_server import FakeLlm, answer_for
 from .polling import until
@@ -279,6 +284,40 @@ def test_conversation_merges_partial_into_the_open_user_turn_and_continues_split
     assert msgs[1:] == [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "hi um what time"}]
     conv.caller_final("")  # an empty final drops the partial only
     assert conv.messages()[-1] == {"role": "user", "content": "hi um"}
+
+
+def test_a_caller_talking_over_the_greeting_does_not_repeat_it() -> None:
+    """The front-end goes on saying the greeting after the caller starts talking over it: the greeting turn
+    already holds those words, so the rest of the greeting is not added again; what the bot says after the
+    greeting (or instead of its rest) is."""
+    greeting = "Thanks for calling Acme, how can I help you today?"
+    conv = Conversation(system_prompt="S")
+    conv.greet(greeting)
+    for piece in ["▁Thanks", "▁for", "▁calling"]:
+        conv.bot_piece(piece)
+    conv.caller_partial("hi")  # the caller barges in mid-greeting
+    for piece in ["▁Ac", "me", ",", "▁how", "▁can", "▁I", "▁help", "▁you", "▁today", "?"]:
+        conv.bot_piece(piece)
+    conv.caller_final("hi i need help")
+    for piece in ["▁Sure", ",", "▁what", "▁with", "?"]:
+        conv.bot_piece(piece)
+    assert conv.messages()[1:] == [
+        {"role": "assistant", "content": greeting},
+        {"role": "user", "content": "hi i need help"},
+        {"role": "assistant", "content": "Sure, what with?"},
+    ]
+    # The bot leaves the greeting for its own words once the caller has spoken: those are kept.
+    conv = Conversation(system_prompt="S")
+    conv.greet(greeting)
+    conv.bot_piece("▁Thanks")
+    conv.caller_final("hello")
+    for piece in ["▁for", "▁calling", "▁oh", "▁hi", "▁there"]:
+        conv.bot_piece(piece)
+    assert conv.messages()[1:] == [
+        {"role": "assistant", "content": greeting},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "oh hi there"},
+    ]
 
 
 def test_a_long_calls_requests_carry_only_the_newest_turns_that_fit() -> None:
@@ -637,6 +676,118 @@ async def test_a_new_request_cancels_the_superseded_stream(tmp_path: Path, llm_s
     assert len(llm_server.requests) >= 2
     await backend.aclose()
     await llm.aclose()
+
+
+async def test_a_held_draft_reaches_the_engine_within_a_frame_while_the_llm_stalls(
+    llm_server: FakeLlm, executor
+) -> None:
+    """A draft that came < 80 ms after the last one sent is held back, but only until its frame has passed:
+    an LLM that stalls mid-answer does not keep the words it already sent away from the engine."""
+    llm_server.stall_at_chunk, llm_server.stall_s = 3, 3.0  # three words at once, then 3 s of nothing
+    llm = make_llm(llm_server)
+    rec = Recorder()
+    backend = backend_for(rec, executor, stt_factory=NullSTT, llm=llm)
+    await backend.start()
+    said = "is my flight ok"
+    backend._handle_transcript(SttResult(said, final=True), time.monotonic())  # as the STT pump reports it
+    answer = answer_for([{"role": "user", "content": said}]).split(" ")
+    held = " ".join(answer[:3])
+    started = time.monotonic()
+    await wait_until(lambda: bool(rec.oracles) and rec.oracles[-1][0] == held, limit_s=1.5)
+    assert time.monotonic() - started < 1.5  # long before the stall ends
+    assert rec.oracles[0][0] == answer[0] and not rec.complete[-1]  # the first word at once; more to come
+    await wait_until(lambda: rec.oracles[-1][0] == " ".join(answer) and rec.complete[-1], limit_s=10)
+    texts = [t for t, _ in rec.oracles]
+    assert texts.count(held) == 1  # sent once, by the timer
+    await backend.aclose()
+    await llm.aclose()
+
+
+async def test_a_final_heard_during_a_call_actions_quiet_window_is_answered_after_it(
+    llm_server: FakeLlm, executor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After end_call/transfer_call no draft may replace the action's line for a while; should the action fail,
+    what the caller said meanwhile is asked about once the window is over, not lost."""
+    monkeypatch.setattr(backend_module, "ACTION_QUIET_S", 1.0)
+    llm_server.tool_triggers = {"goodbye": ("end_call", {})}
+    llm = make_llm(llm_server)
+    rec = Recorder()
+    http = HttpSession()
+    backend = CallBackend(
+        "call-q", stt_factory=NullSTT, llm=llm, executor=executor, on_transcript=rec.on_transcript,
+        on_oracle=rec.on_oracle, on_error=rec.on_error, policy=FAST_POLICY,
+        tools=CallTools(Agents.builtin().get(None), ("end",), http),
+    )  # fmt: skip
+    await backend.start()
+    backend._handle_transcript(SttResult("thanks goodbye", final=True), time.monotonic())
+    await wait_until(lambda: backend._quiet_until > 0, limit_s=10)  # the end_call's line is being said
+    line_at = time.monotonic()
+    asked = len(llm_server.requests)
+    said = "no wait I still have a question"  # the hang-up failed; the caller goes on
+    backend._handle_transcript(SttResult(said, final=True), time.monotonic())
+    await asyncio.sleep(0.5)
+    assert len(llm_server.requests) == asked  # nothing replaces the action's line inside the window
+    await wait_until(lambda: any(said in last_user(r) for r in llm_server.requests), limit_s=5)
+    assert time.monotonic() - line_at >= 0.9
+    answer = answer_for(next(r for r in llm_server.requests if said in last_user(r))["messages"])
+    await wait_until(lambda: rec.oracles[-1][0] == answer, limit_s=5)
+    await backend.aclose()
+    await http.aclose()
+    await llm.aclose()
+
+
+async def test_an_utterance_cut_by_the_hang_up_still_becomes_a_final(tmp_path: Path, executor) -> None:
+    """A caller who hangs up right after speaking leaves no trailing silence to end the utterance: closing the
+    back-end ends it, so the last words reach on_transcript and the conversation."""
+    pool = DecoderPool()
+    rec = Recorder()
+    backend = backend_for(rec, executor, stt_factory=lambda: PocketsphinxSTT(pool=pool), llm=None)
+    await backend.start()
+    await feed_frames(backend, frames_of(speech(tmp_path, "I would like to cancel my order please goodbye"),
+                                         tail_s=0.0))  # fmt: skip
+    await wait_until(lambda: any("cancel" in t for t, _ in rec.transcripts))
+    assert not rec.finals  # no silence after the words: the STT has not ended the utterance
+    await backend.aclose()
+    (final,) = rec.finals
+    assert {"cancel", "order"} <= set(final.split())
+    assert rec.transcripts[-1] == (final, True)
+    assert [(t.role, t.text) for t in backend.conversation.turns] == [("user", final)]
+    assert (pool.created, pool.idle) == (1, 1)
+
+
+async def test_a_hung_up_calls_last_final_reaches_the_calls_outputs(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """Through the real engine service: the session is closed at once (its seat free), and the final its
+    back-end makes of the cut-off utterance while closing still comes out of the call's outputs before they end
+    (the phone edge records the caller's turns from them)."""
+    services = BackendServices(BackendConfig(stt="pocketsphinx", llm_enabled=False))
+    engine = await LocalEngine.load(
+        EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", max_calls=1, warmup_ticks=1,
+                     sampling=SamplingOverrides(greedy=True)),
+        services,
+    )  # fmt: skip
+    await engine.start()
+    try:
+        call = await engine.open_call("CA-cut-off")
+        heard: list[tuple[str, bool]] = []
+
+        async def read() -> None:
+            async for out in call.outputs():
+                if isinstance(out, CallerTranscript):
+                    heard.append((out.text, out.final))
+
+        reader = asyncio.create_task(read())
+        for frame in frames_of(speech(tmp_path, "I would like to cancel my order please goodbye"), tail_s=0.0):
+            call.push_audio(frame)
+            await asyncio.sleep(0.002)
+        await wait_until(lambda: any("cancel" in t for t, _ in heard))
+        assert not any(final for _, final in heard)
+        await call.close()
+        assert engine.free_slots == 1  # the seat went at once
+        await asyncio.wait_for(reader, 30)  # outputs end once the back-end has closed
+        finals = [t for t, final in heard if final]
+        assert len(finals) == 1 and {"cancel", "order"} <= set(finals[0].split())
+    finally:
+        await engine.stop()
 
 
 async def feed_silence_until(backend: CallBackend, pred: Callable[[], bool], limit_s: float = 30.0) -> None:

@@ -280,6 +280,8 @@ def test_random_streams_respect_every_rule(seed: int) -> None:
             committed += words
             pending = max_pending = 0
             final_waiting = final_waiting or words > 0
+            if asked_at is not None:  # words the final retracted no longer count toward growth
+                asked_at = min(asked_at, committed)
             p.on_final(words)
         elif event < 0.5 and fired:
             p.on_failure(t)
@@ -313,3 +315,29 @@ def test_config_rejects_nonsense() -> None:
         OraclePolicyConfig(min_word_delta=0)
     with pytest.raises(AssertionError):
         OraclePolicyConfig(backoff_initial_s=2.0, backoff_max_s=1.0)
+
+
+def test_an_empty_final_lowers_the_growth_baseline() -> None:
+    p = OraclePolicy(CFG)
+    p.on_partial(3)  # noise decoded as "uh the a"
+    assert p.poll(0.0) is TriggerReason.FIRST  # asked at 3 words
+    p.on_final(0)  # the STT retracts them: nothing was said
+    assert p.poll(3.0) is None and p.word_count == 0
+    p.on_partial(1)  # the caller's real utterance
+    assert p.poll(6.0) is None
+    p.on_partial(2)  # +2 words since what was really said: an early request, as for any utterance
+    assert p.poll(6.25) is TriggerReason.GROWTH
+    p.on_partial(3)
+    assert p.poll(6.5) is None  # and growth is measured from there again
+
+
+def test_a_final_shorter_than_its_partials_lowers_the_baseline_too() -> None:
+    p = OraclePolicy(CFG)
+    p.on_final(2)
+    assert p.poll(0.0) is TriggerReason.FINAL  # baseline 2
+    p.on_partial(5)
+    assert p.poll(0.25) is TriggerReason.GROWTH  # baseline 7
+    p.on_final(1)  # re-decoded to one word: 3 in all, and a final to answer
+    assert p.poll(0.5) is TriggerReason.FINAL  # baseline 3
+    p.on_partial(2)
+    assert p.poll(0.75) is TriggerReason.GROWTH
