@@ -75,6 +75,7 @@ FRAMES_PER_WORD = 6
 AUDIO_AFTER_TEXT_FRAMES = 3
 LINE_MARK_WAIT_S = 5.0
 ACTION_ANSWER_WAIT_S = 11.0  # the REST client's own timeout (10 s), and a little more
+LAST_WORDS_WAIT_S = 1.0  # at a call's end, for its back-end to close (it makes the caller's last words final)
 
 
 @dataclass
@@ -616,12 +617,15 @@ class MediaStreamSession:
         if self.state.started_at is not None:  # a stream refused before its start has no length
             metrics.CALL_DURATION_SECONDS.observe(time.monotonic() - self.state.started_at)
         self.ctx.fanout.forget(self)
+        if self.engine_call is not None:
+            await self.engine_call.close()
         if self._pump is not None:
+            # The engine's last outputs (the caller's last words, made final as its back-end closes: a
+            # "...goodbye" and an immediate hang-up) reach the record before the call's end does; bounded.
+            await asyncio.wait({self._pump}, timeout=LAST_WORDS_WAIT_S)
             self._pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pump
-        if self.engine_call is not None:
-            await self.engine_call.close()
         call_sid = self.state.call_sid
         if call_sid is not None:
             metrics.CALLS_ACTIVE.dec()

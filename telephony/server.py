@@ -453,8 +453,8 @@ class ServiceHandle:
                     await asyncio.sleep(poll_s)
         except TimeoutError:
             log.warning("drain timed out with %d calls still up: ending them", len(ctx.streams))
-        for session in list(self.ctx.streams.values()):
-            await session.end("drain_timeout")
+        # At once, not one after another: each call's end may wait a moment for its last words.
+        await asyncio.gather(*(session.end("drain_timeout") for session in list(self.ctx.streams.values())))
 
     @property
     def metrics_url(self) -> str | None:

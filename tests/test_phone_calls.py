@@ -392,3 +392,24 @@ def test_falling_behind_is_judged_on_the_last_two_seconds_of_ticks() -> None:
     for i in range(5):  # too few ticks to judge
         fresh.record_tick(0.2, True, now=100.0 + i * 0.08)
     assert not fresh.falling_behind(now=100.4)
+
+
+async def test_a_caller_who_hangs_up_on_their_last_word_still_has_it_recorded(tiny_checkpoint: Path,
+                                                                              tmp_path: Path) -> None:
+    """"... goodbye" and an immediate hang-up: no 0.6 s of silence ever ended that utterance, so the STT
+    never made it final and the call's record had no caller turn at all. The back-end ends it as it closes,
+    and the call's end waits (bounded) for it to reach the record."""
+    from knowledge.backend import BackendConfig, BackendServices
+
+    wav = flite_wav("I would like to cancel my order please, goodbye.", tmp_path / "bye.wav")
+    backend = BackendServices(BackendConfig(stt="pocketsphinx", llm_enabled=False))
+    await backend.warm_up(1)
+    async with running_phone(tiny_checkpoint, backend=backend) as phone:
+        report = await simulate_call(phone.ws_url, wav, auth_token=phone.token, public_url=phone.base,
+                                     hold_after=0.0)  # fmt: skip
+        await phone.settled()
+        record = await phone.store.get(report.call_sid)
+    assert report.outcome == "completed", report.errors
+    assert record is not None
+    said = " ".join(t.text for t in record.turns if t.role == "caller")
+    assert "goodbye" in said or "order" in said, record.turns
