@@ -16,6 +16,9 @@ import numpy as np
 SAMPLE_RATE = 24_000  # Mimi's rate
 FRAME_SAMPLES = 1_920  # one Mimi frame
 FRAME_SECONDS = FRAME_SAMPLES / SAMPLE_RATE  # 0.08 s
+# After `CallSession.close()`, its `outputs()` may still yield the call's last words (the back-end makes the
+# caller's unfinished utterance final as it closes): how long a call's end waits for them, at most.
+LAST_WORDS_WAIT_S = 1.0
 
 
 class EngineError(Exception):

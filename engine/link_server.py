@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from . import metrics
 from .interface import (
+    LAST_WORDS_WAIT_S,
     BotFrames,
     CallerTranscript,
     CallSession,
@@ -88,6 +89,7 @@ class EngineServer:
         self._owner: dict[str, tuple[_Edge, str]] = {}  # engine call id -> (its edge, the edge's call id)
         self._edge_numbers = itertools.count(1)
         self._unauthenticated = 0  # connections accepted and not yet welcomed
+        self._closing: set[asyncio.Task[None]] = set()  # calls the edges hung up, still saying their last words
         self._server: asyncio.Server | None = None
         self._fanout: asyncio.Task[None] | None = None
         self.draining = False
@@ -179,7 +181,9 @@ class EngineServer:
                         edge.opening[call_id] = asyncio.create_task(self._on_open(edge, call_id, setup))
                 elif kind == b"C":
                     call_id = str(json.loads(bytes(body))["call_id"])
-                    asyncio.create_task(self._close_when_seated(edge, call_id))  # noqa: RUF006 - short, self-ending
+                    closing = asyncio.create_task(self._close_when_seated(edge, call_id))
+                    self._closing.add(closing)  # held: it waits up to LAST_WORDS_WAIT_S for the call's last words
+                    closing.add_done_callback(self._closing.discard)
                 else:
                     raise LinkError(f"unknown message kind {kind!r}")
         except (asyncio.IncompleteReadError, OSError):
@@ -258,7 +262,7 @@ class EngineServer:
         opening = edge.opening.get(call_id)
         if opening is not None:
             await asyncio.wait({opening})
-        await self._close_call(edge, call_id)
+        await self._close_call(edge, call_id, last_words=True)
 
     async def _on_open(self, edge: _Edge, call_id: str, setup: CallSetup | None) -> None:
         try:
@@ -306,14 +310,20 @@ class EngineServer:
             if not edge.writer.transport.is_closing():
                 edge.writer.write(event_message(call_id, None, time.monotonic()))
 
-    async def _close_call(self, edge: _Edge, call_id: str) -> None:
+    async def _close_call(self, edge: _Edge, call_id: str, last_words: bool = False) -> None:
+        """`last_words`: the edge hung up and still listens: what the call says as it closes (the caller's
+        last utterance, made final) is sent, then its end. Not for an edge that is gone."""
         session = edge.calls.pop(call_id, None)
         pump = edge.pumps.pop(call_id, None)
         self._disown(edge, call_id)
         if session is not None:
             await session.close()
         if pump is not None:
+            if last_words and not edge.writer.transport.is_closing():
+                await asyncio.wait({pump}, timeout=LAST_WORDS_WAIT_S)
             pump.cancel()
+        if last_words and session is not None and not edge.writer.transport.is_closing():
+            edge.writer.write(event_message(call_id, None, time.monotonic()))  # nothing more will come
 
     async def _drop_edge(self, edge: _Edge) -> None:
         if edge not in self._edges:

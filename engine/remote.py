@@ -30,6 +30,7 @@ import numpy as np
 
 from . import metrics
 from .interface import (
+    LAST_WORDS_WAIT_S,
     BotFrames,
     CallSetup,
     EngineClosed,
@@ -89,10 +90,12 @@ class RemoteCallSession:
             yield item
 
     async def close(self) -> None:
+        """No more audio; `outputs()` ends once the engine has sent what the call says as it closes (the
+        caller's last words) and its end, or after LAST_WORDS_WAIT_S and a little more without them."""
         if self.closed:
             return
-        self._end()
-        self.engine._forget(self)
+        self.closed = True
+        self.engine._hang_up(self)
 
     def _end(self) -> None:
         self.closed = True
@@ -254,6 +257,20 @@ class RemoteEngine:
             metrics.ENGINE_LINK_DROPPED.labels(what="caller_audio").inc()
             return
         writer.write(audio_message(call_id, pcm))
+
+    def _hang_up(self, session: RemoteCallSession) -> None:
+        if self._calls.get(session.call_id) is not session or self._writer is None or self._failed:
+            self._forget(session)
+            session._end()
+            return
+        self._writer.write(json_message(b"C", {"call_id": session.call_id}))  # its last words, then its end
+
+        def give_up() -> None:  # an engine that never sends the end (or a link that hangs): not held for good
+            if self._calls.get(session.call_id) is session:
+                del self._calls[session.call_id]
+                session._end()
+
+        asyncio.get_running_loop().call_later(LAST_WORDS_WAIT_S + 1.0, give_up)
 
     def _forget(self, session: RemoteCallSession) -> None:
         if self._calls.get(session.call_id) is session:

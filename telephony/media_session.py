@@ -21,6 +21,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from engine.interface import (
     FRAME_SECONDS,
+    LAST_WORDS_WAIT_S,
     CallAction,
     CallerTranscript,
     CallSession,
@@ -75,7 +76,6 @@ FRAMES_PER_WORD = 6
 AUDIO_AFTER_TEXT_FRAMES = 3
 LINE_MARK_WAIT_S = 5.0
 ACTION_ANSWER_WAIT_S = 11.0  # the REST client's own timeout (10 s), and a little more
-LAST_WORDS_WAIT_S = 1.0  # at a call's end, for its back-end to close (it makes the caller's last words final)
 
 
 @dataclass

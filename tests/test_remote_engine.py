@@ -603,3 +603,46 @@ async def test_engine_serve_and_an_edge_process_answer_calls_drain_and_notice_a_
             except subprocess.TimeoutExpired:
                 proc.kill()
     assert "engine link to unix:" in (tmp_path / "edge.log").read_text()  # it said which engine it lost
+
+
+async def test_a_caller_who_hangs_up_on_their_last_word_is_heard_across_the_link(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """"... goodbye" and an immediate hang-up, the engine on the far side of the link: the edge's close
+    reached the engine, whose back-end made the utterance final as it closed, but the edge had already
+    ended the call's outputs and the engine had cancelled their pump. The engine now sends what the call
+    says as it closes, then its end, and the edge listens for them (bounded)."""
+    from engine.link_server import EngineServer
+    from engine.sampling import SamplingOverrides
+    from engine.service import EngineConfig, LocalEngine
+    from knowledge.backend import BackendConfig, BackendServices
+
+    from .phone_fixtures import flite_wav
+
+    wav = flite_wav("I would like to cancel my order please, goodbye.", tmp_path / "bye.wav")
+    backend = BackendServices(BackendConfig(stt="pocketsphinx", llm_enabled=False))
+    await backend.warm_up(1)
+    engine = await LocalEngine.load(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", max_calls=2,
+                                                 warmup_ticks=2, sampling=SamplingOverrides(greedy=True)),
+                                    backend)  # fmt: skip
+    await engine.start()
+    server = EngineServer(engine, token=None)
+    address = await server.listen(Address(unix_path=str(tmp_path / "engine.sock")))
+    edge = await RemoteEngine.connect(address, token=None, seats=2)
+    handle = await edge_service(edge)
+    try:
+        report = await asyncio.wait_for(simulate_call(
+            handle.http_url.replace("http://", "ws://") + MEDIA_PATH, wav, auth_token=TOKEN, public_url=None,
+            hold_after=0.0,
+        ), 30)  # fmt: skip
+        await until(lambda: not handle.ctx.streams, "the call's end")
+        record = await handle.ctx.store.get(report.call_sid)
+    finally:
+        await handle.aclose()
+        await edge.stop()
+        await server.aclose()
+        await engine.stop()
+    assert report.outcome == "completed", report.errors
+    assert record is not None
+    said = " ".join(t.text for t in record.turns if t.role == "caller")
+    assert "goodbye" in said or "order" in said, record.turns
