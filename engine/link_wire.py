@@ -13,6 +13,9 @@ line carries. Nothing is unpickled: a peer can send bad bytes, never code. Times
                    E call event {call_id, type: transcript|oracle|notice|end, ...}
                    F bot frames: u32 header length, header {call_ids, texts, voiced, indices, fresh, age}, pcm
                    S status {draining}: the engine is going away; seated calls go on, no new ones
+
+A close (C) frees the seat at once; the call's events go on until it has said what it says as it closes
+(the caller's last words, made final by its back-end, within LAST_WORDS_WAIT_S), then its E end.
 """
 
 from __future__ import annotations
