@@ -390,7 +390,10 @@ class CallBackend:
             self._handle_transcript(SttResult(self.conversation.partial, final=True), self._clock())
         # A model that keeps failing must not spin a core or flood the log: back off, doubling to 30 s.
         await asyncio.sleep(min(30.0, self._restart_backoff_s * 2 ** (self._stt_failures - 1)))
-        self._audio.clear()  # audio from before the restart would arrive late and out of context
+        # Audio from before the restart would arrive late and out of context: dropped, and counted as such.
+        if self._audio:
+            metrics.STT_DROPPED_FRAMES.inc(len(self._audio))
+        self._audio.clear()
         # The next frame makes a fresh STT.
 
     def _handle_transcript(self, result: SttResult, newest_frame_at: float) -> None:

@@ -818,10 +818,11 @@ async def test_stt_failure_is_counted_and_the_stt_restarted(tmp_path: Path, exec
 
     rec = Recorder()
     backend = backend_for(rec, executor, stt_factory=factory, llm=None)
-    before = stt_errors()
+    before, dropped = stt_errors(), stt_dropped_frames()
     await backend.start()
     await feed_silence_until(backend, lambda: attempts == 3)  # restarted twice, after each back-off
     assert stt_errors() == before + 2
+    assert stt_dropped_frames() > dropped  # the audio of each back-off, thrown away: counted, not silent
     assert [(kind, detail.split(":")[0]) for kind, detail in rec.errors] == [
         ("stt_error", "ValueError"),  # the factory failed
         ("stt_error", "RuntimeError"),  # the first feed failed
