@@ -123,6 +123,20 @@ async def _call_with_rest(
     return sid, report, record, twilio
 
 
+async def _sales_call(
+    tiny_checkpoint: Path, llm: FakeLlm, directory: AgentDirectory, wav: Path, hold_after: float = 4.0
+) -> tuple[CallReport, CallRecord | None]:
+    """One call to the sales number, without Twilio REST credentials: its report and its record."""
+    sid = new_call_sid()
+    backend = await _backend(llm, directory)
+    async with running_phone(tiny_checkpoint, backend=backend, agents=directory) as phone:
+        report = await simulate_call(phone.ws_url, wav, auth_token=phone.token, public_url=phone.base,
+                                     custom_sid=sid, to_number=SALES, hold_after=hold_after)  # fmt: skip
+        await phone.settled()
+        record = await phone.store.get(sid)
+    return report, record
+
+
 def _acted_after_line(
     sid: str, report: CallReport, record: CallRecord | None, twilio: TwilioRestStandIn, line: str, tool: str,
     end_reason: str,
@@ -184,13 +198,7 @@ async def test_an_http_tools_result_reaches_the_llms_next_request_and_a_failing_
     outcome = "ok" if tool_mode == "ok" else "error"
     counted = metric("kame_tool_calls_total", tool="order_status", outcome=outcome)
     wav = flite_wav("Where is my order?", tmp_path / "order.wav")
-    sid = new_call_sid()
-    backend = await _backend(llm_server, directory)
-    async with running_phone(tiny_checkpoint, backend=backend, agents=directory) as phone:
-        report = await simulate_call(phone.ws_url, wav, auth_token=phone.token, public_url=phone.base,
-                                     custom_sid=sid, to_number=SALES, hold_after=4.0)  # fmt: skip
-        await phone.settled()
-        record = await phone.store.get(sid)
+    report, record = await _sales_call(tiny_checkpoint, llm_server, directory, wav)
     assert report.outcome == "completed", report.errors
     assert report.bot_seconds_received > 0.5 * report.call_seconds  # the call went on, with the bot's audio
     assert _tool_names(llm_server.requests[0]) == {"order_status"}  # no REST credentials: no call actions
@@ -220,13 +228,7 @@ async def test_a_tool_name_the_model_made_up_is_answered_and_the_call_goes_on(
     llm_server.tool_triggers = {"order": ("multi_tool_use.parallel", {"tool_uses": []})}
     llm_server.invent_tools = True
     wav = flite_wav("Where is my order?", tmp_path / "order.wav")
-    sid = new_call_sid()
-    backend = await _backend(llm_server, directory)
-    async with running_phone(tiny_checkpoint, backend=backend, agents=directory) as phone:
-        report = await simulate_call(phone.ws_url, wav, auth_token=phone.token, public_url=phone.base,
-                                     custom_sid=sid, to_number=SALES, hold_after=4.0)  # fmt: skip
-        await phone.settled()
-        record = await phone.store.get(sid)
+    report, record = await _sales_call(tiny_checkpoint, llm_server, directory, wav)
     assert report.outcome == "completed", report.errors
     assert tool_server.received == []  # nothing was run under a name nobody offered
     answered = [r for r in llm_server.requests if r["messages"][-1]["role"] == "tool"]

@@ -43,6 +43,15 @@ async def _engine(checkpoint: Path, slots: int = 2) -> LocalEngine:
     return engine
 
 
+async def _engine_lost_told(call: Any, within: float) -> None:
+    """Until the call's outputs say `engine_lost` (a broken engine tells each seated call)."""
+    async with asyncio.timeout(within):
+        async for out in call.outputs():
+            if isinstance(out, EngineNotice) and out.kind == "engine_lost":
+                return
+    raise AssertionError("the call's outputs ended without engine_lost")
+
+
 async def test_a_phone_call_is_answered_by_an_engine_in_its_own_process(tiny_checkpoint: Path) -> None:
     engine = await _engine(tiny_checkpoint)
     token = "k" * 32
@@ -132,13 +141,7 @@ async def test_an_engine_whose_every_tick_fails_is_broken_its_calls_told_and_liv
         emb = engine.bundle.lm.text_emb
         emb.weight.data = emb.weight.data[:1]
         feeding = asyncio.create_task(caller())
-        lost = None
-        async with asyncio.timeout(10):
-            async for out in call.outputs():
-                if isinstance(out, EngineNotice) and out.kind == "engine_lost":
-                    lost = out
-                    break
-        assert lost is not None
+        await _engine_lost_told(call, within=10)
         assert engine.failed and not engine.ready
         assert engine.frame_loop.broken is not None and "IndexError" in engine.frame_loop.broken
     finally:
@@ -184,13 +187,7 @@ async def test_an_engine_process_whose_every_tick_fails_exits_and_its_calls_are_
     try:
         call = await engine.open_call("CA-broken-child")
         feeding = asyncio.create_task(caller())
-        lost = None
-        async with asyncio.timeout(15):
-            async for out in call.outputs():
-                if isinstance(out, EngineNotice) and out.kind == "engine_lost":
-                    lost = out
-                    break
-        assert lost is not None
+        await _engine_lost_told(call, within=15)
         assert engine.failed and not engine.ready
         process = engine.frame_loop._process  # type: ignore[attr-defined]
         process.join(5)
