@@ -107,9 +107,12 @@ def _compare(ref: _Run, run: _Run, kv_dtype: str, weights_dtype: str) -> QuantAc
 def measure(
     lm: KameLM, mimi, kv_dtypes: list[str], weights_dtypes: list[str] | None = None,  # type: ignore[no-untyped-def]
     steps: int = 500, batch: int = 2, seed: int = 0, log: Callable[[str], None] = print,
+    on_result: Callable[[list[QuantAccuracy]], None] | None = None,
 ) -> list[QuantAccuracy]:
     """Each KV format with the weights as they are; then, per weights format, the weights quantized (in
-    place: `lm` keeps them 8-bit afterwards) with the KV cache as it is and with each KV format."""
+    place: `lm` keeps them 8-bit afterwards) with the KV cache as it is and with each KV format.
+    `on_result` gets the results so far after each variant: a run cut short (a GPU call's time limit)
+    keeps what it measured."""
     pcm, oracle = _inputs(lm, batch, steps, seed)
     ref = _run(lm, mimi, "auto", pcm, oracle)
     variants = [(kv, "auto") for kv in kv_dtypes]
@@ -128,13 +131,15 @@ def measure(
             f"at step {r.first_divergence_step}, text logits before it: max |d| {r.logit_max_abs_err:.4g}, "
             f"worst relative {r.logit_rel_err:.4g}")
         results.append(r)
+        if on_result is not None:
+            on_result(list(results))
     return results
 
 
 def run_quant_accuracy(
     size: str, device: str, kv_dtypes: list[str], weights_dtypes: list[str], steps: int = 500,
     context: int | None = None, dtype: str | None = None, batch: int = 2, checkpoint: str | None = None,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = print, on_result: Callable[[list[QuantAccuracy]], None] | None = None,
 ) -> list[QuantAccuracy]:
     """`kame-phone bench kv`: a checkpoint's weights when one is named (the figure that transfers to a
     deployment), else the named size with random weights (tiny on CPU; moshi-7b on a GPU)."""
@@ -152,4 +157,5 @@ def run_quant_accuracy(
         bundle = load_random(size, dev, torch_dtype, context)
     log(f"# 8-bit accuracy: {checkpoint or size} on {device}, {torch_dtype}, {steps} greedy steps x {batch} rows, "
         f"against {torch_dtype} weights and cache")
-    return measure(bundle.lm, bundle.mimi, kv_dtypes, weights_dtypes, steps=steps, batch=batch, log=log)
+    return measure(bundle.lm, bundle.mimi, kv_dtypes, weights_dtypes, steps=steps, batch=batch, log=log,
+                   on_result=on_result)

@@ -137,11 +137,14 @@ def _bench(args: argparse.Namespace) -> int:
         if not kinds and not weights:
             print("kame-phone bench kv: nothing to compare (--kv-dtype auto and --weights-dtype auto)", file=sys.stderr)
             return 2
-        results = run_quant_accuracy(args.size, args.device or ("cuda" if _cuda() else "cpu"), kinds, weights,
-                                     steps=args.steps, context=args.context, dtype=args.dtype,
-                                     checkpoint=args.checkpoint)
-        if args.json:
-            Path(args.json).write_text(json.dumps([r.to_dict() for r in results], indent=1) + "\n")
+
+        def write(results: list) -> None:  # type: ignore[type-arg]
+            _write_atomically(Path(args.json), json.dumps([r.to_dict() for r in results], indent=1) + "\n")
+
+        # Written after each variant: a run cut short (a GPU call's time limit) keeps what it measured.
+        run_quant_accuracy(args.size, args.device or ("cuda" if _cuda() else "cpu"), kinds, weights,
+                           steps=args.steps, context=args.context, dtype=args.dtype, checkpoint=args.checkpoint,
+                           on_result=write if args.json else None)
         return 0
     if args.what == "oracle":
         from .oracle_bench import run_oracle_bench

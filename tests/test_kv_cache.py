@@ -158,6 +158,12 @@ def test_accuracy_is_measured_against_the_models_own_cache(tiny_checkpoint: Path
     same = measure(bundle.lm, bundle.mimi, ["auto"], steps=40, log=lambda _line: None)[0]
     # The baseline is deterministic, so any difference below is the cache's.
     assert same.token_agreement == 1.0 and same.first_divergence_step is None and same.logit_max_abs_err == 0.0
+    # Each variant's result is handed on as it is measured (the bench writes its JSON then: a GPU call cut
+    # short by its time limit keeps what it measured).
+    seen: list[list[str]] = []
+    measure(bundle.lm, bundle.mimi, ["auto", "int8"], steps=5, log=lambda _line: None,
+            on_result=lambda rs: seen.append([r.kv_dtype for r in rs]))
+    assert seen == [["auto"], ["auto", "int8"]]
 
     out = tmp_path / "kv.json"
     # The checkpoint's own weights (the figure to take for a real model), past its 64-frame ring's wrap.
