@@ -9,6 +9,7 @@ says so once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Mapping
@@ -24,7 +25,9 @@ from .twiml import dial_twiml_verb
 
 log = logging.getLogger(__name__)
 
-_TIMEOUT_S = 10.0  # a transfer the caller waits for; Twilio answers in well under a second
+# A transfer the caller waits for; Twilio answers in well under a second. Applied around each request here:
+# the package's async client keeps a client-wide timeout but sends aiohttp none (no limit at all).
+_TIMEOUT_S = 10.0
 
 
 class TwilioRestError(RuntimeError):
@@ -72,6 +75,8 @@ _FAILURES = (TwilioException, aiohttp.ClientError, OSError, TimeoutError, ValueE
 
 def _why(e: BaseException, doing: str) -> str:
     """One line for a failed REST request: refused credentials said as such, never the credentials."""
+    if isinstance(e, TimeoutError):
+        return f"Twilio REST request failed while {doing}: Twilio did not answer in time"
     status = getattr(e, "status", None)  # a RestException; a page that failed carries the response in its args
     status = status or next((a.status_code for a in e.args if hasattr(a, "status_code")), None)
     if status in (401, 403):
@@ -84,9 +89,10 @@ def _why(e: BaseException, doing: str) -> str:
 class TwilioRest:
     """One client for the process (its HTTP session is shared by every call)."""
 
-    def __init__(self, credentials: TwilioCredentials) -> None:
+    def __init__(self, credentials: TwilioCredentials, timeout_s: float = _TIMEOUT_S) -> None:
         self.credentials = credentials
-        self._http = AsyncTwilioHttpClient(timeout=_TIMEOUT_S)
+        self.timeout_s = timeout_s
+        self._http = AsyncTwilioHttpClient(timeout=timeout_s)
         self._client = Client(credentials.username, credentials.password, credentials.account_sid,
                               http_client=self._http)  # fmt: skip
         if credentials.base_url:
@@ -115,7 +121,8 @@ class TwilioRest:
     async def find_number(self, number: str) -> NumberSettings:
         """The account's IncomingPhoneNumber for `number` (E.164), with its voice settings."""
         try:
-            found = await self._client.incoming_phone_numbers.list_async(phone_number=number, limit=2)
+            async with asyncio.timeout(self.timeout_s):
+                found = await self._client.incoming_phone_numbers.list_async(phone_number=number, limit=2)
         except _FAILURES as e:
             raise TwilioRestError(_why(e, f"looking up {number}")) from e
         found = [n for n in found if n.phone_number == number]
@@ -128,10 +135,11 @@ class TwilioRest:
     async def point_number(self, number: NumberSettings, voice_url: str, status_callback: str) -> NumberSettings:
         """Send the number's calls to `voice_url` (POST), its call status events to `status_callback`."""
         try:
-            n = await self._client.incoming_phone_numbers(number.sid).update_async(
-                voice_url=voice_url, voice_method="POST", status_callback=status_callback,
-                status_callback_method="POST",
-            )  # fmt: skip
+            async with asyncio.timeout(self.timeout_s):
+                n = await self._client.incoming_phone_numbers(number.sid).update_async(
+                    voice_url=voice_url, voice_method="POST", status_callback=status_callback,
+                    status_callback_method="POST",
+                )  # fmt: skip
         except _FAILURES as e:
             raise TwilioRestError(_why(e, f"updating {number.number}")) from e
         return NumberSettings(n.sid or number.sid, number.number, n.voice_url, n.voice_method, n.status_callback,
@@ -140,17 +148,19 @@ class TwilioRest:
     async def dial(self, to: str, from_: str, voice_url: str, status_callback: str) -> str:
         """Place an outbound call that Twilio connects to `voice_url` once answered; returns its CallSid."""
         try:
-            call = await self._client.calls.create_async(
-                to=to, from_=from_, url=voice_url, method="POST", status_callback=status_callback,
-                status_callback_method="POST",
-            )  # fmt: skip
+            async with asyncio.timeout(self.timeout_s):
+                call = await self._client.calls.create_async(
+                    to=to, from_=from_, url=voice_url, method="POST", status_callback=status_callback,
+                    status_callback_method="POST",
+                )  # fmt: skip
         except _FAILURES as e:
             raise TwilioRestError(_why(e, f"calling {to}")) from e
         return str(call.sid)
 
     async def _update(self, call_sid: str, **changes: str) -> None:
         try:
-            await self._client.api.v2010.account.calls(call_sid).update_async(**changes)
+            async with asyncio.timeout(self.timeout_s):
+                await self._client.api.v2010.account.calls(call_sid).update_async(**changes)
         except _FAILURES as e:
             raise TwilioRestError(_why(e, f"updating call {call_sid}")) from e
 

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -24,7 +25,7 @@ from telephony.call_store import MemoryCallStore
 from telephony.config import ServiceConfig
 from telephony.server import MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
 from telephony.sim_caller import simulate_call
-from telephony.twilio_rest import TwilioCredentials, TwilioRest
+from telephony.twilio_rest import TwilioCredentials, TwilioRest, TwilioRestError
 
 from .llm_server import FakeLlm
 from .phone_fixtures import metric, new_call_sid, running_phone, write_agents
@@ -272,6 +273,22 @@ async def test_a_lost_engine_hands_the_caller_to_the_agents_fallback_not_dead_ai
     assert other.fallback_twiml is not None and "<Say>" in other.fallback_twiml and "<Hangup" in other.fallback_twiml
     assert metric("kame_call_fallbacks_total", action="dial") == dial + 1
     assert metric("kame_call_fallbacks_total", action="apology") == apology + 1
+
+
+async def test_a_twilio_that_never_answers_fails_the_request_in_time() -> None:
+    """The twilio package's async client keeps its timeout but hands aiohttp none: a hung Twilio held a
+    transfer (and the call's actions with it) for as long as the socket lived. It fails in time now."""
+    account = "AC" + "1" * 32
+    async with serve_twilio_rest(account, account, "rest-secret") as twilio:
+        twilio.update_delay_s = 30.0
+        rest = TwilioRest(TwilioCredentials(account, account, "rest-secret", twilio.base_url), timeout_s=1.0)
+        try:
+            started = time.monotonic()
+            with pytest.raises(TwilioRestError, match="did not answer in time"):
+                await rest.complete("CA" + "2" * 32)
+            assert time.monotonic() - started < 5.0
+        finally:
+            await rest.aclose()
 
 
 @pytest.mark.parametrize("twilio_side", ["ok", "refused", "dropped", "slow"])
