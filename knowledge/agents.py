@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from jsonschema import Draft202012Validator, SchemaError
 from prometheus_client import Counter
 
 from engine.interface import is_forced_delay_ms
@@ -136,6 +137,13 @@ class Agents:
                                       f"claimed by agent {by_number[number]!r}")  # fmt: skip
                 by_number[number] = name
             by_name[name] = agent
+        for name, agent in by_name.items():
+            # A transfer (or a busy dial) to a number this service answers rings the bot again: the caller
+            # goes round, every leg billed.
+            if agent.transfer_to in by_number:
+                raise AgentsError(f"agents file {path}: agent {name!r}: key 'transfer_to': {agent.transfer_to} is "
+                                  f"answered by this service (agent {by_number[agent.transfer_to]!r}): a transfer "
+                                  "there would loop back to the bot")  # fmt: skip
         by_name.setdefault(DEFAULT_AGENT, Agent(DEFAULT_AGENT))  # numbers no agent claims
         return cls(by_name, by_number, path)
 
@@ -177,9 +185,14 @@ def _agent(path: Path, name: str, table: Any) -> Agent:
     tools = table.get("tools", [])
     if not isinstance(tools, list):
         raise bad("tools", "an array of [[agents.NAME.tools]] tables")
+    http_tools = tuple(_tool(bad, t) for t in tools)
+    names = [t.name for t in http_tools]
+    for dup in sorted({n for n in names if names.count(n) > 1}):
+        # Two functions of one name: the LLM sees one, and which one ran was the dictionary's choice.
+        raise bad("tools.name", f"{dup!r} names two tools")
     return Agent(
         name=name, instructions=instructions, greeting=greeting, numbers=tuple(numbers), transfer_to=transfer_to,
-        dtmf_transfer=dtmf, busy=busy, llm_model=llm_model, tools=tuple(_tool(bad, t) for t in tools),
+        dtmf_transfer=dtmf, busy=busy, llm_model=llm_model, tools=http_tools,
         forced_delay_ms=None if delay is None else float(delay),
     )  # fmt: skip
 
@@ -214,12 +227,21 @@ def _tool(bad: Any, table: Any) -> HttpTool:
     parts = urlsplit(url) if isinstance(url, str) else None
     loopback = parts is not None and parts.hostname in ("127.0.0.1", "localhost", "::1")
     if parts is None or not parts.netloc or not (parts.scheme == "https" or (parts.scheme == "http" and loopback)):
-        raise bad(f"tools.{name}.url", f"{url!r}: an https:// URL (http:// only on loopback)")
+        # Not the URL itself: it may carry credentials (user:password@, ?key=), and this goes to the log.
+        got = f"a {parts.scheme or 'scheme-less'} URL to {parts.hostname or 'no host'}" if parts else type(url).__name__
+        raise bad(f"tools.{name}.url", f"an https:// URL (http:// only on loopback), got {got}")
     params = table.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict) or params.get("type") != "object" or not isinstance(
         params.get("properties", {}), dict
     ):
         raise bad(f"tools.{name}.parameters", 'a JSON Schema object ({type = "object", properties = {...}})')
+    try:
+        # Checked here, not by the LLM server at the agent's first call (a typo such as type = "strin" is a 400
+        # for every request of that agent).
+        Draft202012Validator.check_schema(params)
+    except SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "top level"
+        raise bad(f"tools.{name}.parameters", f"not a valid JSON Schema at {where}: {e.message[:200]}") from None
     return HttpTool(name, description.strip(), url, params)
 
 

@@ -97,7 +97,16 @@ def _refuses_tools(exc: BaseException) -> bool:
     body = exc.body if isinstance(exc.body, dict) else {}
     error = body.get("error", body)
     param = str(error.get("param") or "") if isinstance(error, dict) else ""
-    return not param.startswith("messages") and "tool" in str(exc).lower()
+    return not param.startswith("messages") and ("tool" in str(exc).lower() or _blames_a_tool(exc))
+
+
+def _blames_a_tool(exc: BaseException) -> bool:
+    """A 4xx naming one tool's definition (OpenAI: param `tools[0].function.parameters`, "Invalid schema for
+    function"): the agent's tool set is at fault, not the server's function calling."""
+    body = getattr(exc, "body", None)
+    error = body.get("error", body) if isinstance(body, dict) else {}
+    param = str(error.get("param") or "") if isinstance(error, dict) else ""
+    return param.startswith("tools[") or "invalid schema for function" in str(exc).lower()
 
 
 # Parameters some models refuse (OpenAI's reasoning models: o-series, gpt-5): what to send instead (None: drop it).
@@ -264,9 +273,11 @@ class LlmClient:
                 http_client=_aiohttp_transport(config.timeout_s),
             )
         self._client = client
-        # The server answered a request offering `tools` with a 4xx about them (vLLM without a tool parser,
-        # llama.cpp without --jinja): from then on none are offered, rather than every request failing.
-        self.tools_refused = False
+        # (model, tool names) the server answered with a 4xx about tools (vLLM without a tool parser, llama.cpp
+        # without --jinja, a tool schema the server rejects): that model is offered that tool set no more,
+        # rather than every request failing. Per model and set: one agent's bad schema, or one model without
+        # function calling, once turned every agent's tools off for the life of the process.
+        self.tools_refused: set[tuple[str, frozenset[str]]] = set()
         # Per model, the parameters it refused (a reasoning model: max_tokens, temperature): renamed or dropped
         # from then on, rather than every request of every call failing (agents may name other models).
         self.params_refused: dict[str, set[str]] = {}
@@ -298,7 +309,8 @@ class LlmClient:
         model = model or cfg.model  # an agent's own model, else the service's
         refused_here = self.params_refused.setdefault(model, set())
         extra = request_params(params, refused_here)
-        if tools and not self.tools_refused:
+        tool_set = (model, frozenset(str(t.get("function", {}).get("name")) for t in tools))
+        if tools and tool_set not in self.tools_refused:
             extra["tools"] = list(tools)
         calls: dict[int, _ToolCallParts] = {}
         retry = False
@@ -360,10 +372,17 @@ class LlmClient:
                             f"sending {instead!r} instead" if instead else "not sent")  # fmt: skip
                 retry = True
             elif "tools" in extra and not streaming and _refuses_tools(exc):
-                self.tools_refused = True
-                log.warning("the LLM server refused function calling (%s): the agents' tools are off in this "
-                            "process; enable it on the server (vLLM: --enable-auto-tool-choice and "
-                            "--tool-call-parser; llama.cpp: --jinja)", self._scrub(str(exc))[:200])  # fmt: skip
+                self.tools_refused.add(tool_set)
+                names = ", ".join(sorted(tool_set[1]))
+                if _blames_a_tool(exc):
+                    log.error("the LLM (%s) refused a definition among the tools %s (%s): not offered to that "
+                              "model from now on; fix the agents file", model, names,
+                              self._scrub(str(exc))[:200])  # fmt: skip
+                else:
+                    log.warning("the LLM server refused function calling for %s (%s): the tools %s are not offered "
+                                "to it from now on; enable it on the server (vLLM: --enable-auto-tool-choice and "
+                                "--tool-call-parser; llama.cpp: --jinja)", model, self._scrub(str(exc))[:200],
+                                names)  # fmt: skip
                 retry = True
             else:
                 self._fail(exc, streaming, text, call_id)

@@ -24,7 +24,7 @@ pip=.venv/bin/pip
 # pocketsphinx only for --stt pocketsphinx.
 names=(moshi sphn einops huggingface_hub hf-xet twilio PyJWT aiohttp-retry redis openai httpx2 httpcore2 truststore
        pydantic pydantic_core annotated-types typing-inspection jiter sniffio soxr python-dotenv threadpoolctl
-       typing_extensions anyio idna h11)
+       typing_extensions anyio idna h11 jsonschema jsonschema-specifications referencing rpds-py attrs)
 pins=()
 for n in "${names[@]}"; do
   v=$("$pip" show "$n" 2>/dev/null | sed -n 's/^Version: //p')

@@ -63,6 +63,8 @@ class FakeLlm:
     base_url: str = ""
     # Stall mid-answer: before streamed chunk number `stall_at_chunk` (0-based), wait `stall_s` (a server that
     # stops for a while after its first words).
+    # Answer a request offering a tool of this name as OpenAI answers a bad schema (a 400 naming the tool).
+    refuse_tool: str | None = None
     stall_at_chunk: int | None = None
     stall_s: float = 0.0
 
@@ -90,6 +92,13 @@ class FakeLlm:
         for name in self.refuse_params:
             if name in body and not (name == "temperature" and body[name] == 1):
                 return web.json_response({"error": REASONING_MODEL_REFUSALS[name]}, status=400)
+        offered = [t["function"]["name"] for t in body.get("tools", ())]
+        if self.refuse_tool in offered:
+            error = {"message": f"Invalid schema for function '{self.refuse_tool}': 'strin' is not valid under any "
+                                "of the given schemas.", "type": "invalid_request_error",
+                     "param": f"tools[{offered.index(self.refuse_tool)}].function.parameters",
+                     "code": "invalid_function_parameters"}  # fmt: skip
+            return web.json_response({"error": error}, status=400)
         if mode == "no_tools" and "tools" in body:  # llama.cpp without --jinja
             error = {"code": 400, "type": "invalid_request_error", "message": "tools param requires --jinja flag"}
             return web.json_response({"error": error}, status=400)

@@ -326,9 +326,9 @@ async def test_bad_tool_calls_are_results_and_actions_are_offered_only_as_the_ed
     await http.aclose()
 
 
-def _offer(name: str) -> list[dict]:
-    """The tools of a request: one function, any object of arguments."""
-    return [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
+def _offer(*names: str) -> list[dict]:
+    """The tools of a request: functions taking any object of arguments."""
+    return [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}} for name in names]
 
 
 @contextlib.asynccontextmanager
@@ -416,6 +416,23 @@ async def test_a_server_without_function_calling_gets_no_tools_and_still_answers
     assert first[-1] == "Sure, about hi, let me help you with that right away." and second
     assert llm.tools_refused and ["tools" in r for r in llm_server.requests] == [True, False, False]
     assert metric("kame_llm_errors_total", kind="other") == errors
+
+
+async def test_one_tool_set_refused_leaves_other_agents_and_models_their_tools(llm_server: FakeLlm) -> None:
+    """A schema the server rejects (one agent's typo it did not catch) or a model without function calling:
+    that model is offered that tool set no more. It once turned every agent's tools off, transfers and hang-ups
+    included, for the life of the process."""
+    llm_server.refuse_tool = "order_status"
+    async with _llm(llm_server) as llm:
+        first = await _drafts(llm, "hi", _offer("order_status", "end_call"))
+        again = await _drafts(llm, "again", _offer("order_status", "end_call"))
+        other_agent = await _drafts(llm, "hi", _offer("end_call"))
+        llm_server.refuse_tool = None
+        other_model = [d async for d in llm.stream_draft([{"role": "user", "content": "x"}], model="gpt-4o",
+                                                         tools=_offer("order_status", "end_call"))]
+    assert first and again and other_agent and other_model
+    offered = [sorted(t["function"]["name"] for t in r.get("tools", ())) for r in llm_server.requests]
+    assert offered == [["end_call", "order_status"], [], [], ["end_call"], ["end_call", "order_status"]]
 
 
 async def test_a_tool_call_past_its_size_limits_is_a_malformed_answer_not_a_tool_run(llm_server: FakeLlm) -> None:

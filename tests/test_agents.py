@@ -88,6 +88,16 @@ def test_a_good_file_loads_and_routes_numbers(tmp_path: Path) -> None:
         ('[agents.a]\ninstructions = "x"\n[[agents.a.tools]]\nname = "end_call"\ndescription = "d"\n'
          'url = "https://crm.example.com/x"\n', "agent 'a': key 'tools.name': 'end_call' is reserved"),
         ("[agents.a\n", "not TOML"),
+        # A typo in a tool's schema: refused here, not by the LLM server at the agent's first call.
+        ('[agents.a]\ninstructions = "x"\n[[agents.a.tools]]\nname = "t"\ndescription = "d"\n'
+         'url = "https://crm.example.com/x"\n'
+         'parameters = { type = "object", properties = { q = { type = "strin" } } }\n',
+         "agent 'a': key 'tools.t.parameters': not a valid JSON Schema at properties/q/type"),
+        ('[agents.a]\ninstructions = "x"\n' + '[[agents.a.tools]]\nname = "t"\ndescription = "d"\n'
+         'url = "https://crm.example.com/x"\n' * 2, "agent 'a': key 'tools.name': 't' names two tools"),
+        # Transferring to a number this service answers rings the bot again, round and round.
+        (f'[agents.a]\ninstructions = "x"\nnumbers = ["{SALES}"]\n[agents.b]\ninstructions = "y"\n'
+         f'transfer_to = "{SALES}"\n', f"agent 'b': key 'transfer_to': {SALES} is answered by this service"),
     ],
 )  # fmt: skip
 def test_a_bad_file_is_refused_in_one_line_naming_file_agent_and_key(tmp_path: Path, text: str, says: str) -> None:
@@ -96,6 +106,17 @@ def test_a_bad_file_is_refused_in_one_line_naming_file_agent_and_key(tmp_path: P
         Agents.load(path)
     message = str(refused.value)
     assert message.startswith(f"agents file {path}: ") and says in message and "\n" not in message
+
+
+def test_a_refused_tool_url_is_not_echoed_with_its_credentials(tmp_path: Path) -> None:
+    """The refusal goes to the log (start-up, SIGHUP): a URL's user:password or ?key= must not."""
+    path = write_agents(tmp_path, '[agents.a]\ninstructions = "x"\n[[agents.a.tools]]\nname = "t"\n'
+                                  'description = "d"\nurl = "http://ops:hunter2@crm.example.com/x?key=sk-live-1"\n')
+    with pytest.raises(AgentsError) as refused:
+        Agents.load(path)
+    message = str(refused.value)
+    assert "key 'tools.t.url'" in message and "crm.example.com" in message
+    assert "hunter2" not in message and "sk-live-1" not in message
 
 
 def test_serve_refuses_a_bad_agents_file_in_one_line(tmp_path: Path) -> None:
