@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import os
 import threading
@@ -49,10 +50,28 @@ DRAFT_UPDATE_INTERVAL_S = 0.08  # a growing draft reaches the engine at most onc
 OracleCallback = Callable[[str, float, int, bool], None]  # (draft text, triggered_at, candidate_id, complete)
 ErrorCallback = Callable[[Literal["stt_error", "llm_error"], str], None]  # (kind, detail)
 ToolCallback = Callable[[ToolUse], None]
+# What a tool call's result reads as in the history until it answers.
+TOOL_PENDING = "pending: still running; its result comes in a later message. Do not call it again."
 MAX_TOOL_ROUNDS = 3  # tool answers chained without the caller speaking: then the LLM must answer in words
 # After a call action (transfer, hang-up) no new draft may replace its line while the edge carries it out;
 # should the action fail, the call goes on with the LLM after this.
 ACTION_QUIET_S = 15.0
+
+
+def _tool_key(call: ToolCallRequest) -> tuple[str, str]:
+    """A tool call's name and arguments, the arguments' formatting aside (two drafts asking the same)."""
+    return call.name, _history_arguments(call.arguments, sort_keys=True)
+
+
+def _history_arguments(arguments: str, sort_keys: bool = False) -> str:
+    """Arguments as the history carries them: a JSON object's text, else "{}"."""
+    try:
+        parsed = json.loads(arguments or "{}")
+    except (ValueError, RecursionError):
+        return "{}"
+    if not isinstance(parsed, dict):
+        return "{}"
+    return json.dumps(parsed, sort_keys=True) if sort_keys else (arguments or "{}")
 
 
 @dataclass(frozen=True)
@@ -201,6 +220,7 @@ class CallBackend:
         self._tools = tools
         self._on_tool = on_tool
         self._tool_rounds = 0  # tool answers since the caller last finished speaking
+        self._tools_running: set[tuple[str, str]] = set()  # (name, arguments) of the tool calls under way
         self._quiet_until = 0.0  # no new LLM request before (a call action is under way)
         self.policy = OraclePolicy(policy)
         self._audio: deque[tuple[np.ndarray, float]] = deque()  # (frame, enqueued at)
@@ -401,7 +421,8 @@ class CallBackend:
         conv = self.conversation
         if result.final:
             conv.caller_final(result.text)
-            self._tool_rounds = 0
+            if result.text.strip():  # an empty final (noise retracted) is not the caller speaking again
+                self._tool_rounds = 0
             self.policy.on_final(word_count(result.text))
         else:
             conv.caller_partial(result.text)
@@ -521,6 +542,14 @@ class CallBackend:
                 held.cancel()
         if candidate_id == self._candidate_id:
             self.policy.on_success()
+            if calls and not tools:
+                # None were offered (the tool rounds are spent, or the call has none): a model calling tools
+                # anyway would otherwise chain requests without end while the caller is silent.
+                log.info("call %s: %d tool call(s) the LLM made unoffered, dropped", self.call_id, len(calls))
+                calls = []
+            # A call identical to one still running is the same request seen again by a newer draft (the
+            # caller's next words came before the tool answered): run once, not twice (a booking, a refund).
+            calls = [c for c in calls if _tool_key(c) not in self._tools_running]
             if calls:
                 # Its own task: a newer request superseding this one must not cancel the tools' work.
                 self._spawn(self._run_tools(calls), "tools")
@@ -528,7 +557,26 @@ class CallBackend:
     # --- tools -------------------------------------------------------------------------------------
     async def _run_tools(self, calls: list[ToolCallRequest]) -> None:
         assert self._tools is not None
-        results: list[ToolResult] = await asyncio.gather(*(self._tools.run(c, call_id=self.call_id) for c in calls))
+        tools = self._tools
+        # Into the history before they run, with a placeholder result: drafts started meanwhile (the caller
+        # goes on talking) see the call made. Arguments that are not a JSON object go in as {} (the raw text
+        # stays in the record): vLLM parses every history call's arguments and refuses the request otherwise,
+        # and every later request of the call carries this exchange. The name as run ("unknown" for one the
+        # model made up): the API refuses a name outside [a-zA-Z0-9_-] in the history.
+        exchange = ToolExchange(
+            calls=[{"id": c.id, "type": "function",
+                    "function": {"name": tools.name_for(c.name), "arguments": _history_arguments(c.arguments)}}
+                   for c in calls],
+            results=[(c.id, TOOL_PENDING) for c in calls],
+        )  # fmt: skip
+        self.conversation.tool_exchange(exchange)
+        keys = [_tool_key(c) for c in calls]
+        self._tools_running.update(keys)
+        try:
+            results: list[ToolResult] = await asyncio.gather(*(tools.run(c, call_id=self.call_id) for c in calls))
+        finally:
+            self._tools_running.difference_update(keys)
+        exchange.results = [(c.id, r.content) for c, r in zip(calls, results, strict=True)]
         for result in results:
             if self._on_tool is not None:
                 use = ToolUse(result.name, result.arguments[:1000], result.outcome, result.action, result.say)
@@ -536,13 +584,6 @@ class CallBackend:
                     self._on_tool(use)
                 except Exception:
                     log.exception("call %s: on_tool callback failed", self.call_id)
-        self.conversation.tool_exchange(ToolExchange(
-            # The name as run ("unknown" for one the model made up): the API refuses a name outside
-            # [a-zA-Z0-9_-] in the history, and every later request of the call would fail.
-            calls=[{"id": c.id, "type": "function", "function": {"name": r.name, "arguments": c.arguments}}
-                   for c, r in zip(calls, results, strict=True)],
-            results=[(c.id, r.content) for c, r in zip(calls, results, strict=True)],
-        ))  # fmt: skip
         action = next((r for r in results if r.action is not None), None)
         now = self._clock()
         if action is not None:

@@ -41,6 +41,9 @@ class ToolExchange:
     calls: list[dict[str, Any]]  # OpenAI's assistant `tool_calls` entries
     results: list[tuple[str, str]]  # (tool_call_id, content)
     role: Literal["tool"] = "tool"
+    # Made while the caller was still talking: their final, when it comes, goes before it (the words that
+    # asked for the call come first, and the request after its result ends with that result).
+    mid_utterance: bool = False
 
 
 # The transcript sent with each request, newest first, up to this many characters (~4k tokens; the system
@@ -103,11 +106,15 @@ class Conversation:
             return
         self._greeting_spoken = False
         self.committed_words += word_count(text)
-        last = self.turns[-1] if self.turns else None
+        at = len(self.turns)
+        while at and isinstance(self.turns[at - 1], ToolExchange) and self.turns[at - 1].mid_utterance:
+            at -= 1
+            self.turns[at].mid_utterance = False  # type: ignore[union-attr]
+        last = self.turns[at - 1] if at else None
         if last is not None and last.role == "user":
-            last.text += " " + text
+            last.text += " " + text  # type: ignore[union-attr]
         else:
-            self.turns.append(Turn("user", text))
+            self.turns.insert(at, Turn("user", text))
 
     @property
     def pending_words(self) -> int:
@@ -148,6 +155,7 @@ class Conversation:
 
     def tool_exchange(self, exchange: ToolExchange) -> None:
         """The LLM's function calls with their results, as the newest entry (after what was said so far)."""
+        exchange.mid_utterance = bool(self.partial)
         self.turns.append(exchange)
 
     # --- rendering ---------------------------------------------------------------------------------

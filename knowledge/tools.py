@@ -87,8 +87,12 @@ class CallTools:
         log.log(level, "call %s: tool %s: %s", call_id, result.name, result.outcome)
         return result
 
+    def name_for(self, called: str) -> str:
+        """The name a call runs under: its own if this call has such a tool, else "unknown"."""
+        return called if called in self._actions or called in self._http_tools else "unknown"
+
     async def _run(self, call: ToolCallRequest) -> ToolResult:
-        name = call.name if call.name in self._actions or call.name in self._http_tools else "unknown"
+        name = self.name_for(call.name)
         if name == "unknown":
             return ToolResult(name, call.arguments, "unknown_tool", f"error: there is no tool named {call.name!r}")
         try:
@@ -99,7 +103,8 @@ class CallTools:
             return ToolResult(name, call.arguments, "bad_arguments", "error: the arguments were not a JSON object")
         if name in self._actions:
             action, line, _ = self._actions[name]
-            return ToolResult(name, call.arguments, "requested", f"done: {line}", action=action, say=line)
+            # "requested", not "done": the edge carries it out once the line has played, and it can still fail.
+            return ToolResult(name, call.arguments, "requested", f"requested: {line}", action=action, say=line)
         outcome, content = await self._http.post(self._http_tools[name], arguments)
         return ToolResult(name, call.arguments, outcome, content)
 

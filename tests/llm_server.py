@@ -58,6 +58,8 @@ class FakeLlm:
     tool_triggers: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
     tool_preamble: str = ""
     invent_tools: bool = False  # call the trigger's tool even when it was not offered (models make names up)
+    loop_tools: bool = False  # call the first trigger's tool on every request, whatever came last (a broken model)
+    raw_arguments: str | None = None  # stream these as the tool call's arguments (cut off at max_tokens, say)
     # Parameters refused as OpenAI's reasoning models refuse them (o-series, gpt-5): one per 400, in this order.
     refuse_params: tuple[str, ...] = ()
     base_url: str = ""
@@ -148,12 +150,20 @@ class FakeLlm:
 
     def _tool_call_for(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         offered = {t["function"]["name"] for t in body.get("tools", ())}
+        if self.loop_tools and self.tool_triggers:
+            return next(iter(self.tool_triggers.values()))
         last = body["messages"][-1]
         if last["role"] != "user":
             return None  # e.g. a tool's result: answer it in words
         said = last["content"].lower()
-        return next((c for word, c in self.tool_triggers.items()
+        call = next((c for word, c in self.tool_triggers.items()
                      if word in said and (c[0] in offered or self.invent_tools)), None)  # fmt: skip
+        # As a model would: a call whose answer is in the history is not made again; one still pending may be.
+        answered = {m["tool_call_id"] for m in body["messages"]
+                    if m["role"] == "tool" and not str(m["content"]).startswith("pending")}  # fmt: skip
+        made = {(c["function"]["name"], c["function"]["arguments"]) for m in body["messages"]
+                for c in m.get("tool_calls") or () if c["id"] in answered}  # fmt: skip
+        return None if call is not None and (call[0], json.dumps(call[1])) in made else call
 
     async def _stream_tool_call(self, resp: web.StreamResponse, model: str, name: str, args: dict[str, Any]) -> None:
         def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
@@ -161,7 +171,7 @@ class FakeLlm:
                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
             return f"data: {json.dumps(body)}\n\n".encode()
 
-        arguments = json.dumps(args)
+        arguments = json.dumps(args) if self.raw_arguments is None else self.raw_arguments
         pieces = [arguments[i:i + 5] for i in range(0, len(arguments), 5)]  # the arguments arrive in pieces
         if self.mode == "split_pair":  # an emoji in them, its UTF-16 pair across two chunks
             text = json.dumps(args, ensure_ascii=False)

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,8 +19,10 @@ from aiohttp import web
 from engine.interface import CallSetup, ToolUse
 from engine.link_wire import event_message, parse_event, setup_from_wire
 from knowledge.agents import AgentDirectory, Agents
-from knowledge.backend import BackendConfig, BackendServices
+from knowledge.backend import MAX_TOOL_ROUNDS, TOOL_PENDING, BackendConfig, BackendServices, CallBackend
 from knowledge.llm import MAX_TOOL_ARGUMENTS, LlmClient, LlmConfig, LlmError, ToolCallRequest
+from knowledge.oracle_policy import OraclePolicyConfig
+from knowledge.stt import NullSTT, SttResult
 from knowledge.tools import GOODBYE_LINE, TRANSFER_LINE, CallTools, HttpSession
 from telephony.call_store import CallRecord, MemoryCallStore
 from telephony.sim_caller import simulate_call
@@ -28,6 +32,7 @@ from telephony.twilio_rest import TwilioCredentials, TwilioRest
 from .llm_server import FakeLlm
 from .loopback_http import serve_on_loopback
 from .phone_fixtures import flite_wav, metric, new_call_sid, running_phone, write_agents
+from .polling import until
 from .twilio_rest_server import TwilioRestStandIn, serve_twilio_rest
 
 SALES = "+15550002222"
@@ -59,9 +64,11 @@ class ToolServer:
         self.mode = "ok"
         self.received: list[dict] = []
         self.base_url = ""
+        self.delay_s = 0.0  # before any answer
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.received.append(await request.json())
+        await asyncio.sleep(self.delay_s)
         if self.mode == "fail":
             return web.Response(status=500, text="database down")
         if self.mode == "slow":
@@ -466,3 +473,89 @@ def test_tool_events_and_call_actions_cross_the_engine_link() -> None:
     assert setup_from_wire({"agent": "sales", "forced_delay_ms": 500}) == delayed
     with pytest.raises(ValueError, match="forced_delay_ms"):
         setup_from_wire({"agent": "sales", "forced_delay_ms": "1e9"})
+
+
+FAST_POLICY = OraclePolicyConfig(backoff_initial_s=0.05, backoff_max_s=0.2)
+
+
+@contextlib.asynccontextmanager
+async def _sales_backend(
+    llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path
+) -> AsyncIterator[tuple[CallBackend, list[ToolUse]]]:
+    """One call's back-end with the sales agent's HTTP tool (the ToolServer), the client against FakeLlm."""
+    agent = _agents(tmp_path, tool_server.base_url + "/order-status").agents.get("sales")
+    http = HttpSession()
+    executor = ThreadPoolExecutor(max_workers=1)
+    used: list[ToolUse] = []
+    async with _llm(llm_server) as llm:
+        backend = CallBackend(
+            "CA-tools", stt_factory=NullSTT, llm=llm, executor=executor, on_transcript=lambda *_: None,
+            on_oracle=lambda *_: None, policy=FAST_POLICY, tools=CallTools(agent, (), http), on_tool=used.append,
+        )  # fmt: skip
+        await backend.start()
+        try:
+            yield backend, used
+        finally:
+            await backend.aclose()
+            await http.aclose()
+            executor.shutdown()
+
+
+async def test_a_tool_still_running_is_not_run_again_for_the_callers_next_words(
+    llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path
+) -> None:
+    """KAME drafts again as the caller goes on talking: a draft made before the tool answered did not see it
+    called and called it again (a booking or a refund made twice). The call is in the history at once, its
+    result pending, and a call identical to one under way is not run twice."""
+    tool_server.delay_s = 1.0
+    llm_server.tool_triggers = {"order": ("order_status", {"order_id": "4217"})}
+    async with _sales_backend(llm_server, tool_server, tmp_path) as (backend, used):
+        backend._handle_transcript(SttResult("where is my order", final=False), time.monotonic())
+        await until(lambda: tool_server.received, within=10)
+        # More words while it runs: a new draft, whose model (as models do) asks for what it sees pending again.
+        backend._handle_transcript(SttResult("where is my order four two one", final=False), time.monotonic())
+        await until(lambda: len(llm_server.requests) == 2, within=10)
+        backend._handle_transcript(SttResult("where is my order four two one seven", final=True), time.monotonic())
+        await until(lambda: used and llm_server.requests[-1]["messages"][-1]["role"] == "tool", within=10)
+        await asyncio.sleep(0.3)
+    assert tool_server.received == [{"order_id": "4217"}]
+    assert [(u.name, u.outcome) for u in used] == [("order_status", "ok")]
+    # The drafts made while it ran saw the call, its result pending; the one after it, the answer, after the
+    # caller's words (the final goes before a call made while they were still talking).
+    tool_messages = [[m["content"] for m in r["messages"] if m["role"] == "tool"] for r in llm_server.requests]
+    assert tool_messages[0] == [] and tool_messages[1] == [TOOL_PENDING]
+    assert "shipped on Monday" in tool_messages[-1][0]
+    assert [m["role"] for m in llm_server.requests[-1]["messages"]][-3:] == ["user", "assistant", "tool"]
+
+
+async def test_arguments_that_are_not_json_go_into_the_history_as_an_empty_object(
+    llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path
+) -> None:
+    """A tool call cut off mid-arguments (max_tokens): vLLM parses every history call's arguments and refused
+    every later request of the call. The history says {}; the record keeps what the model sent."""
+    llm_server.tool_triggers = {"order": ("order_status", {})}
+    llm_server.raw_arguments = '{"order_id": "42'
+    async with _sales_backend(llm_server, tool_server, tmp_path) as (backend, used):
+        backend._handle_transcript(SttResult("where is my order", final=True), time.monotonic())
+        await until(lambda: any(r["messages"][-1]["role"] == "tool" for r in llm_server.requests), within=10)
+    asked = next(r for r in llm_server.requests if r["messages"][-1]["role"] == "tool")["messages"][-2]
+    (call,) = asked["tool_calls"]
+    assert call["function"]["arguments"] == "{}"
+    assert [(u.name, u.arguments, u.outcome) for u in used] == [("order_status", '{"order_id": "42', "bad_arguments")]
+    assert tool_server.received == []
+
+
+async def test_a_model_that_keeps_calling_tools_stops_at_the_rounds_cap(
+    llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path
+) -> None:
+    """After MAX_TOOL_ROUNDS answers the tools are no longer offered; a model calling them anyway chained
+    requests without end while the caller was silent (763 in a second, in the review). Its calls are dropped."""
+    llm_server.tool_triggers = {"order": ("order_status", {"order_id": "1"})}
+    llm_server.loop_tools = True
+    async with _sales_backend(llm_server, tool_server, tmp_path) as (backend, _used):
+        backend._handle_transcript(SttResult("where is my order", final=True), time.monotonic())
+        await until(lambda: len(llm_server.requests) > MAX_TOOL_ROUNDS, within=10)
+        await asyncio.sleep(1.0)
+    assert len(tool_server.received) == MAX_TOOL_ROUNDS
+    assert len(llm_server.requests) == MAX_TOOL_ROUNDS + 1  # the last offered none, and its call was dropped
+    assert "tools" not in llm_server.requests[-1]
