@@ -449,6 +449,7 @@ class FrameLoop:
         with self._lock:
             self._closed = True
         self._ticker.stop()
+        metrics.ENGINE_SLOTS.set(0)  # no seats once stopped
 
     def _record_timing(self, elapsed: float, late: bool) -> None:
         if not self._idle:

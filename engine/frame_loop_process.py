@@ -105,7 +105,9 @@ class FrameLoopProcess:
         self.audio_shed = 0  # caller frames never sent because the child was that far behind
         self._max_audio_queued = 8 * spec.max_calls  # ~640 ms of every call's audio
         self._sender: threading.Thread | None = None
-        metrics.ENGINE_SLOTS.set(self.max_calls)
+        # kame_engine_slots stays 0 until the child is ready (and again once it is gone): a loading or dead
+        # engine's seats are not seats (capacity alerts and the free-slots panel counted them).
+        metrics.ENGINE_SLOTS.set(0)
 
     # ---- lifecycle (blocking: call from a thread) ----
 
@@ -142,6 +144,7 @@ class FrameLoopProcess:
         self.sampling, self.memory = rest
         publish_memory(self.memory)
         self.alive = True
+        metrics.ENGINE_SLOTS.set(self.max_calls)
         self._reader = threading.Thread(target=self._read_forever, name="kame-engine-reader", daemon=True)
         self._reader.start()
         self._sender = threading.Thread(target=self._send_forever, name="kame-engine-sender", daemon=True)
@@ -269,6 +272,7 @@ class FrameLoopProcess:
             except Exception:  # a broken consumer must not stop the pipe
                 log.exception("engine process message %r could not be handled", kind)
         self.alive = False
+        metrics.ENGINE_SLOTS.set(0)
         if not self._closed:
             if self._process is not None:
                 self._process.join(1)

@@ -19,7 +19,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
-_LAST_SPACE = re.compile(r"\s(?=\S*$)")  # the whitespace right before the draft's last word
+# The space right before the draft's last word. A plain space only: Python's \s also matches characters
+# SentencePiece deletes or keeps inside a word (\x0b, \x1c-\x1f, \x85), and a "word" ended by one was fed,
+# then re-tokenized with what followed (two tokenizations of one word). Other whitespace only holds a word
+# back until the next space or the stream's end.
+_LAST_SPACE = re.compile(r" (?=[^ ]*$)")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 

@@ -54,7 +54,7 @@ class BackendProvider(Protocol):
         self,
         call_id: str,
         on_transcript: Callable[[str, bool, float], None],  # text, final, at (monotonic)
-        on_oracle: Callable[[str, float, int, bool], None],  # whole draft text, triggered_at, candidate id, complete
+        on_oracle: Callable[[str, float | None, int, bool], None],  # draft text, triggered_at, candidate id, complete
         on_error: Callable[[str, str], None],  # kind, detail
         setup: CallSetup | None = None,
         on_tool: Callable[[ToolUse], None] | None = None,  # the agent's tool calls, for the edge
@@ -116,7 +116,7 @@ class LocalCallSession:
         self._engine.frame_loop.caller_turn(self.row, self.call_id, speaking=not final)
         self._put(CallerTranscript(text=text, final=final, at=at))
 
-    def _on_oracle(self, text: str, triggered_at: float, candidate_id: int, complete: bool) -> None:
+    def _on_oracle(self, text: str, triggered_at: float | None, candidate_id: int, complete: bool) -> None:
         if self._closed:
             return
         self._engine.frame_loop.set_oracle(self.row, self.call_id, candidate_id, text, triggered_at, complete=complete)

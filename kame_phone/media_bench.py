@@ -121,6 +121,7 @@ class LoopbackEngine:
         self.frames_emitted = 0
         self.backlog_max = 0  # deepest the tick queue got (1 = the fan-out keeps up)
         self._frames: asyncio.Queue[BotFrames | None] = asyncio.Queue()
+        self.open_delay_s = 0.0  # seating a call takes this long (a remote engine across a slow link)
 
     @property
     def max_calls(self) -> int:
@@ -139,6 +140,8 @@ class LoopbackEngine:
         return False
 
     async def open_call(self, call_id: str, setup: object = None) -> LoopbackSession:
+        if self.open_delay_s:
+            await asyncio.sleep(self.open_delay_s)
         if self._stopped:
             raise EngineClosed("loopback engine stopped")
         if len(self._sessions) >= self._max_calls:

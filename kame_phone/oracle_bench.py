@@ -126,8 +126,9 @@ class _Provider:
         self._rng = random.Random(seed)
 
     def open_call(self, call_id, on_transcript, on_oracle, on_error, setup=None, on_tool=None):  # type: ignore[no-untyped-def]
-        def tapped(text: str, triggered_at: float, candidate_id: int, complete: bool) -> None:
-            self.first_draft.setdefault((call_id, candidate_id), (triggered_at, time.monotonic()))
+        def tapped(text: str, triggered_at: float | None, candidate_id: int, complete: bool) -> None:
+            if triggered_at is not None:  # None: a line no request made (none here: no greeting, no tools)
+                self.first_draft.setdefault((call_id, candidate_id), (triggered_at, time.monotonic()))
             on_oracle(text, triggered_at, candidate_id, complete)
 
         caller = functools.partial(

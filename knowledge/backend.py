@@ -47,7 +47,9 @@ T = TypeVar("T")
 
 TranscriptCallback = Callable[[str, bool, float], None]  # (text, final, at)
 DRAFT_UPDATE_INTERVAL_S = 0.08  # a growing draft reaches the engine at most once per frame
-OracleCallback = Callable[[str, float, int, bool], None]  # (draft text, triggered_at, candidate_id, complete)
+# (draft text, triggered_at, candidate_id, complete). triggered_at: when the transcript update behind the LLM
+# request came (the oracle lag's start); None for a line no request made (the greeting, a call action's line).
+OracleCallback = Callable[[str, float | None, int, bool], None]
 ErrorCallback = Callable[[Literal["stt_error", "llm_error"], str], None]  # (kind, detail)
 ToolCallback = Callable[[ToolUse], None]
 # What a tool call's result reads as in the history until it answers.
@@ -247,7 +249,8 @@ class CallBackend:
             # sees it as the assistant's first turn.
             self._candidate_id += 1
             self.conversation.greet(self._greeting)
-            self._deliver_draft(self._greeting, self._clock(), self._candidate_id, complete=True)
+            # No request behind it: not an oracle lag (a greeting's ~0 s pulled the LLM's figure down).
+            self._deliver_draft(self._greeting, None, self._candidate_id, complete=True)
         self._spawn(self._stt_pump(), "stt")
         if self._audio:  # fed before start()
             self._audio_ready.set()
@@ -317,7 +320,7 @@ class CallBackend:
         return results + stt.flush()
 
     # --- plumbing ----------------------------------------------------------------------------------
-    def _deliver_draft(self, text: str, triggered_at: float, candidate_id: int, complete: bool = False) -> None:
+    def _deliver_draft(self, text: str, triggered_at: float | None, candidate_id: int, complete: bool = False) -> None:
         try:
             self._on_oracle(text, triggered_at, candidate_id, complete)
         except Exception:
@@ -591,7 +594,7 @@ class CallBackend:
             if self._request is not None:
                 self._request.cancel()
             self._candidate_id += 1
-            self._deliver_draft(action.say, now, self._candidate_id, complete=True)
+            self._deliver_draft(action.say, None, self._candidate_id, complete=True)  # no request: no oracle lag
             self._quiet_until = now + ACTION_QUIET_S
             return
         self._tool_rounds += 1

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-from engine.metrics import zero_series
-
-# The same buckets as the oracle lag (engine/metrics.py): the LLM's share of it compares directly.
-_LAG_BUCKETS_MS = (10, 20, 40, 80, 120, 160, 250, 400, 600, 1000, 2000, 5000)
+# The same buckets as the oracle lag: the LLM's share of it compares directly.
+from engine.metrics import LAG_BUCKETS_MS, zero_series
 
 LLM_TTFT_SECONDS = Histogram(
     "kame_llm_ttft_seconds",
     "LLM time to first streamed token.",
-    buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
+    buckets=[b / 1000 for b in LAG_BUCKETS_MS],
 )
 LLM_REQUESTS = Counter("kame_llm_requests_total", "LLM draft requests started.")
 # Every `kind` knowledge/llm.py's ErrorKind can take (tests check the two agree).
@@ -28,7 +26,7 @@ STT_DROPPED_FRAMES = Counter(
 STT_PARTIAL_SECONDS = Histogram(
     "kame_stt_partial_latency_seconds",
     "From the end of a caller frame to the partial transcript that includes it.",
-    buckets=[b / 1000 for b in _LAG_BUCKETS_MS],
+    buckets=[b / 1000 for b in LAG_BUCKETS_MS],
 )
 # An agent's tool calls (knowledge/tools.py). `requested`: a call action handed to the phone edge, which
 # counts what became of it in kame_call_actions_total.

@@ -37,7 +37,7 @@ from . import metrics
 from .framing import InboundFramer
 from .logs import call_id_var
 from .stream_limits import StreamLimits
-from .turns import SILENCE_DBFS, TurnTracker
+from .turns import SILENCE_DBFS, TurnTracker, Unanswered
 from .twilio_messages import (
     BINARY_FRAME,
     DUPLICATE_START,
@@ -360,7 +360,9 @@ class MediaStreamSession:
             self.engine_call.push_audio(frame.pcm)
             metrics.MEDIA_INBOUND_SECONDS.observe(time.monotonic() - frame.last_arrival)
             ended = self.turns.caller_frame(frame.pcm, frame.last_arrival)
-            if ended is not None and ended.overlap:
+            if isinstance(ended, Unanswered):
+                metrics.TURNS_UNANSWERED_SECONDS.observe(ended.waited_s)
+            elif ended is not None and ended.overlap:
                 metrics.TURN_OVERLAPS.inc()
                 metrics.TURN_LATENCY_SECONDS.observe(0.0)
                 self._store_soon(self.ctx.store.add_latency(st.call_sid, "turn", 0.0))
@@ -523,9 +525,12 @@ class MediaStreamSession:
         metrics.MEDIA_OUTBOUND_SECONDS.observe(sent - produced_at)
         st = self.state
         st.frames_sent += 1
-        if not st.first_audio_sent and st.started_at is not None:
+        # The first frame the caller can hear (above the turn threshold): a speech model's rows are "voiced"
+        # within a tick or two whether or not it says anything. From the `start` event as read, before the
+        # seat's claim and the engine's open (a slow Redis or a remote engine is the caller's wait too).
+        if not st.first_audio_sent and st.started_at is not None and level_dbfs > self.turns.threshold_dbfs:
             st.first_audio_sent = True
-            first = sent - st.started_at
+            first = sent - (st.start_received_at if st.start_received_at is not None else st.started_at)
             metrics.FIRST_AUDIO_SECONDS.observe(first)
             self._store_soon(self.ctx.store.add_latency(st.call_sid, "first_audio", first))
         reply = self.turns.bot_level(level_dbfs, sent)
@@ -616,6 +621,8 @@ class MediaStreamSession:
         self._started()  # no longer an unstarted socket, whatever happened
         if self.state.started_at is not None:  # a stream refused before its start has no length
             metrics.CALL_DURATION_SECONDS.observe(time.monotonic() - self.state.started_at)
+            if (left := self.turns.hang_up(time.monotonic())) is not None:  # hung up into the bot's silence
+                metrics.TURNS_UNANSWERED_SECONDS.observe(left.waited_s)
         self.ctx.fanout.forget(self)
         if self.engine_call is not None:
             await self.engine_call.close()

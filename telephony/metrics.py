@@ -8,19 +8,26 @@ from engine.metrics import zero_series
 
 from .twilio_messages import PROTOCOL_ERROR_KINDS
 
-_LATENCY_BUCKETS_MS = (20, 40, 80, 120, 160, 240, 320, 480, 640, 800, 1000, 1500, 2000, 3000, 5000)
+# 1200: the turn-latency alert's threshold is a bucket edge (between 1000 and 1500 its p95 was interpolated).
+_LATENCY_BUCKETS_MS = (20, 40, 80, 120, 160, 240, 320, 480, 640, 800, 1000, 1200, 1500, 2000, 3000, 5000)
 _MEDIA_BUCKETS_MS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 40, 50, 100)
 _CALL_DURATION_BUCKETS_S = (5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 
 FIRST_AUDIO_SECONDS = Histogram(
     "kame_first_audio_seconds",
-    "From the stream's start event to the bot's first voiced audio sent to the carrier.",
+    "From the stream's start event to the bot's first audible audio (above -38 dBFS) sent to the carrier.",
     buckets=[b / 1000 for b in _LATENCY_BUCKETS_MS],
 )
 TURN_LATENCY_SECONDS = Histogram(
     "kame_turn_latency_seconds",
     "From the end of the caller's turn to the bot's next voiced audio.",
     buckets=[b / 1000 for b in _LATENCY_BUCKETS_MS],
+)
+TURNS_UNANSWERED_SECONDS = Histogram(
+    "kame_turn_unanswered_seconds",
+    "Caller turns the bot never answered: from the turn's end to the caller speaking again or hanging up "
+    "(dead air that kame_turn_latency_seconds cannot see).",
+    buckets=(0.8, 1, 1.5, 2, 3, 5, 10, 30, 60),
 )
 TURN_OVERLAPS = Counter(
     "kame_turn_overlaps_total",

@@ -36,6 +36,13 @@ class TurnEnd:
 
 
 @dataclass(frozen=True, slots=True)
+class Unanswered:
+    """A caller turn the bot never answered: the caller spoke again, or hung up, into its silence."""
+
+    waited_s: float  # from the turn's end (the caller's last voice) to then
+
+
+@dataclass(frozen=True, slots=True)
 class BotReply:
     latency_s: float  # from the caller's turn end to this first bot audio
 
@@ -51,12 +58,14 @@ class TurnTracker:
     last_bot_voice: float = 0.0
     waiting_since: float | None = None  # a turn ended and the bot has not answered yet
 
-    def caller_frame(self, pcm: np.ndarray, at: float) -> TurnEnd | None:
+    def caller_frame(self, pcm: np.ndarray, at: float) -> TurnEnd | Unanswered | None:
         if level_dbfs(pcm) > self.threshold_dbfs:
             self.caller_speaking = True
             self.last_caller_voice = at
-            self.waiting_since = None  # the caller is still (or again) talking
-            return None
+            # The caller talks again: a turn still waiting for its answer never got one (the worst dead air
+            # ends this way, or with a hang-up: neither is a turn latency).
+            unanswered = self.hang_up(at)
+            return unanswered
         if self.caller_speaking and at - self.last_caller_voice >= self.caller_hangover_s:
             self.caller_speaking = False
             ended = self.last_caller_voice
@@ -68,6 +77,11 @@ class TurnTracker:
             self.waiting_since = None if overlap else ended
             return TurnEnd(at=ended, overlap=overlap)
         return None
+
+    def hang_up(self, at: float) -> Unanswered | None:
+        """The turn waiting for an answer, if any, is over unanswered at `at` (the caller spoke, or left)."""
+        since, self.waiting_since = self.waiting_since, None
+        return None if since is None else Unanswered(max(0.0, at - since))
 
     def bot_level(self, level: float, at: float) -> BotReply | None:
         """A bot frame of this level (dBFS) was sent at `at` (the fan-out measures a whole tick's levels)."""

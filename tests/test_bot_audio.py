@@ -34,6 +34,7 @@ from telephony.twilio_messages import MediaMessageTemplate, media_message
 from telephony.twiml import parse_connect_stream
 
 from .phone_fixtures import dominant_hz, metric
+from .polling import until
 
 
 def test_bank_equals_one_downsampler_per_stream_as_calls_come_and_go() -> None:
@@ -137,6 +138,38 @@ async def test_every_call_hears_its_own_row_of_the_tick(tmp_path: Path) -> None:
     assert len(set(ticks.values())) == 1, ticks
     # ~3.5 s of audio each, ~44 ticks that all three calls share (once per call would be ~130)
     assert 30 <= ticks["send"] <= 60, ticks
+
+
+@pytest.mark.parametrize(("seat_s", "silent_s"), [(0.5, 0.0), (0.0, 1.5)])
+async def test_first_audio_is_what_the_caller_can_hear_from_the_start_event(seat_s: float, silent_s: float) -> None:
+    """kame_first_audio_seconds and the record's first_audio_s: from the `start` event as read (seating the call
+    is the caller's wait too: a slow Redis, a remote engine) to the first frame above the turn threshold. The
+    echo of a silent caller is "voiced" from its first tick; counted then, the figure read ~0.1 s while the
+    caller heard nothing, and a seat's time was left out."""
+    engine = LoopbackEngine(max_calls=2)
+    engine.open_delay_s = seat_s
+    token = "t" * 32
+    store = MemoryCallStore()
+    handle = await ServiceHandle(ServerContext(ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token),
+                                               store, engine)).start()  # fmt: skip
+    t = np.arange(3 * 8000) / 8000
+    caller = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    caller[: int(silent_s * 8000)] = 0.0
+    count, total = metric("kame_first_audio_seconds_count"), metric("kame_first_audio_seconds_sum")
+    try:
+        report = await simulate_call(handle.http_url.replace("http://", "ws://") + MEDIA_PATH, caller,
+                                     auth_token=token, public_url=None, hold_after=0.5)  # fmt: skip
+        await until(lambda: metric("kame_first_audio_seconds_count") == count + 1, within=5)
+        record = await store.get(report.call_sid)
+    finally:
+        await engine.stop()
+        await handle.aclose()
+    assert report.outcome == "completed", report.errors
+    first = metric("kame_first_audio_seconds_sum") - total
+    expected = seat_s + silent_s  # and an echo's tick or two
+    assert expected <= first <= expected + 0.5, first
+    assert report.first_audio_latency_s is not None and abs(report.first_audio_latency_s - first) < 0.3
+    assert record is not None and record.first_audio_s == pytest.approx(first)
 
 
 @dataclass

@@ -206,13 +206,17 @@ async def test_sigterm_while_the_engine_process_loads_gives_up_the_load(tiny_che
     the orchestrator's grace) before it could exit. The engine process is now killed and serve exits."""
     log_path = tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KAME_", "TWILIO_", "PUBLIC_URL", "REDIS_"))}
+    metrics_port = free_port()
     argv = [sys.executable, "-m", "kame_phone.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
-            "--metrics-port", str(free_port()), "--insecure-dev", "--checkpoint", str(tiny_checkpoint),
+            "--metrics-port", str(metrics_port), "--insecure-dev", "--checkpoint", str(tiny_checkpoint),
             "--engine-process", "--stt", "none", "--llm", "none"]  # fmt: skip
     with log_path.open("wb") as out:
         proc = await asyncio.create_subprocess_exec(*argv, cwd=ROOT, env=env, stdout=out, stderr=out)
     try:
         await until(lambda: "listening on" in log_path.read_text(), "serve to listen (the load starts)", 60)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+                scraped = await r.text()
         proc.send_signal(signal.SIGTERM)
         code = await asyncio.wait_for(proc.wait(), 60)
     finally:
@@ -223,6 +227,8 @@ async def test_sigterm_while_the_engine_process_loads_gives_up_the_load(tiny_che
     assert code == 0, text[-3000:]
     assert "stopped" in text
     assert re.search(r"engine process \d+ ready", text) is None, text[-3000:]  # killed before it was up
+    # A loading engine offers no seats (its --max-calls counted as free ones on the capacity panel and alerts).
+    assert re.search(r"^kame_engine_slots 0\.0$", scraped, re.M), scraped[:2000]
 
 
 async def test_a_hung_tick_turns_the_engine_not_ready_then_fails_liveness(
@@ -279,6 +285,7 @@ async def test_a_dead_engine_process_ends_its_calls_and_fails_liveness(tiny_chec
             15,
         )
         await killer
+        await until(lambda: metric("kame_engine_slots") == 0, "a dead engine to offer no seats", 5)
         async with aiohttp.ClientSession() as http:
             async with http.get(handle.http_url + "/healthz") as r:
                 health = r.status

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from kame_phone.media_bench import _phase_quantiles, _Snapshot, bucket_quantile, run_media_bench, share_within
@@ -77,6 +78,39 @@ def test_bucket_quantile_interpolates_inside_buckets() -> None:
     assert bucket_quantile(before, after, 0.995) == pytest.approx(0.005)  # past the last bound: the bound
     assert bucket_quantile(before, before, 0.5) is None
     assert share_within(before, after, 0.005) == pytest.approx(0.99)
+
+
+def _histogram_quantile(buckets_s: list[float], samples: np.ndarray, q: float) -> float | None:
+    """What Prometheus' histogram_quantile reads for `samples` observed into a histogram of these buckets."""
+    edges = [*buckets_s, math.inf]
+    cumulative = [(le, float(np.count_nonzero(samples <= le))) for le in edges]
+    return bucket_quantile([(le, 0.0) for le in edges], cumulative, q)
+
+
+@pytest.mark.parametrize("centre_ms", [200, 320, 375, 450, 550, 700])
+def test_the_oracle_lag_buckets_resolve_an_llms_time_to_first_token(centre_ms: int) -> None:
+    """The oracle lag is bench node's headline figure and a dashboard panel: with buckets at 250/400/600 ms its
+    p95/p99 were the layout's (off by 130-310 ms for lags around 375 or 550 ms). Lags spread around an LLM's
+    time to first token read within 50 ms now."""
+    from engine.metrics import LAG_BUCKETS_MS
+
+    rng = np.random.default_rng(centre_ms)
+    lags = centre_ms * np.exp(rng.normal(0.0, 0.08, 2000)) / 1000
+    for q in (0.5, 0.95, 0.99):
+        got = _histogram_quantile([b / 1000 for b in LAG_BUCKETS_MS], lags, q)
+        assert got is not None and abs(got - float(np.quantile(lags, q))) < 0.05, (q, got)
+
+
+def test_the_turn_latency_alerts_threshold_is_a_bucket_edge() -> None:
+    """KameTurnLatencyP95High fires above 1.2 s: turns at 1.0-1.19 s read as p95 1.22 s (a false page) when
+    1.2 s was not a bucket edge. None above it now reads none above it."""
+    from telephony.metrics import TURN_LATENCY_SECONDS
+
+    buckets = [float(s.labels["le"]) for s in next(iter(TURN_LATENCY_SECONDS.collect())).samples
+               if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"]  # fmt: skip
+    turns = np.concatenate([np.full(910, 0.5), np.linspace(1.0, 1.19, 90)])
+    got = _histogram_quantile(buckets, turns, 0.95)
+    assert got is not None and got <= 1.2
 
 
 def test_a_fanout_phase_first_seen_inside_the_window_counts_from_zero() -> None:

@@ -439,6 +439,29 @@ ALERT_SCENARIOS = [
     ),
     pytest.param(
         [
+            # a: 60 answered turns a minute and 10 unanswered, 8 of them after over 3 s of dead air (11 %):
+            # fires. b: as many unanswered, all under 3 s (a caller's pause that the bot rightly waited out).
+            *_histogram("kame_turn_latency_seconds", "a", {"1": 60, "+Inf": 60}),
+            *_histogram("kame_turn_unanswered_seconds", "a", {"3.0": 2, "+Inf": 10}),
+            *_histogram("kame_turn_latency_seconds", "b", {"1": 60, "+Inf": 60}),
+            *_histogram("kame_turn_unanswered_seconds", "b", {"3.0": 10, "+Inf": 10}),
+        ],
+        [_alerts("KameDeadAir", {"instance": "a", "severity": "warning"})],
+        id="dead-air",
+    ),
+    pytest.param(
+        [
+            # a: its engine has been falling behind for 15 m (refusing calls). b: keeping time. c: behind for
+            # a moment at 14 m, back in time since: not for a minute, no alert.
+            _series("kame_engine_falling_behind", {"instance": "a"}, "1x30"),
+            _series("kame_engine_falling_behind", {"instance": "b"}, "0x30"),
+            _series("kame_engine_falling_behind", {"instance": "c"}, "0x14 1 0x15"),
+        ],
+        [_alerts("KameNodeSheddingCalls", {"instance": "a", "severity": "warning"})],
+        id="node-shedding-calls",
+    ),
+    pytest.param(
+        [
             # a: 1 late tick/s and p99 ~79.9 ms. b: healthy.
             _series("kame_engine_deadline_misses_total", {"instance": "a"}, "0+60x30"),
             _series("kame_engine_deadline_misses_total", {"instance": "b"}, "0+0x30"),

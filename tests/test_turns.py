@@ -14,7 +14,7 @@ from telephony.call_store import MemoryCallStore
 from telephony.config import ServiceConfig
 from telephony.server import MEDIA_PATH, ServerContext, ServiceHandle
 from telephony.sim_caller import simulate_call
-from telephony.turns import SILENCE_DBFS, TurnTracker
+from telephony.turns import SILENCE_DBFS, TurnTracker, Unanswered
 
 from .link_fixtures import TOKEN, tone
 from .phone_fixtures import metric
@@ -129,3 +129,31 @@ async def test_the_turn_latency_of_a_call_is_the_reply_the_caller_heard() -> Non
     assert record is not None
     assert len(record.turn_latencies_s) == 1 and 0.1 < record.turn_latencies_s[0] < 0.45, record.turn_latencies_s
     assert metric("kame_turn_overlaps_total") == overlaps
+
+
+def test_a_turn_the_bot_never_answers_is_counted_when_the_caller_speaks_again_or_hangs_up() -> None:
+    """Dead air was invisible: a turn left unanswered was dropped when the caller said "hello?" (or gave up),
+    so the turn-latency alerts saw only the turns the bot did answer."""
+    turns = TurnTracker()
+    got = []
+    for k in range(100):  # the caller speaks 0-1 s, waits 4 s in silence, then speaks again
+        t = k * FRAME_S
+        out = turns.caller_frame(LOUD if t < 1.0 or t >= 5.0 else QUIET, t)
+        if isinstance(out, Unanswered):
+            got.append(out.waited_s)
+    assert len(got) == 1 and abs(got[0] - 4.04) < 0.1, got  # from the last voiced frame (0.96 s) to 5.0 s
+    assert turns.hang_up(9.0) is None  # still talking: nothing is waiting
+
+    turns = TurnTracker()
+    for k in range(30):  # speaks to 1 s, and hangs up at 2.4 s with no answer
+        turns.caller_frame(LOUD if k * FRAME_S < 1.0 else QUIET, k * FRAME_S)
+    left = turns.hang_up(2.4)
+    assert left is not None and abs(left.waited_s - 1.44) < 0.01
+
+    answered = TurnTracker()
+    for k in range(30):
+        t = k * FRAME_S
+        answered.caller_frame(LOUD if t < 1.0 else QUIET, t)
+        if t >= 1.8:
+            answered.bot_level(-10.0, t)
+    assert answered.hang_up(2.4) is None  # answered: a turn latency, not dead air
