@@ -144,6 +144,11 @@ class CallSession(Protocol):
         """Leave the engine. Idempotent."""
         ...
 
+    def action_failed(self, action: CallAction, result: str) -> None:
+        """The edge could not carry out a call action the back-end asked for (`result`: error, unavailable):
+        the back-end tells its LLM, which may speak again. Never blocks."""
+        ...
+
 
 @runtime_checkable
 class Engine(Protocol):

@@ -19,11 +19,13 @@ import ssl
 import struct
 import time
 from dataclasses import dataclass, field
+from typing import get_args
 
 from . import metrics
 from .interface import (
     LAST_WORDS_WAIT_S,
     BotFrames,
+    CallAction,
     CallerTranscript,
     CallSession,
     CallSetup,
@@ -179,6 +181,13 @@ class EngineServer:
                     call_id, setup = str(opened["call_id"]), setup_from_wire(opened.get("setup"))
                     if call_id not in edge.opening:
                         edge.opening[call_id] = asyncio.create_task(self._on_open(edge, call_id, setup))
+                elif kind == b"X":  # a call action the edge could not carry out: its back-end is told
+                    failed = json.loads(bytes(body))
+                    action, result = str(failed["action"]), str(failed["result"])[:32]
+                    if action not in get_args(CallAction):
+                        raise LinkError(f"unknown call action {action!r}")
+                    if (session := edge.calls.get(str(failed["call_id"]))) is not None:
+                        session.action_failed(action, result)  # type: ignore[arg-type]
                 elif kind == b"C":
                     call_id = str(json.loads(bytes(body))["call_id"])
                     closing = asyncio.create_task(self._close_when_seated(edge, call_id))

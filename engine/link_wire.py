@@ -54,7 +54,8 @@ _U16 = struct.Struct(">H")
 MAX_MESSAGE_BYTES = 32 << 20  # a tick of 256 calls is 2 MB; anything far larger is a broken peer
 # 2: hello/welcome carry "version"; call ids are per edge. A v1 peer sends no version and is refused.
 # 3: a call's setup carries the actions the edge can carry out; "tool" events (the agent's tool calls).
-PROTOCOL_VERSION = 3
+# 4: "X": a call action the edge could not carry out, for the call's back-end.
+PROTOCOL_VERSION = 4
 _PCM = np.dtype("<i2")
 _FRAME_BYTES = FRAME_SAMPLES * _PCM.itemsize
 SOCKET_BUFFER_BYTES = 1 << 20  # a whole tick in one send where the kernel allows (it caps at wmem_max)

@@ -32,6 +32,7 @@ from . import metrics
 from .interface import (
     LAST_WORDS_WAIT_S,
     BotFrames,
+    CallAction,
     CallSetup,
     EngineClosed,
     EngineError,
@@ -88,6 +89,10 @@ class RemoteCallSession:
     async def outputs(self) -> AsyncIterator[EngineOutput]:
         while (item := await self._events.get()) is not None:
             yield item
+
+    def action_failed(self, action: CallAction, result: str) -> None:
+        if not self.closed:
+            self.engine._send_action_failed(self.call_id, action, result)
 
     async def close(self) -> None:
         """No more audio; `outputs()` ends once the engine has sent what the call says as it closes (the
@@ -257,6 +262,10 @@ class RemoteEngine:
             metrics.ENGINE_LINK_DROPPED.labels(what="caller_audio").inc()
             return
         writer.write(audio_message(call_id, pcm))
+
+    def _send_action_failed(self, call_id: str, action: CallAction, result: str) -> None:
+        if self._writer is not None and not self._failed and call_id in self._calls:
+            self._writer.write(json_message(b"X", {"call_id": call_id, "action": action, "result": result}))
 
     def _hang_up(self, session: RemoteCallSession) -> None:
         if self._calls.get(session.call_id) is not session or self._writer is None or self._failed:

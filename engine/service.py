@@ -24,6 +24,7 @@ from .frame_loop import BEHIND_LATE_SHARE, BEHIND_WINDOW_S, HUNG_S, STALLED_S, F
 from .frame_loop_process import ChildSpec, FrameLoopProcess
 from .interface import (
     BotFrames,
+    CallAction,
     CallerTranscript,
     CallSetup,
     EngineClosed,
@@ -43,6 +44,7 @@ class CallBackendHooks(Protocol):
 
     def feed_audio(self, pcm24k: np.ndarray) -> None: ...
     def feed_bot_text(self, piece: str) -> None: ...
+    def action_failed(self, action: CallAction, result: str) -> None: ...
     async def start(self) -> None: ...
     async def aclose(self) -> None: ...
 
@@ -140,6 +142,10 @@ class LocalCallSession:
         self._engine.frame_loop.push_audio(self.row, self.call_id, pcm)
         if self.backend is not None:
             self.backend.feed_audio(pcm)
+
+    def action_failed(self, action: CallAction, result: str) -> None:
+        if not self._closed and self.backend is not None:
+            self.backend.action_failed(action, result)
 
     async def outputs(self) -> AsyncIterator[EngineOutput]:
         while True:

@@ -87,6 +87,7 @@ class LoopbackSession:
         # the caller process's send/receive times (CLOCK_MONOTONIC is one clock for the whole machine)
         self.pushed_at: list[float] = []
         self.produced_at: list[float] = []
+        self.actions_failed: list[tuple[str, str]] = []
 
     def push_audio(self, pcm: np.ndarray) -> None:
         self.pushed_at.append(time.monotonic())
@@ -95,6 +96,9 @@ class LoopbackSession:
     async def outputs(self) -> AsyncIterator[EngineOutput]:
         while (item := await self._queue.get()) is not None:  # no events: the loopback has no back-end
             yield item
+
+    def action_failed(self, action: str, result: str) -> None:
+        self.actions_failed.append((action, result))  # no back-end to tell: kept, for the link's tests
 
     async def close(self) -> None:
         if self._closed:

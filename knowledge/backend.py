@@ -223,6 +223,9 @@ class CallBackend:
         self._on_tool = on_tool
         self._tool_rounds = 0  # tool answers since the caller last finished speaking
         self._tools_running: set[tuple[str, str]] = set()  # (name, arguments) of the tool calls under way
+        # The exchange holding the last call action the LLM asked for, and its result's index: the edge may
+        # report it failed.
+        self._action_exchange: tuple[ToolExchange, int] | None = None
         self._quiet_until = 0.0  # no new LLM request before (a call action is under way)
         self.policy = OraclePolicy(policy)
         self._audio: deque[tuple[np.ndarray, float]] = deque()  # (frame, enqueued at)
@@ -558,6 +561,26 @@ class CallBackend:
                 self._spawn(self._run_tools(calls), "tools")
 
     # --- tools -------------------------------------------------------------------------------------
+    def action_failed(self, action: str, result: str) -> None:
+        """The edge could not carry out the call action this call's LLM asked for (Twilio refused or did not
+        answer): the caller heard "connecting you" and is still here. The history says it failed, the
+        action's quiet window ends, and the LLM is asked again: it can tell the caller, not go quiet for
+        15 s believing the call was handed on."""
+        if self._closed:
+            return
+        what = "transfer to a person" if action == "transfer" else "hang-up"
+        log.info("call %s: the %s failed at the phone edge (%s); the LLM is told", self.call_id, what, result)
+        if self._action_exchange is not None:
+            exchange, index = self._action_exchange
+            self._action_exchange = None
+            call_id, _ = exchange.results[index]
+            exchange.results[index] = (call_id, f"failed: the {what} could not be made ({result}); the caller is "
+                                                "still on the line: tell them")
+        self._quiet_until = 0.0
+        if self._llm is not None:
+            self._start_request(TriggerReason.TOOL_RESULT, self._clock())
+
+
     async def _run_tools(self, calls: list[ToolCallRequest]) -> None:
         assert self._tools is not None
         tools = self._tools
@@ -590,6 +613,7 @@ class CallBackend:
         action = next((r for r in results if r.action is not None), None)
         now = self._clock()
         if action is not None:
+            self._action_exchange = (exchange, results.index(action))
             # The action's line is the newest candidate: said at once, and left alone while the edge acts.
             if self._request is not None:
                 self._request.cancel()

@@ -401,6 +401,9 @@ class MediaStreamSession:
     async def _act_after_line(self, use: ToolUse, action: CallAction) -> None:
         await self._line_played(use.say)
         result = await self._act(action, "tool") if self.playing else "cancelled"  # the caller hung up first
+        if result in ("error", "unavailable") and self.engine_call is not None and not self._ended:
+            # The caller heard the action's line and is still here: the back-end's LLM is told, and speaks.
+            self.engine_call.action_failed(action, result)
         assert self.state.call_sid is not None
         await self.ctx.store.append_tool(self.state.call_sid, use.name, use.arguments, result)
 

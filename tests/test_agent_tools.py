@@ -112,11 +112,13 @@ def _tool_names(request: dict) -> set[str]:
 
 
 async def _call_with_rest(
-    tiny_checkpoint: Path, llm: FakeLlm, directory: AgentDirectory, wav: Path, hold_after: float
+    tiny_checkpoint: Path, llm: FakeLlm, directory: AgentDirectory, wav: Path, hold_after: float,
+    secret: str = "rest-secret",
 ) -> tuple:
-    """One call to the sales number with Twilio REST credentials (against the stand-in)."""
+    """One call to the sales number with Twilio REST credentials (against the stand-in; `secret` other than
+    "rest-secret": credentials Twilio refuses)."""
     async with serve_twilio_rest(ACCOUNT, ACCOUNT, "rest-secret") as twilio:
-        rest = TwilioRest(TwilioCredentials(ACCOUNT, ACCOUNT, "rest-secret", twilio.base_url))
+        rest = TwilioRest(TwilioCredentials(ACCOUNT, ACCOUNT, secret, twilio.base_url))
         sid = new_call_sid()
         try:
             backend = await _backend(llm, directory)
@@ -178,6 +180,29 @@ async def test_a_caller_who_asks_for_a_person_is_transferred_after_the_bots_line
     assert _tool_names(llm_server.requests[0]) == {"transfer_call", "end_call", "order_status"}
     assert metric("kame_tool_calls_total", tool="transfer_call", outcome="requested") == requested + 1
     assert metric("kame_call_actions_total", action="transfer", trigger="tool", result="ok") == done + 1
+
+
+async def test_a_transfer_twilio_refuses_is_told_to_the_llm_which_speaks_again(
+    tiny_checkpoint: Path, llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path
+) -> None:
+    """The caller heard "connecting you" and Twilio refused the transfer: the LLM was told "done", and went
+    quiet for the action's 15 s window believing the call handed on. The edge tells the back-end now: the
+    tool's result in the history says it failed, and a request comes at once, whose answer the caller hears."""
+    directory = _agents(tmp_path, tool_server.base_url + "/order-status")
+    llm_server.tool_triggers = {"person": ("transfer_call", {})}
+    wav = flite_wav("I would like to talk to a person please.", tmp_path / "person.wav")
+    sid, report, record, twilio = await _call_with_rest(tiny_checkpoint, llm_server, directory, wav, hold_after=7.0,
+                                                        secret="wrong")  # fmt: skip
+    assert report.outcome == "completed", report.errors
+    assert twilio.refused == 1 and not twilio.updates
+    assert record is not None and record.end_reason == "completed"
+    assert [(t.name, t.outcome) for t in record.tools] == [("transfer_call", "error")]
+    told = [r for r in llm_server.requests
+            if any(m["role"] == "tool" and m["content"].startswith("failed: the transfer") for m in r["messages"])]
+    assert told, [m for r in llm_server.requests for m in r["messages"] if m["role"] == "tool"]
+    # Its answer became the newest oracle after the line: the caller heard more than "connecting you".
+    line_at = next(o.at for o in record.oracle if o.text == TRANSFER_LINE)
+    assert any(o.at > line_at and o.text != TRANSFER_LINE for o in record.oracle), record.oracle
 
 
 async def test_end_call_completes_the_call_after_the_goodbye_has_played(

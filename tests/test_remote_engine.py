@@ -163,6 +163,33 @@ async def test_a_long_sip_caller_id_is_cut_not_allowed_to_fail_the_edge(engine_s
     assert froms == sorted([sip[:100], "+15005550006"])
 
 
+async def test_a_call_action_that_failed_at_the_edge_reaches_the_calls_engine_and_a_bad_one_drops_the_peer(
+    engine_server,
+) -> None:
+    """A transfer Twilio refused: the edge tells the call's back-end, on the engine's side of the link. An
+    action the link does not know is a broken peer (dropped), as any malformed message is."""
+    server, address = await engine_server(2)
+    edge = await RemoteEngine.connect(address, token=None, seats=1)
+    bad_message = metric("kame_engine_link_errors_total", kind="bad_message")
+    try:
+        call = await edge.open_call("CA-act")
+        call.action_failed("transfer", "error")
+        (seated,) = server.engine.timelines.values()  # under the engine's own name for the call (ids are per edge)
+        await until(lambda: seated.actions_failed == [("transfer", "error")], within=5)
+        reader, writer = await asyncio.open_unix_connection(address.unix_path)
+        hello = b'{"version":%d,"token":"","seats":1,"name":"junk"}' % PROTOCOL_VERSION
+        writer.write(_link_message(b"H", hello))
+        await _read_link_message(reader)  # welcome
+        writer.write(_link_message(b"X", b'{"call_id":"CA-act","action":"rm -rf","result":"error"}'))
+        await writer.drain()
+        assert await reader.read() == b""  # the server hung up on it
+        assert metric("kame_engine_link_errors_total", kind="bad_message") == bad_message + 1
+        assert seated.actions_failed == [("transfer", "error")]  # nothing of its
+        assert edge.ready and not edge.failed
+    finally:
+        await edge.stop()
+
+
 async def test_seats_are_granted_once_and_refusals_say_why(tmp_path: Path, engine_server) -> None:
     _, address = await engine_server(3, tcp=True, token=TOKEN)
     bad_token = metric("kame_engine_link_errors_total", kind="bad_token")
