@@ -169,6 +169,11 @@ def _bench(args: argparse.Namespace) -> int:
                                             serve_log=Path(args.json).with_suffix(".serve.log") if args.json else None))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        if result["not_served"]:  # the figures are not at --calls calls: no fleet is sized with them
+            ended = ", ".join(f"{o} {n}" for o, n in sorted(result["outcome_counts"].items()) if o != "completed")
+            print(f"kame-phone bench node: {result['not_served']} of {result['calls']} calls not served ({ended}); "
+                  f"the figures are not at {result['calls']} calls", file=sys.stderr)
+            return 3
         return 0
     from .media_bench import run_media_bench
 
@@ -331,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="node bench: the callers' WAVs (q0.wav ...), used if there, else spoken with flite and "
                             "kept there (make them where flite is, carry them to a GPU box)")
     bench.add_argument("--json", default=None, help="also write the figures here (node bench: and the service's "
-                                                     "log beside them, .serve.log)")
+                                                     "log beside them, .serve.log; written even when it exits 3 "
+                                                     "because a call was not served)")
     bench.set_defaults(func=_bench)
 
     twilio = sub.add_parser("twilio", help="set up a Twilio number to call this service")

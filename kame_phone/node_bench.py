@@ -5,11 +5,16 @@
 Starts `kame-phone serve` in its own process with its defaults (the STT, engine layout and flags an
 operator gets; `--serve-arg` adds flags), the tiny checkpoint unless `--checkpoint` names another, and a
 local OpenAI-compatible LLM with a fixed TTFT (a process of its own, `--llm-ttft-ms`). N simulated Twilio
-callers in this process dial within 2 s, each says a flite question and holds the line. Reported per call: the
-share of real time its bot audio kept (received / call length; 1.0 = every 80 ms frame in time), first
-audio and turn latency; from the service's own /metrics (its metrics listener): engine tick p50/p99,
-deadline misses, input overruns, STT dropped frames and errors, oracle lag; and /readyz as sampled every
-0.5 s during the calls.
+callers in this process dial within 2 s, each says a flite question and holds the line. Reported: how many
+calls were served (outcome "completed") and how the others ended; per served call the share of real time its
+bot audio kept (received / call length; 1.0 = every 80 ms frame in time); from the service's own /metrics (its
+metrics listener), as the dashboard's histogram_quantile reads them (the buckets' deltas over the run,
+interpolated inside a bucket, boundaries as scraped): first audio and turn latency p50/p95/p99
+(kame_first_audio_seconds, kame_turn_latency_seconds), engine tick p50/p99, oracle lag p50/p99, and deadline
+misses, input overruns, STT dropped frames and errors; beside them the callers' own timings
+(`first_audio_heard`, `turn_latency_heard`: one sample per call, as the simulated caller heard it); and
+/readyz as sampled every 0.5 s during the calls. Figures are at N calls only if every call was served
+(`served == calls`); `kame-phone bench node` exits 3 otherwise.
 
 At full size on a GPU (issue 15), with no weights there: `--checkpoint random:moshi-7b`, the STT shaped like
 Kyutai's on the same GPU (`--serve-arg=--stt=kyutai`, `KAME_STT_CHECKPOINT=random:stt-2.6b-en`), and
@@ -74,7 +79,13 @@ async def _scrape(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for family in text_string_to_metric_families(text):
         if family.type == "histogram":
-            out[family.name] = [(float(s.labels["le"]), s.value) for s in family.samples if s.name.endswith("_bucket")]
+            # Summed over any labels, bucket by bucket: the dashboard's `sum by (le)`.
+            buckets: dict[float, float] = {}
+            for s in family.samples:
+                if s.name.endswith("_bucket"):
+                    le = float(s.labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + s.value
+            out[family.name] = sorted(buckets.items())
         elif family.type == "counter":  # the parser names the family without its _total
             out[family.name + "_total"] = sum(s.value for s in family.samples if s.name.endswith("_total"))
         elif family.type == "gauge":
@@ -115,14 +126,28 @@ async def _sample_readyz(session: aiohttp.ClientSession, base: str, statuses: li
         await asyncio.sleep(0.5)
 
 
+QUANTILES = (0.5, 0.95, 0.99)  # of first audio and turn latency, server's and callers' alike
+
+
+def _key(q: float) -> str:
+    return f"p{round(q * 100)}_ms"
+
+
 def _pcts(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50_ms": None, "p99_ms": None}
-    return {"p50_ms": float(np.percentile(values, 50) * 1000), "p99_ms": float(np.percentile(values, 99) * 1000)}
+    """The callers' own timings (seconds, one per call) as p50/p95/p99 ms, and how many there were."""
+    out: dict[str, float | None] = {_key(q): None for q in QUANTILES}
+    if values:
+        out.update({_key(q): float(np.percentile(values, q * 100) * 1000) for q in QUANTILES})
+    return {**out, "count": len(values)}
 
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
+
+
+def _fmt(figures: dict[str, Any]) -> str:
+    ms = "/".join("-" if figures[_key(q)] is None else f"{figures[_key(q)]:.0f}" for q in QUANTILES)
+    return f"{ms} (n={figures['count']})"
 
 
 async def run_node_bench(
@@ -185,22 +210,43 @@ def _summarise(calls, serve_args, reports, before, after, ready, log) -> dict[st
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
+    def earlier(name: str) -> list[tuple[float, float]]:
+        return before.get(name, [(le, 0.0) for le, _ in after[name]])
+
     def quantile(name: str, q: float) -> float | None:
+        """histogram_quantile(q, ...) over the run, as the dashboard computes it, in ms."""
         if name not in after:
             return None
-        return _ms(bucket_quantile(before.get(name, [(le, 0.0) for le, _ in after[name]]), after[name], q))
+        return _ms(bucket_quantile(earlier(name), after[name], q))
 
-    realtime = [r.bot_seconds_received / r.call_seconds if r.call_seconds else 0.0 for r in reports]
-    first = [r.first_audio_latency_s for r in reports if r.first_audio_latency_s is not None]
-    turn = [r.last_word_latency_s for r in reports if r.last_word_latency_s is not None]
+    def histogram(name: str) -> dict[str, float | None]:
+        observed = round(after[name][-1][1] - earlier(name)[-1][1]) if name in after else 0
+        return {**{_key(q): quantile(name, q) for q in QUANTILES}, "count": observed}
+
+    served = [r for r in reports if r.outcome == "completed"]
+    outcome_counts: dict[str, int] = {}
+    for r in reports:
+        outcome_counts[r.outcome] = outcome_counts.get(r.outcome, 0) + 1
+    # A call turned away has no audio to keep in time: only served calls have a real-time share.
+    realtime = [(r.bot_seconds_received / r.call_seconds if r.call_seconds else 0.0) if r.outcome == "completed"
+                else None for r in reports]
+    served_realtime = [x for x in realtime if x is not None]
     result = {
-        "calls": calls,
+        "calls": calls,  # dialled; the figures are at this many calls only if all were served
+        "served": len(served),
+        "not_served": calls - len(served),
+        "outcome_counts": outcome_counts,
         "serve_args": serve_args,
         "outcomes": [r.outcome for r in reports],
-        "realtime_share": [round(x, 3) for x in realtime],
-        "realtime_share_min": min(realtime) if realtime else None,
-        "first_audio": _pcts(first),
-        "turn_latency": _pcts(turn),
+        "realtime_share": [None if x is None else round(x, 3) for x in realtime],
+        "realtime_share_min": min(served_realtime) if served_realtime else None,  # over served calls
+        # The service's own histograms, read as the dashboard reads them (what each measures: its HELP in
+        # telephony/metrics.py): the headline figures.
+        "first_audio": histogram("kame_first_audio_seconds"),
+        "turn_latency": histogram("kame_turn_latency_seconds"),
+        # The simulated callers' own timings, one per call that heard it (the caller's clock and socket).
+        "first_audio_heard": _pcts([r.first_audio_latency_s for r in reports if r.first_audio_latency_s is not None]),
+        "turn_latency_heard": _pcts([r.last_word_latency_s for r in reports if r.last_word_latency_s is not None]),
         "tick_p50_ms": quantile("kame_engine_tick_seconds", 0.5),
         "tick_p99_ms": quantile("kame_engine_tick_seconds", 0.99),
         "deadline_misses": delta("kame_engine_deadline_misses_total"),
@@ -215,8 +261,16 @@ def _summarise(calls, serve_args, reports, before, after, ready, log) -> dict[st
         "readyz_samples": len(ready),
         "cores": os.cpu_count(),
     }
-    log(f"real-time share of bot audio per call: {result['realtime_share']} (min {result['realtime_share_min']:.2f})")
-    log(f"first audio p50/p99 ms: {result['first_audio']}; turn latency: {result['turn_latency']}")
+    others = ", ".join(f"{o} {n}" for o, n in sorted(outcome_counts.items()) if o != "completed")
+    log(f"calls: {calls} dialled, {result['served']} served" + (f", {result['not_served']} not ({others})"
+                                                              if result["not_served"] else ""))
+    low = result["realtime_share_min"]
+    log(f"real-time share of bot audio per served call: {result['realtime_share']} "
+        f"(min {'-' if low is None else f'{low:.2f}'})")
+    log(f"first audio p50/p95/p99 ms (kame_first_audio_seconds): {_fmt(result['first_audio'])}; "
+        f"as the callers heard it: {_fmt(result['first_audio_heard'])}")
+    log(f"turn latency p50/p95/p99 ms (kame_turn_latency_seconds): {_fmt(result['turn_latency'])}; "
+        f"as the callers heard it: {_fmt(result['turn_latency_heard'])}")
     log(f"engine tick p50/p99 ms: {result['tick_p50_ms']}/{result['tick_p99_ms']}, deadline misses "
         f"{result['deadline_misses']:.0f}, input overruns {result['input_overruns']:.0f}; STT dropped frames "
         f"{result['stt_dropped_frames']:.0f}, errors {result['stt_errors']:.0f}; oracle lag p50/p99 ms: "

@@ -40,18 +40,124 @@ async def test_oracle_bench_measures_lag_against_ttft() -> None:
     assert result["on_loop_p50_ms"] >= 0.0 and result["lag_minus_ttft_p50_ms"] >= result["on_loop_p50_ms"]
 
 
-def test_node_bench_runs_the_service_as_deployed(tmp_path) -> None:
+def test_node_bench_runs_the_service_as_deployed(tmp_path, monkeypatch) -> None:
     """`serve` with its defaults in its own process, a local LLM, callers speaking flite: every figure the
-    fleet is sized with comes back, read from the service's own /metrics."""
+    fleet is sized with comes back, read from the service's own /metrics; first audio and turn latency as
+    the dashboard reads them (histogram_quantile of the scrapes' bucket deltas), the callers' beside them."""
+    import kame_phone.node_bench as node_bench
+    from kame_phone.media_bench import bucket_quantile
+
+    scrapes: list[dict] = []
+    real_scrape = node_bench._scrape
+
+    async def recording(session, url):  # type: ignore[no-untyped-def]
+        scrapes.append(await real_scrape(session, url))
+        return scrapes[-1]
+
+    monkeypatch.setattr(node_bench, "_scrape", recording)
     out = tmp_path / "node.json"
     assert main(["bench", "node", "--calls", "2", "--llm-ttft-ms", "100", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["calls"] == 2 and r["outcomes"] == ["completed", "completed"]
+    assert r["served"] == 2 and r["not_served"] == 0 and r["outcome_counts"] == {"completed": 2}
     assert len(r["realtime_share"]) == 2 and all(0 < x <= 1.05 for x in r["realtime_share"])
-    assert r["first_audio"]["p50_ms"] is not None and 0 < r["tick_p50_ms"] <= r["tick_p99_ms"]
+    assert abs(r["realtime_share_min"] - min(r["realtime_share"])) < 1e-3  # the list is rounded, the minimum not
+    before, after = scrapes
+    assert after["kame_first_audio_seconds"][-1][1] - before["kame_first_audio_seconds"][-1][1] == 2  # a call each
+    for figure, histogram in (("first_audio", "kame_first_audio_seconds"),
+                              ("turn_latency", "kame_turn_latency_seconds")):
+        for q in (0.5, 0.95, 0.99):
+            expected = bucket_quantile(before[histogram], after[histogram], q)
+            assert r[figure][f"p{round(q * 100)}_ms"] == (None if expected is None else expected * 1000), (figure, q)
+    assert r["first_audio"]["count"] == 2 and r["first_audio"]["p50_ms"] is not None
+    assert r["first_audio_heard"]["count"] == 2 and r["first_audio_heard"]["p50_ms"] is not None  # the callers'
+    assert set(r["turn_latency_heard"]) == {"p50_ms", "p95_ms", "p99_ms", "count"}
+    assert 0 < r["tick_p50_ms"] <= r["tick_p99_ms"]
     assert r["oracle_lag_p50_ms"] is not None  # the local LLM answered and its drafts reached the oracle
     assert r["readyz_samples"] > 0 and r["deadline_misses"] >= 0
     assert r["model_bytes"]["weights"] > 0 and r["model_bytes"]["kv_cache"] > 0
+
+
+def test_node_bench_exits_3_when_a_call_is_not_served(tmp_path, capsys) -> None:
+    """Two callers, a service that seats one: the figures are not at 2 calls. The bench says how many were
+    served, takes the real-time minimum over those only, writes its JSON and exits 3 with one line saying so."""
+    out = tmp_path / "node.json"
+    assert main(["bench", "node", "--calls", "2", "--llm-ttft-ms", "100", "--serve-arg=--max-calls=1",
+                 "--json", str(out)]) == 3
+    r = json.loads(out.read_text())
+    assert r["calls"] == 2 and r["served"] == 1 and r["not_served"] == 1
+    assert sum(o == "completed" for o in r["outcomes"]) == 1
+    refused = next(o for o in r["outcomes"] if o != "completed")
+    assert r["outcome_counts"] == {"completed": 1, refused: 1}
+    share = r["realtime_share"][r["outcomes"].index("completed")]
+    assert r["realtime_share"][r["outcomes"].index(refused)] is None and share > 0
+    assert abs(r["realtime_share_min"] - share) < 1e-3  # the served call's alone (rounded in the list)
+    assert r["first_audio"]["count"] == 1  # the service saw one call's first audio
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kame-phone bench node:")]
+    assert len(err) == 1 and f"1 of 2 calls not served ({refused} 1)" in err[0]
+
+
+def test_node_bench_summary_reads_first_audio_and_turn_latency_from_the_service_histograms() -> None:
+    """The headline first audio and turn latency are histogram_quantile over the scraped buckets' deltas
+    (boundaries as the service exports them, summed over labels as `sum by (le)`), p50/p95/p99; the callers'
+    own timings sit beside them as *_heard; served and not served calls are counted, the real-time
+    minimum is over served calls only."""
+    import contextlib
+
+    from kame_phone.node_bench import _scrape, _summarise
+    from telephony.sim_playout import CallReport
+
+    def exposition(first: list[float], turn: list[float] | None) -> str:
+        bounds = ("0.05", "0.15", "0.7", "2.5", "+Inf")  # none of the service's own: read from the scrape
+        lines = ["# HELP kame_first_audio_seconds x", "# TYPE kame_first_audio_seconds histogram"]
+        for agent, share in (("a", 0.25), ("b", 0.75)):  # two labelled series, summed bucket by bucket
+            lines += [f'kame_first_audio_seconds_bucket{{agent="{agent}",le="{le}"}} {n * share}'
+                      for le, n in zip(bounds, first, strict=True)]
+        if turn is not None:
+            lines += ["# HELP kame_turn_latency_seconds x", "# TYPE kame_turn_latency_seconds histogram"]
+            lines += [f'kame_turn_latency_seconds_bucket{{le="{le}"}} {n}' for le, n in zip(bounds, turn, strict=True)]
+        return "\n".join(lines) + "\n"
+
+    class Session:
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+        @contextlib.asynccontextmanager
+        async def get(self, url):  # type: ignore[no-untyped-def]
+            class Resp:
+                async def text(_self) -> str:  # noqa: N805
+                    return self.text
+
+            yield Resp()
+
+    # Cumulative counts; over the run: 0, 2, 8, 20, 20 (first audio) and 3, 4, 4, 4, 4 (turn latency, new).
+    before = asyncio.run(_scrape(Session(exposition([1, 1, 3, 5, 5], None)), ""))  # type: ignore[arg-type]
+    after = asyncio.run(_scrape(Session(exposition([1, 3, 11, 25, 25], [3, 4, 4, 4, 4])), ""))  # type: ignore[arg-type]
+    assert after["kame_first_audio_seconds"][0] == (0.05, 1.0)
+    reports = [CallReport(outcome="completed", call_seconds=8.0, bot_seconds_received=7.6, first_audio_latency_s=0.2,
+                          last_word_latency_s=0.9),
+               CallReport(outcome="busy"),
+               CallReport(outcome="completed", call_seconds=8.0, bot_seconds_received=7.92, first_audio_latency_s=0.3)]
+    lines: list[str] = []
+    r = _summarise(3, [], reports, before, after, [200, 503], lines.append)
+
+    def close(figures: dict, expected: dict) -> bool:
+        return figures.keys() == expected.keys() and all(
+            abs(figures[k] - v) < 1e-6 for k, v in expected.items())
+
+    # p50: rank 10 of 20 in (0.7, 2.5] holding 12 from 8: 0.7 + 1.8 * 2/12; p95: rank 19; p99: rank 19.8.
+    assert close(r["first_audio"], {"p50_ms": 1000.0, "p95_ms": 2350.0, "p99_ms": 2470.0, "count": 20})
+    # In the first bucket from 0; then (0.05, 0.15] holding 1 from 3.
+    assert close(r["turn_latency"], {"p50_ms": 50 * 2 / 3, "p95_ms": 130.0, "p99_ms": 146.0, "count": 4})
+    assert close(r["first_audio_heard"], {"p50_ms": 250.0, "p95_ms": 295.0, "p99_ms": 299.0, "count": 2})
+    assert r["turn_latency_heard"] == {"p50_ms": 900.0, "p95_ms": 900.0, "p99_ms": 900.0, "count": 1}
+    assert r["served"] == 2 and r["not_served"] == 1 and r["outcome_counts"] == {"completed": 2, "busy": 1}
+    assert r["realtime_share"] == [0.95, None, 0.99] and r["realtime_share_min"] == 0.95
+    assert r["tick_p50_ms"] is None and r["readyz_not_ready"] == 1
+    text = "\n".join(lines)
+    assert "3 dialled, 2 served, 1 not (busy 1)" in text
+    assert "first audio p50/p95/p99 ms (kame_first_audio_seconds): 1000/2350/2470 (n=20)" in text
+    assert "as the callers heard it: 250/295/299 (n=2)" in text
 
 
 def test_node_bench_with_the_stt_shaped_like_kyutais_and_voices_made_beforehand(tmp_path, monkeypatch) -> None:
