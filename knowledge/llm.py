@@ -342,8 +342,11 @@ class LlmClient:
                             if data == "[DONE]":
                                 break
                             delta = _delta(json.loads(data))
+                            # The first token, text or a function call's first piece (an answer too), is timed
+                            # once; the first-token deadline is lifted then.
                             if _add_tool_call_pieces(delta, calls) and first_token.when() is not None:
-                                first_token.reschedule(None)  # a function call is an answer too
+                                metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
+                                first_token.reschedule(None)
                             piece = _delta_content(delta)
                             if not piece:
                                 continue
@@ -351,8 +354,9 @@ class LlmClient:
                                 piece = piece.lstrip()
                                 if not piece:
                                     continue
-                                metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
-                                first_token.reschedule(None)
+                                if first_token.when() is not None:
+                                    metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
+                                    first_token.reschedule(None)
                             text += piece
                             yield well_formed(text)  # a surrogate pair split across two chunks
             for index, parts in sorted(calls.items()):

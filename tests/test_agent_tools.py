@@ -389,6 +389,19 @@ async def test_the_llm_client_joins_a_streamed_tool_call(llm_server: FakeLlm) ->
     assert llm_server.requests[0]["tools"] == tools
 
 
+@pytest.mark.parametrize("preamble", ["", "Let me check."])
+async def test_an_answer_that_is_a_tool_call_has_its_first_token_timed_once(llm_server: FakeLlm, preamble: str) -> None:
+    """kame_llm_ttft_seconds saw only text: an LLM answering with a function call alone was never timed (the
+    dashboard's TTFT showed only the answers in words)."""
+    llm_server.tool_triggers = {"order": ("order_status", {"order_id": "1"})}
+    llm_server.tool_preamble = preamble
+    timed = metric("kame_llm_ttft_seconds_count")
+    async with _llm(llm_server) as llm:
+        out = await _drafts(llm, "my order", _offer("order_status"))
+    assert any(isinstance(d, ToolCallRequest) for d in out)
+    assert metric("kame_llm_ttft_seconds_count") == timed + 1
+
+
 async def test_a_split_surrogate_pair_in_tool_arguments_becomes_its_character(llm_server: FakeLlm) -> None:
     """As for the answer's text: joined as they came, the two halves were lone surrogates, and the exchange
     they went into made every later request of the call fail."""
