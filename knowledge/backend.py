@@ -177,6 +177,10 @@ class BackendServices:
             await self.llm.aclose()
         await self.tools_http.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.config.stt == "kyutai":  # its ticking thread and the model on the GPU, not left to the exit
+            from .stt_kyutai import close_shared_engine
+
+            await asyncio.to_thread(close_shared_engine)
 
 
 class CallBackend:

@@ -544,6 +544,16 @@ def engine_from_env(env: Mapping[str, str] | None = None, rows: int | None = Non
     return KyutaiSttEngine(source, device=device, max_streams=max_streams)
 
 
+def close_shared_engine() -> None:
+    """Stop the process-wide engine (its thread, its model), if one was built: at the back-end's shutdown.
+    Blocks up to a tick: call it from a worker thread."""
+    global _SHARED
+    with _SHARED_LOCK:
+        engine, _SHARED = _SHARED, None
+    if engine is not None:
+        engine.close()
+
+
 def shared_engine(rows: int | None = None) -> KyutaiSttEngine:
     """The process-wide engine, built from the environment (and `rows`) on first use."""
     global _SHARED

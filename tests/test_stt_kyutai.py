@@ -15,6 +15,7 @@ import pytest
 
 from engine.checkpoint import CheckpointError
 from engine.interface import FRAME_SAMPLES
+from knowledge.backend import BackendConfig, BackendServices
 from knowledge.stt import SttResult, make_stt
 from knowledge.stt_kyutai import (
     UNGENERATED,
@@ -269,6 +270,23 @@ def test_make_stt_kyutai_binds_a_process_wide_engine(stt_checkpoint: Path, monke
     finally:
         assert mod._SHARED is not None
         mod._SHARED.close()
+
+
+async def test_the_back_ends_shutdown_stops_the_process_wide_engine(
+    stt_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing closed the shared Kyutai STT engine: its ticking thread (and the model) lived until the
+    process exited. The back-end's shutdown stops it."""
+    import knowledge.stt_kyutai as mod
+
+    monkeypatch.setenv("KAME_STT_CHECKPOINT", str(stt_checkpoint))
+    monkeypatch.setenv("KAME_STT_DEVICE", "cpu")
+    monkeypatch.setattr(mod, "_SHARED", None)
+    services = BackendServices(BackendConfig(stt="kyutai", llm_enabled=False, stt_rows=2))
+    engine = mod._SHARED
+    assert engine is not None and engine._ticker.running
+    await services.aclose()
+    assert mod._SHARED is None and not engine._ticker.running
 
 
 def test_the_stt_has_a_row_for_every_call_the_engine_seats(stt_checkpoint: Path) -> None:
