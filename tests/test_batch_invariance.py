@@ -74,7 +74,10 @@ def _oracle(start: int, tokens: list[int]) -> list[int]:
 
 # int8 KV: the 8-bit cache's scales are per call, head and position, so it must keep calls apart as well;
 # int8 weights (with it, as a dense deployment runs): weight-only, so nothing is shared across rows either.
-@pytest.mark.parametrize(("kv_dtype", "weights_dtype"), [("auto", "auto"), ("int8", "auto"), ("int8", "int8")])
+# fp8 KV: one scale per tensor, nothing per row to mix up, but its rounding of a neighbour's values must not
+# reach this call either.
+@pytest.mark.parametrize(("kv_dtype", "weights_dtype"),
+                         [("auto", "auto"), ("int8", "auto"), ("int8", "int8"), ("fp8", "auto")])  # fmt: skip
 def test_a_call_alone_and_in_a_busy_batch_gives_identical_tokens_and_codes(
     tiny_checkpoint: Path, kv_dtype: str, weights_dtype: str
 ) -> None:
@@ -99,3 +102,8 @@ def test_a_call_alone_and_in_a_busy_batch_gives_identical_tokens_and_codes(
     voiced = [c for c in x.codes if any(c)]
     assert len(voiced) > 60 and len({tuple(c) for c in voiced}) > 30
     assert busy["A"].codes[1:40] != x.codes[1:40] and busy["C"].codes[1:30] != x.codes[36:65]
+    # A call seated in a row another call used (C takes B's old row, after B ran and left) is as it would be
+    # alone: nothing of the earlier caller (KV rows and 8-bit scales, codec state, delayed tokens, oracle).
+    c_alone = _run(tiny_checkpoint, 1, {"C": Call(0, 0, 45, seed=3, oracle=_oracle(256, [80, 81, 82, 83]))},
+                   kv_dtype, weights_dtype)["C"]  # fmt: skip
+    assert busy["C"].text == c_alone.text and busy["C"].codes == c_alone.codes
