@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from aiohttp import web
+from multidict import MultiDictProxy
 from twilio.twiml.voice_response import VoiceResponse
 
 from engine.interface import MAX_SETUP_TEXT, Engine
@@ -158,6 +159,34 @@ def _counted(request: web.Request, endpoint: str, ok: bool) -> bool:
     return ok
 
 
+# A webhook's body arrives within this, or the request is over (408). aiohttp's keep-alive timer runs only
+# between requests: a body announced and never sent held its connection, and 256 of them (the connection cap)
+# shut out every call, Twilio's webhooks and admitted streams alike.
+BODY_READ_S = 5.0
+_FORM = "application/x-www-form-urlencoded"  # what Twilio sends; anything else is not a webhook of its
+
+
+async def _webhook_form(request: web.Request, endpoint: str) -> MultiDictProxy[Any]:
+    """The webhook's form, read within BODY_READ_S. A slow body is 408, and a body that is not a form Twilio
+    sends (another content type, bytes that are not UTF-8, an unknown charset) 400, each counted and logged
+    once: never a 500 with a traceback, and never seen by the signature check."""
+    if request.content_type != _FORM:
+        raise _refused(request, endpoint, "malformed", web.HTTPBadRequest(text=f"expected {_FORM}"))
+    try:
+        async with asyncio.timeout(BODY_READ_S):
+            return await request.post()
+    except TimeoutError:
+        raise _refused(request, endpoint, "slow_body", web.HTTPRequestTimeout(text="request body too slow")) from None
+    except (ValueError, LookupError) as e:  # UnicodeDecodeError is a ValueError; LookupError: a bogus charset
+        raise _refused(request, endpoint, "malformed", web.HTTPBadRequest(text="malformed form")) from e
+
+
+def _refused(request: web.Request, endpoint: str, reason: str, answer: web.HTTPException) -> web.HTTPException:
+    metrics.WEBHOOK_REJECTIONS.labels(endpoint=endpoint, reason=reason).inc()
+    log.warning("%s refused (%s) from %s", endpoint, reason, request.remote)
+    return answer
+
+
 def _ctx(request: web.Request) -> ServerContext:
     return request.app[CONTEXT]
 
@@ -167,7 +196,7 @@ CONTEXT: web.AppKey[ServerContext] = web.AppKey("kame_context", ServerContext)
 
 async def handle_voice(request: web.Request) -> web.Response:
     ctx = _ctx(request)
-    form = await request.post()
+    form = await _webhook_form(request, "voice")
     if not ctx.webhook_ok(request, form, "voice"):
         return web.Response(status=403, text="invalid Twilio signature")
     call_sid = str(form.get("CallSid", ""))
@@ -248,7 +277,7 @@ async def handle_connect_action(request: web.Request) -> web.Response:
     """The call's <Connect> ended: Twilio asks what next. Signed and checked like the voice webhook.
     A caller still on the line gets the agent's fallback (a person, or an apology): never dead air."""
     ctx = _ctx(request)
-    form = await request.post()
+    form = await _webhook_form(request, "connect_action")
     if not ctx.webhook_ok(request, form, "connect_action"):
         return web.Response(status=403, text="invalid Twilio signature")
     call_id_var.set(str(form.get("CallSid", "")) or None)
@@ -263,7 +292,7 @@ async def handle_connect_action(request: web.Request) -> web.Response:
 
 async def handle_stream_status(request: web.Request) -> web.Response:
     ctx = _ctx(request)
-    form = await request.post()
+    form = await _webhook_form(request, "stream_status")
     if not ctx.webhook_ok(request, form, "stream_status"):
         return web.Response(status=403, text="invalid Twilio signature")
     event = str(form.get("StreamEvent", "unknown"))
@@ -282,7 +311,7 @@ async def handle_call_status(request: web.Request) -> web.Response:
     """Twilio's call status callback: counted; a call that ended before its stream ever started (the caller
     hung up while the webhook was answered, the stream could not be opened) is closed in its record."""
     ctx = _ctx(request)
-    form = await request.post()
+    form = await _webhook_form(request, "call_status")
     if not ctx.webhook_ok(request, form, "call_status"):
         return web.Response(status=403, text="invalid Twilio signature")
     status = str(form.get("CallStatus", "unknown"))
@@ -414,8 +443,10 @@ class ServiceHandle:
 
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
+        # lingering_time 0: a request answered before its body came (408, 400) is closed at once, not held
+        # another 10 s reading what the peer still sends.
         self.runner = web.AppRunner(build_app(ctx), handle_signals=False,
-                                    keepalive_timeout=ctx.config.keepalive_timeout_s)
+                                    keepalive_timeout=ctx.config.keepalive_timeout_s, lingering_time=0)
         self.port = 0
         self.metrics: MetricsListener | None = None
 

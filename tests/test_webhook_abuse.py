@@ -1,0 +1,112 @@
+"""Webhooks under attack, on the real service (loopback, a model-free echoing engine): bodies that never
+arrive or are not Twilio's, captured webhooks replayed, a captured media-upgrade signature used to hold the
+sockets that wait for their `start`. Each test checks that a good call still gets through."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from twilio.request_validator import RequestValidator
+
+from kame_phone.media_bench import LoopbackEngine
+from telephony import server as server_module
+from telephony.call_store import MemoryCallStore
+from telephony.config import ServiceConfig
+from telephony.server import VOICE_PATH, ServerContext, ServiceHandle
+from telephony.signatures import SIGNATURE_HEADER
+from telephony.twiml import parse_connect_stream
+
+from .phone_fixtures import metric
+
+TOKEN = "auth-" + secrets.token_hex(8)
+
+
+def _sid() -> str:
+    return "CA" + secrets.token_hex(16)
+
+
+@contextlib.asynccontextmanager
+async def _service(max_calls: int = 2, **config: object) -> AsyncIterator[ServiceHandle]:
+    engine = LoopbackEngine(max_calls=max_calls)
+    cfg = ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=TOKEN, **config)  # type: ignore[arg-type]
+    handle = await ServiceHandle(ServerContext(cfg, MemoryCallStore(), engine)).start()
+    try:
+        yield handle
+    finally:
+        await engine.stop()
+        await handle.aclose()
+
+
+async def _voice(http: aiohttp.ClientSession, base: str, sid: str) -> tuple[int, str]:
+    """Twilio's voice webhook for call `sid`, signed."""
+    form = {"CallSid": sid, "AccountSid": "AC" + "0" * 32, "From": "+15550001", "To": "+15550002"}
+    url = base + VOICE_PATH
+    signature = RequestValidator(TOKEN).compute_signature(url, form)
+    async with http.post(url, data=form, headers={SIGNATURE_HEADER: signature}) as r:
+        return r.status, await r.text()
+
+
+async def _raw_post(port: int, head: bytes, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST " + VOICE_PATH.encode() + b" HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n" + body)
+    await writer.drain()
+    return reader, writer
+
+
+async def test_bodies_that_never_arrive_are_cut_off_and_calls_still_come_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """aiohttp's keep-alive timer runs only between requests: a POST's headers with a body that never came held
+    its connection for good, and as many as the connection cap shut out every webhook and stream after them.
+    Each is answered 408 once the body is BODY_READ_S late, and the connection goes."""
+    monkeypatch.setattr(server_module, "BODY_READ_S", 0.5)
+    slow = metric("kame_webhook_rejections_total", endpoint="voice", reason="slow_body")
+    async with _service(max_idle_connections=4, keepalive_timeout_s=30.0) as h, aiohttp.ClientSession() as http:
+        held = [await _raw_post(h.port, b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 30000\r\n",
+                                b"CallSid=CA") for _ in range(4)]  # fmt: skip
+        try:
+            for reader, _ in held:
+                answer = await asyncio.wait_for(reader.read(), 5)  # answered, and the connection closed
+                assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
+            status, twiml = await _voice(http, h.http_url, _sid())
+        finally:
+            for _, writer in held:
+                writer.close()
+    assert status == 200 and parse_connect_stream(twiml).parameters["token"]
+    assert metric("kame_webhook_rejections_total", endpoint="voice", reason="slow_body") == slow + 4
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        (b"application/x-www-form-urlencoded", b"CallSid=\xff\xfe"),  # not UTF-8
+        (b"application/x-www-form-urlencoded; charset=bogus-42", b"CallSid=x"),
+        (b"multipart/form-data", b"--x\r\n"),  # no boundary
+        (b"multipart/form-data; boundary=zz", b"garbage"),
+        (b"multipart/form-data; boundary=zz",
+         b'--zz\r\nContent-Disposition: form-data; name="f"; filename="a.txt"\r\n\r\nhello\r\n--zz--\r\n'),
+        (b"application/json", b'{"CallSid": 1}'),
+    ],
+)  # fmt: skip
+async def test_a_body_twilio_never_sends_is_a_counted_400_not_a_traceback(
+    content_type: bytes, body: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each of these was a 500 with a traceback at ERROR (about 15 log lines a request, from anyone, with no
+    credentials), unseen by kame_webhook_rejections_total; the file part crashed inside the signature check."""
+    caplog.set_level(logging.INFO)
+    malformed = metric("kame_webhook_rejections_total", endpoint="voice", reason="malformed")
+    async with _service() as h, aiohttp.ClientSession() as http:
+        head = (b"X-Twilio-Signature: bogus\r\nContent-Type: " + content_type + b"\r\nContent-Length: "
+                + str(len(body)).encode() + b"\r\nConnection: close\r\n")  # fmt: skip
+        reader, writer = await _raw_post(h.port, head, body)
+        answer = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        status, _ = await _voice(http, h.http_url, _sid())  # a good call comes in as before
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:80]
+    assert metric("kame_webhook_rejections_total", endpoint="voice", reason="malformed") == malformed + 1
+    assert status == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text[-2000:]
