@@ -4,9 +4,10 @@
 Twilio as a `<Parameter>`). The stream's `start` must carry the same CallSid and token, and the token is
 single-use: a second socket presenting it (a replayed webhook's answer, say) is refused and never replaces
 or hears the live call. Twilio's signatures carry no nonce, so a signed webhook can be replayed: a CallSid
-whose stream started (or whose reservation was released) is remembered as used up and gets no new token.
-A retried webhook before the stream starts gets the same token back. Reservations that never see their
-stream expire within seconds, freeing the slot.
+whose stream started (or whose reservation was released, or expired) is remembered as used up and gets no
+new token. A retried webhook before the stream starts gets the same token back. Reservations that never see
+their stream expire within seconds, freeing the slot; a webhook replayed after that (a captured one) gets no
+second seat and token, again every few seconds, for good.
 
 This is the in-process book keeping; `telephony.cluster` builds single- and multi-node admission on it.
 """
@@ -51,7 +52,9 @@ class Admission:
         self._used: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def used(self, call_sid: str) -> bool:
-        """True once the call's stream started here (live or ended), or its reservation was released."""
+        """True once the call's stream started here (live or ended), or its reservation was released or
+        expired."""
+        self._expire()
         return call_sid in self._used
 
     def _use_up(self, call_sid: str) -> None:
@@ -65,6 +68,7 @@ class Admission:
         stale = [sid for sid, g in self._grants.items() if not g.claimed and now - g.issued_at > self.reservation_ttl_s]
         for sid in stale:
             del self._grants[sid]
+            self._use_up(sid)  # its one chance: a webhook for it now is a replay
 
     @property
     def reserved(self) -> int:

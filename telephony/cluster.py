@@ -16,8 +16,9 @@ Redis layout (prefix `kame:` by default; all times are Redis's own clock, in ms,
   <p>node:<id>:resv     sorted set: CallSids with an unclaimed reservation on the node, scored by expiry
   <p>node:<id>:held     sorted set: CallSids claimed on the node whose stream the node has not yet counted in a
                         `free` it sent (see below), scored by expiry
-  <p>resv:<sid>         hash node, url, token, state (reserved|claimed|ended); expires after reservation_ttl_s,
-                        or bound_ttl_s once claimed or ended (a replayed webhook for it gets no new token)
+  <p>resv:<sid>         hash node, url, token, state (reserved|claimed|ended), until (the reservation's expiry,
+                        ms); kept bound_ttl_s (a replayed webhook for it gets no new token, claimed, ended or
+                        expired unclaimed)
 A node's room is `free - (live entries in its resv set)`. `free` counts engine seats not held by a
 stream; a claim moves a call from the resv set into `free` at once (HINCRBY -1), and the node's next
 heartbeat publishes the real figure.
@@ -195,11 +196,14 @@ return redis.call('ZCARD', KEYS[3])
 
 # KEYS 1 nodes zset, 2 resv:<sid>. ARGV 1 prefix, 2 call sid, 3 local node id, 4 token, 5 reservation ttl ms,
 # 6 node ttl ms, 7 local node draining (0/1), 8 local node's free slots now (fresher than its heartbeat),
-# 9.. acked calls (see _HELD_LUA). Returns {node, url, token, reservations on that node} or nil.
+# 9 ms to remember the CallSid, 10.. acked calls (see _HELD_LUA). Returns {node, url, token, reservations on
+# that node} or nil. A reservation is kept past its expiry (`until`): a webhook replayed after it (a captured
+# one) is used up, not granted a seat and a token again every few seconds.
 _RESERVE_LUA = _NOW_MS_LUA + _HELD_LUA + """
-local held = redis.call('HMGET', KEYS[2], 'node', 'url', 'token', 'state')
+local held = redis.call('HMGET', KEYS[2], 'node', 'url', 'token', 'state', 'until')
 if held[1] then
   if held[4] ~= 'reserved' then return 'used' end  -- its stream started (or ended): a replayed webhook
+  if held[5] and tonumber(held[5]) <= now then return 'used' end  -- expired unclaimed: its one chance went
   return {held[1], held[2], held[3], -1}
 end
 local p, me = ARGV[1], ARGV[3]
@@ -211,7 +215,7 @@ for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
     local rz = p .. 'node:' .. id .. ':resv'
     redis.call('ZREMRANGEBYSCORE', rz, '-inf', now)
     local free = tonumber(n[2]) or 0
-    if id == me then free = tonumber(ARGV[8]) - unsubtracted(p .. 'node:' .. id .. ':held', 9, now) end
+    if id == me then free = tonumber(ARGV[8]) - unsubtracted(p .. 'node:' .. id .. ':held', 10, now) end
     local room = free - redis.call('ZCARD', rz)
     if room > 0 and best ~= me then
       -- this node first (the webhook and the stream on one node: fewer hops), else the most room
@@ -224,8 +228,8 @@ end
 if not best then return false end
 local ttl = tonumber(ARGV[5])
 local rz = p .. 'node:' .. best .. ':resv'
-redis.call('HSET', KEYS[2], 'node', best, 'url', best_url, 'token', ARGV[4], 'state', 'reserved')
-redis.call('PEXPIRE', KEYS[2], ttl)
+redis.call('HSET', KEYS[2], 'node', best, 'url', best_url, 'token', ARGV[4], 'state', 'reserved', 'until', now + ttl)
+redis.call('PEXPIRE', KEYS[2], ARGV[9])
 redis.call('ZADD', rz, now + ttl, ARGV[2])
 redis.call('PEXPIRE', rz, ttl * 2)
 return {best, best_url, ARGV[4], redis.call('ZCARD', rz)}
@@ -248,8 +252,9 @@ end
 # 4 bound ttl ms, 5 held ttl ms. The caller has already checked the token in constant time; this re-checks it
 # to consume atomically. Returns the node's reservation count, or -1 when the reservation is gone or not ours.
 _CLAIM_LUA = _NOW_MS_LUA + _TAKE_SEAT_LUA + """
-local held = redis.call('HMGET', KEYS[1], 'node', 'token', 'state')
+local held = redis.call('HMGET', KEYS[1], 'node', 'token', 'state', 'until')
 if held[1] ~= ARGV[2] or held[2] ~= ARGV[3] or held[3] ~= 'reserved' then return -1 end  -- single-use
+if held[4] and tonumber(held[4]) <= now then return -1 end  -- expired: too late for its stream
 redis.call('HSET', KEYS[1], 'state', 'claimed')
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return take_seat(KEYS[2], KEYS[3], KEYS[4], ARGV[1], tonumber(ARGV[5]), now)
@@ -469,7 +474,8 @@ class RedisCluster:
         # a seat atomically, and a claim landing before it is subtracted there (held, not in `acked`).
         keys = [self._nodes_key, self._resv_key(call_sid)]
         args: list[Any] = [self.key_prefix, call_sid, self.node_id, new_token(), _ms(self.reservation_ttl_s),
-                           _ms(self.node_ttl_s), int(self.draining), self._free_here(), *self._acked_now()]  # fmt: skip
+                           _ms(self.node_ttl_s), int(self.draining), self._free_here(), _ms(self.bound_ttl_s),
+                           *self._acked_now()]  # fmt: skip
         try:
             got = await self._reserve_script(keys=keys, args=args)
         except _REDIS_FAILURES as exc:

@@ -136,6 +136,9 @@ async def test_a_reservation_without_a_stream_expires(prefix: str) -> None:
         await asyncio.sleep(0.5)
         assert where(await reserve_many(a, 1)) == ["a"]  # the slot came back
         assert not await a.claim(sid, r.token)  # too late for the stream
+        # Its webhook replayed now (a captured one) is used up: no second seat and token, every few seconds.
+        with pytest.raises(CallSidUsed):
+            await a.reserve(sid)
 
 
 async def test_a_draining_node_gets_no_reservations(prefix: str, raw: aioredis.Redis) -> None:

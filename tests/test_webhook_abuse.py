@@ -110,3 +110,20 @@ async def test_a_body_twilio_never_sends_is_a_counted_400_not_a_traceback(
     assert metric("kame_webhook_rejections_total", endpoint="voice", reason="malformed") == malformed + 1
     assert status == 200
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text[-2000:]
+
+
+async def test_a_captured_webhook_replayed_after_its_reservation_expired_gets_no_seat() -> None:
+    """A signed webhook whose stream never started (hung up while ringing, say) was answered again after its
+    reservation expired: a new token and a seat, every 8 s, for as long as its holder cared to replay it. On a
+    one-seat node that shut the real caller out."""
+    replayed = metric("kame_webhook_rejections_total", endpoint="voice", reason="replayed")
+    async with _service(max_calls=1, reservation_ttl_s=0.5) as h, aiohttp.ClientSession() as http:
+        sid = _sid()
+        status, first = await _voice(http, h.http_url, sid)
+        assert status == 200 and parse_connect_stream(first).parameters["token"]
+        await asyncio.sleep(0.8)  # its stream never came: the reservation expired
+        status, again = await _voice(http, h.http_url, sid)  # the replay, byte for byte
+        _, real = await _voice(http, h.http_url, _sid())
+    assert status == 200 and "<Hangup" in again and "<Connect" not in again
+    assert metric("kame_webhook_rejections_total", endpoint="voice", reason="replayed") == replayed + 1
+    assert "<Connect" in real  # the seat is the real caller's
