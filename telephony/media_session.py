@@ -139,9 +139,18 @@ class MediaStreamSession:
         self._opened_at = time.monotonic()
         self._unstarted = True
         ctx.unstarted_sockets += 1
+        ctx.awaiting_start[self] = None
         metrics.MEDIA_UNSTARTED_SOCKETS.set(ctx.unstarted_sockets)
 
+    def evict(self) -> None:
+        """The unstarted cap is full and a newer upgrade came: this socket, which never sent `start`, goes."""
+        self.ctx.awaiting_start.pop(self, None)
+        self._protocol_error(NO_START, "closed before its start to make room for a newer stream")
+        self._end_reason = "no_start"
+        self.ctx.spawn(self.ws.close())
+
     def _started(self) -> None:
+        self.ctx.awaiting_start.pop(self, None)
         if self._unstarted:
             self._unstarted = False
             self.ctx.unstarted_sockets -= 1
@@ -265,6 +274,7 @@ class MediaStreamSession:
         if self.state.stream_sid is not None:
             self._protocol_error(DUPLICATE_START, "second start on one stream")
             return
+        self.ctx.awaiting_start.pop(self, None)  # starting: no longer the one a full cap closes
         # Twilio's media clock starts here. Claiming the seat and opening it may take seconds on a slow
         # Redis, while the caller's packets queue up in real time: they are no flood.
         self.state.start_received_at = time.monotonic()

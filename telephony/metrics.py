@@ -68,7 +68,8 @@ zero_series(WEBHOOK_REJECTIONS, endpoint=("voice",), reason=("replayed",))  # si
 zero_series(WEBHOOK_REJECTIONS, endpoint=("voice", "stream_status", "call_status", "connect_action"),
             reason=("malformed", "slow_body"))
 # A stream's start (not a signature): a token that is not the call's, or a second socket for a live call.
-zero_series(WEBHOOK_REJECTIONS, endpoint=("media",), reason=("bad_token", "second_stream", "unstarted_cap"))
+zero_series(WEBHOOK_REJECTIONS, endpoint=("media",),
+            reason=("bad_token", "second_stream", "unstarted_cap", "unstarted_evicted"))
 STREAM_MESSAGES_DROPPED = zero_series(
     Counter(
         "kame_stream_messages_dropped_total",

@@ -83,6 +83,9 @@ class ServerContext:
         self.no_streams.set()
         self.draining = False
         self.unstarted_sockets = 0  # media sockets upgraded, no `start` yet (MediaStreamSession counts them)
+        # Those of them that have sent no `start` at all, oldest first: the ones a full cap closes (insertion
+        # order of a dict; MediaStreamSession adds and removes itself).
+        self.awaiting_start: dict[Any, None] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.fanout = BotAudioFanout(self.streams)
 
@@ -256,11 +259,20 @@ async def handle_media(request: web.Request) -> web.StreamResponse:
     # seat): an engine falling behind, or draining, takes no *new* calls, but one it answered gets its stream.
     if ctx.engine is None or ctx.engine.failed:
         return web.Response(status=503, text="engine not serving")
-    if ctx.unstarted_sockets >= ctx.config.max_unstarted_streams:  # refused before the upgrade costs anything
-        metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason="unstarted_cap").inc()
-        log.warning("media upgrade from %s refused: %d sockets await their start", request.remote,
-                    ctx.unstarted_sockets)  # fmt: skip
-        return web.Response(status=503, text="too many streams awaiting their start")
+    if ctx.unstarted_sockets >= ctx.config.max_unstarted_streams:
+        # Room is made by closing the oldest socket that never sent `start` (Twilio sends it within
+        # milliseconds of the upgrade): refusing the newest let one captured upgrade signature, held on as
+        # many sockets and reopened as each timed out, refuse every real call's stream.
+        oldest = next(iter(ctx.awaiting_start), None)
+        if oldest is None:  # every one of them is starting (a slow claim): refused before the upgrade costs
+            metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason="unstarted_cap").inc()
+            log.warning("media upgrade from %s refused: %d sockets await their start", request.remote,
+                        ctx.unstarted_sockets)  # fmt: skip
+            return web.Response(status=503, text="too many streams awaiting their start")
+        metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason="unstarted_evicted").inc()
+        log.warning("%d sockets await their start: the oldest (from %s) closed for an upgrade from %s",
+                    ctx.unstarted_sockets, oldest.peer, request.remote)  # fmt: skip
+        oldest.evict()
     # No permessage-deflate: Twilio does not ask for it, and it costs CPU on every 20 ms message.
     # A peer that does not answer our close (a hostile one) is dropped after 2 s, not aiohttp's 10.
     ws = web.WebSocketResponse(max_msg_size=ctx.config.max_message_bytes, autoping=True, compress=False,

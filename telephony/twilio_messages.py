@@ -125,7 +125,9 @@ def _encode_payload(audio: bytes) -> str:
 NumericStr = Annotated[int, PlainValidator(_numeric_str), PlainSerializer(str, return_type=str)]
 # Parsed from base64 into raw µ-law bytes, dumped back as base64.
 AudioPayload = Annotated[bytes, PlainValidator(_decode_payload), PlainSerializer(_encode_payload, return_type=str)]
-Sid = Annotated[str, Field(min_length=1, max_length=64)]
+# Letters and digits only (Twilio's are two letters and 32 hex digits): a callSid goes into log lines and
+# record keys, and one with a newline forged a log line.
+Sid = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9]+$")]
 
 
 class _Wire(BaseModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -18,13 +19,18 @@ from kame_phone.media_bench import LoopbackEngine
 from telephony import server as server_module
 from telephony.call_store import MemoryCallStore
 from telephony.config import ServiceConfig
-from telephony.server import VOICE_PATH, ServerContext, ServiceHandle
+from telephony.server import MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
 from telephony.signatures import SIGNATURE_HEADER
+from telephony.sim_caller import simulate_call
 from telephony.twiml import parse_connect_stream
 
+from .link_fixtures import tone
 from .phone_fixtures import metric
+from .polling import until
 
 TOKEN = "auth-" + secrets.token_hex(8)
+FORGED_START = {"accountSid": "AC1", "streamSid": "MZ1", "tracks": ["inbound"], "customParameters": {},
+                "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}
 
 
 def _sid() -> str:
@@ -127,3 +133,45 @@ async def test_a_captured_webhook_replayed_after_its_reservation_expired_gets_no
     assert status == 200 and "<Hangup" in again and "<Connect" not in again
     assert metric("kame_webhook_rejections_total", endpoint="voice", reason="replayed") == replayed + 1
     assert "<Connect" in real  # the seat is the real caller's
+
+
+async def test_one_captured_upgrade_signature_cannot_keep_real_calls_streams_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The media upgrade's signature is the same for every call and never expires. Its holder kept the
+    unstarted cap full, reopening each socket as the start timeout closed it, and every real call's upgrade
+    was refused (8 of 8 in the review). The oldest unstarted socket now makes room. Its `start`, with a
+    newline in the callSid, is refused as malformed, never written into the log as a line of its own."""
+    caplog.set_level(logging.INFO)
+    async with _service(max_calls=4, max_unstarted_streams=4, start_timeout_s=1.0) as h, \
+            aiohttp.ClientSession() as http:  # fmt: skip
+        ws_url = h.http_url.replace("http://", "ws://") + MEDIA_PATH
+        signature = RequestValidator(TOKEN).compute_signature(ws_url, {})  # one captured upgrade header
+        stop = asyncio.Event()
+
+        async def hold() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.ws_connect(ws_url, headers={SIGNATURE_HEADER: signature}) as ws:
+                        while not stop.is_set() and not ws.closed:  # no `start`, ever
+                            with contextlib.suppress(TimeoutError):
+                                await ws.receive(timeout=0.2)
+                await asyncio.sleep(0.01)
+
+        async with http.ws_connect(ws_url, headers={SIGNATURE_HEADER: signature}) as ws:
+            start = {**FORGED_START, "callSid": "CAx\nforged admin login ok"}
+            await ws.send_str(json.dumps({"event": "start", "sequenceNumber": "1", "streamSid": "MZ1", "start": start}))
+            await ws.receive(timeout=5)  # refused
+        holders = [asyncio.create_task(hold()) for _ in range(4)]
+        try:
+            await until(lambda: h.ctx.unstarted_sockets == 4, within=5)  # the cap is full
+            reports = []
+            for _ in range(3):  # real calls, one after another, while the holders reopen what is closed
+                reports.append(await simulate_call(ws_url, tone(440.0, 1.0), auth_token=TOKEN, public_url=None,
+                                                   hold_after=0.3))  # fmt: skip
+        finally:
+            stop.set()
+            await asyncio.gather(*holders, return_exceptions=True)
+    assert [r.outcome for r in reports] == ["completed"] * 3, [r.errors for r in reports]
+    assert all(r.bot_seconds_received > 0.5 for r in reports)
+    assert "\nforged admin login ok" not in caplog.text  # never a log line of its own
