@@ -25,7 +25,7 @@ from engine.heap import freeze_startup_heap
 from engine.link_server import EngineServer
 from engine.link_wire import Address, server_tls
 from knowledge.agents import AgentsError
-from telephony.metrics_http import METRICS_PATH, handle_metrics
+from telephony.metrics_http import METRICS_PATH, handle_metrics, internal_runner
 from telephony.server import LOADING_STOP_TIMEOUT_S
 
 from .app import agents_from_args, load_engine
@@ -90,8 +90,7 @@ async def run_engine_server(args: argparse.Namespace) -> int:
         log.warning("the engine link on %s is not encrypted: callers' audio crosses the network in clear "
                     "(listen on tls://host:port with --tls-cert/--tls-key)", address)  # fmt: skip
     state: dict[str, object] = {}
-    runner = web.AppRunner(_http_app(state), access_log=None)
-    await runner.setup()
+    runner = await internal_runner(_http_app(state), "engine-serve HTTP listener")
     await web.TCPSite(runner, args.http_host, args.http_port).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

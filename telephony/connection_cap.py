@@ -19,7 +19,9 @@ from . import metrics
 log = logging.getLogger(__name__)
 
 
-def cap_connections(server: web.Server, limit: int, streaming: Callable[[], int]) -> None:
+def cap_connections(
+    server: web.Server, limit: int, streaming: Callable[[], int] = lambda: 0, listener: str = "public listener"
+) -> None:
     """Refuse (abort at once) each connection beyond `limit` that is not one of `streaming()`'s calls."""
     admit = server.connection_made
     refused = 0
@@ -30,8 +32,8 @@ def cap_connections(server: web.Server, limit: int, streaming: Callable[[], int]
             refused += 1
             metrics.HTTP_CONNECTIONS_REFUSED.inc()
             if refused in (1, 10) or refused % 1000 == 0:  # a flood must not flood the logs
-                log.warning("public listener: %d connections without a call already; refusing (%d so far)",
-                            limit, refused)  # fmt: skip
+                log.warning("%s: %d connections without a call already; refusing (%d so far)",
+                            listener, limit, refused)  # fmt: skip
             transport.abort()
             return
         admit(handler, transport)

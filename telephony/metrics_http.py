@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from .connection_cap import cap_connections
+
 log = logging.getLogger(__name__)
 
 METRICS_PATH = "/metrics"
@@ -24,6 +26,23 @@ async def handle_metrics(request: web.Request) -> web.Response:
     # In a worker thread: the event loop keeps moving call audio while the text is built.
     body = await asyncio.to_thread(generate_latest, REGISTRY)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# Listeners for scrapers and probes (metrics, engine-serve's health): a few connections at a time, each
+# closed 5 s after its last request. With aiohttp's defaults (no cap, an hour's keep-alive) any peer on the
+# pod or compose network could hold a thousand idle sockets and take the file descriptors the calls need.
+INTERNAL_MAX_CONNECTIONS = 64
+INTERNAL_KEEPALIVE_S = 5.0
+
+
+async def internal_runner(app: web.Application, name: str) -> web.AppRunner:
+    """An AppRunner set up for an internal listener (capped, short keep-alive); the caller starts its site."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=INTERNAL_KEEPALIVE_S,
+                           lingering_time=0)  # fmt: skip
+    await runner.setup()
+    assert runner.server is not None
+    cap_connections(runner.server, INTERNAL_MAX_CONNECTIONS, listener=name)
+    return runner
 
 
 @dataclass
@@ -37,8 +56,7 @@ class MetricsListener:
     async def start(self) -> MetricsListener:
         app = web.Application()
         app.router.add_get(METRICS_PATH, handle_metrics)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
+        runner = await internal_runner(app, "metrics listener")
         try:
             await web.TCPSite(runner, self.host, self.port).start()
         except OSError:

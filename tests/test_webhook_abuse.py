@@ -175,3 +175,25 @@ async def test_one_captured_upgrade_signature_cannot_keep_real_calls_streams_out
     assert [r.outcome for r in reports] == ["completed"] * 3, [r.errors for r in reports]
     assert all(r.bot_seconds_received > 0.5 for r in reports)
     assert "\nforged admin login ok" not in caplog.text  # never a log line of its own
+
+
+async def test_the_metrics_listener_caps_its_connections_and_closes_idle_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The metrics port (and engine-serve's health port) kept every connection an hour, uncapped: any peer on
+    the pod network held a thousand sockets (2,000 file descriptors in the review), which the calls need."""
+    from telephony import metrics_http
+
+    monkeypatch.setattr(metrics_http, "INTERNAL_KEEPALIVE_S", 0.5)
+    async with _service(metrics_port=0) as h, aiohttp.ClientSession() as http:
+        assert h.metrics is not None and h.metrics._runner is not None
+        server = h.metrics._runner.server
+        assert server is not None
+        idle = [await asyncio.open_connection(h.metrics.host, h.metrics.port) for _ in range(100)]
+        try:
+            await asyncio.sleep(0.1)
+            assert len(server.connections) <= metrics_http.INTERNAL_MAX_CONNECTIONS
+            await until(lambda: not server.connections, within=5)  # idle ones closed after the keep-alive
+            async with http.get(f"http://{h.metrics.host}:{h.metrics.port}/metrics") as r:
+                assert r.status == 200 and "kame_calls_active" in await r.text()
+        finally:
+            for _, writer in idle:
+                writer.close()
