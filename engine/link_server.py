@@ -90,7 +90,8 @@ class EngineServer:
         self._edges: set[_Edge] = set()
         self._owner: dict[str, tuple[_Edge, str]] = {}  # engine call id -> (its edge, the edge's call id)
         self._edge_numbers = itertools.count(1)
-        self._unauthenticated = 0  # connections accepted and not yet welcomed
+        # Connections accepted and not yet welcomed, oldest first (a dict's insertion order).
+        self._awaiting_hello: dict[asyncio.StreamWriter, None] = {}
         self._closing: set[asyncio.Task[None]] = set()  # calls the edges hung up, still saying their last words
         self._server: asyncio.Server | None = None
         self._fanout: asyncio.Task[None] | None = None
@@ -156,19 +157,22 @@ class EngineServer:
     async def _serve_edge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername") or "unix socket"
         edge: _Edge | None = None
-        if self._unauthenticated >= MAX_UNAUTHENTICATED:  # a flood of connections: refuse before reading a byte
+        if len(self._awaiting_hello) >= MAX_UNAUTHENTICATED:
+            # A flood of connections: the oldest that has not said hello goes (an edge says it at once). Refusing
+            # the newest let a few silent sockets, reopened as they timed out, keep every edge from joining.
+            oldest = next(iter(self._awaiting_hello))
+            del self._awaiting_hello[oldest]
             metrics.ENGINE_LINK_ERRORS.labels(kind="unauthenticated_cap").inc()
-            log.warning("engine link from %s: %d connections await their hello already; refused",
-                        peer, self._unauthenticated)  # fmt: skip
-            writer.write(json_message(b"W", {"error": "too many connections awaiting their hello; retry"}))
-            writer.close()
-            return
+            log.warning("engine link: %d connections await their hello; the oldest (%s) closed for one from %s",
+                        MAX_UNAUTHENTICATED, oldest.get_extra_info("peername") or "unix socket", peer)  # fmt: skip
+            oldest.write(json_message(b"W", {"error": "too many connections awaiting their hello; retry"}))
+            oldest.close()
         try:
-            self._unauthenticated += 1
+            self._awaiting_hello[writer] = None
             try:
                 edge = await self._welcome(reader, writer, peer)
             finally:
-                self._unauthenticated -= 1
+                self._awaiting_hello.pop(writer, None)
             if edge is None:
                 return
             tune_socket(writer, self.socket_buffer_bytes)  # large buffers only for a welcomed edge
@@ -218,6 +222,8 @@ class EngineServer:
             except (TypeError, ValueError, OverflowError):  # "many", 1e400, null
                 hello = {}
         if not hello or not isinstance(hello, dict):
+            if writer.is_closing():  # closed to make room for a newer connection: counted as such already
+                return None
             metrics.ENGINE_LINK_ERRORS.labels(kind="bad_hello").inc()
             log.warning("engine link from %s: no hello; closing it", peer)
             return None
