@@ -105,6 +105,22 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
+def device_problem(device: str | None) -> str | None:
+    """What is wrong with `--device` on this machine (a CUDA device it does not have), else None. Said at
+    start-up in one line: found at the model's load it was a traceback from the engine process."""
+    if not device or not device.startswith("cuda"):
+        return None
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = device.partition(":")[2]
+    if count == 0:
+        return f"--device {device}: this machine has no CUDA device (on CPU: --device cpu with a tiny checkpoint)"
+    if index and (not index.isdigit() or int(index) >= count):
+        return f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+    return None
+
+
 def backend_from_args(args: argparse.Namespace) -> BackendServices | None:
     if args.stt == "none" and args.llm == "none":
         return None

@@ -23,7 +23,7 @@ def _serve(args: argparse.Namespace) -> int:
     from telephony.config import ConfigError, ServiceConfig
     from telephony.server import run_service
 
-    from .app import agents_from_args, connect_engine, load_engine
+    from .app import agents_from_args, connect_engine, device_problem, load_engine
 
     setup_logging(json_lines=args.log_json)
     try:
@@ -56,6 +56,9 @@ def _serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"kame-phone serve: --engine: {e}", file=sys.stderr)
             return 2
+    elif (problem := device_problem(args.device)) is not None:
+        print(f"kame-phone serve: {problem}", file=sys.stderr)
+        return 2
 
     async def main() -> None:
         store = open_call_store(
@@ -253,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
              help="how long call records live")
     env_flag(serve, "--log-json", "KAME_LOG_JSON", switch=True, help="JSON log lines")
     env_flag(serve, "--max-unstarted-streams", "KAME_MAX_UNSTARTED_STREAMS", default=16, parse=parse_int,
-             help="media sockets upgraded but not started, at most (503 beyond)")  # fmt: skip
+             help="media sockets upgraded but not started, at most (beyond, a newer upgrade closes the oldest one "
+                  "over a second old, else gets 503)")  # fmt: skip
     env_flag(serve, "--start-timeout", "KAME_START_TIMEOUT", default=5.0, parse=parse_float,
              help="seconds a media socket may wait for its stream's start")  # fmt: skip
     env_flag(serve, "--max-idle-connections", "KAME_MAX_IDLE_CONNECTIONS", default=256, parse=parse_int,

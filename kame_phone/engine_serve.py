@@ -25,10 +25,11 @@ from engine.heap import freeze_startup_heap
 from engine.link_server import EngineServer
 from engine.link_wire import Address, server_tls
 from knowledge.agents import AgentsError
+from telephony.config import unfilled_message, unfilled_placeholders
 from telephony.metrics_http import METRICS_PATH, handle_metrics, internal_runner
 from telephony.server import LOADING_STOP_TIMEOUT_S
 
-from .app import agents_from_args, load_engine
+from .app import agents_from_args, device_problem, load_engine
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,12 @@ async def run_engine_server(args: argparse.Namespace) -> int:
         agents = agents_from_args(args)  # the back-end's prompts and greetings
     except AgentsError as e:
         print(f"kame-phone engine-serve: {e}", file=sys.stderr)
+        return 2
+    if (problem := device_problem(args.device)) is not None:
+        print(f"kame-phone engine-serve: {problem}", file=sys.stderr)
+        return 2
+    if placeholders := unfilled_placeholders(os.environ):
+        print(f"kame-phone engine-serve: {unfilled_message(placeholders)}", file=sys.stderr)
         return 2
     token = os.environ.get("KAME_ENGINE_TOKEN") or None
     if token is None and not address.local_only:

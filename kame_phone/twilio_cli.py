@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -14,7 +15,7 @@ from urllib.parse import quote, urlsplit
 import aiohttp
 
 from knowledge.agents import E164, Agents, AgentsError
-from telephony.config import is_loopback
+from telephony.config import is_loopback, unfilled_message, unfilled_placeholders
 from telephony.server import CALL_STATUS_PATH, VOICE_PATH
 from telephony.twilio_rest import TwilioRest, TwilioRestError
 
@@ -44,6 +45,8 @@ def _number(value: str, what: str) -> str:
 
 
 def _rest() -> TwilioRest:
+    if placeholders := unfilled_placeholders(os.environ):
+        raise CliError(unfilled_message(placeholders))
     rest = TwilioRest.from_env()
     if rest is None:
         raise CliError("no Twilio credentials: set TWILIO_ACCOUNT_SID with TWILIO_AUTH_TOKEN (or TWILIO_API_KEY and "

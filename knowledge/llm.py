@@ -263,7 +263,10 @@ class LlmClient:
     def __init__(self, config: LlmConfig, *, client: openai.AsyncOpenAI | None = None) -> None:
         self.config = config
         if client is None:
-            if not config.api_key:
+            if not config.api_key and not config.base_url:
+                log.warning("no LLM configured: no OPENAI_BASE_URL (so OpenAI's API) and no OPENAI_API_KEY, so every "
+                            "request will fail and calls run on the front-end alone; set them, or --llm none")
+            elif not config.api_key:
                 log.warning("no LLM API key set (OPENAI_API_KEY); fine for local servers only")
             client = openai.AsyncOpenAI(
                 base_url=config.base_url,

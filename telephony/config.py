@@ -6,6 +6,7 @@ import ipaddress
 import math
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -29,6 +30,23 @@ def is_loopback(host: str | None) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+# Secrets ops/.env.example ships as placeholders. Left unfilled, ADMIN_TOKEN's is a published password (the
+# admin API open to anyone who read the example), and the others fail every webhook or request at run time.
+SECRET_VARIABLES = ("TWILIO_AUTH_TOKEN", "TWILIO_ACCOUNT_SID", "TWILIO_API_KEY", "TWILIO_API_SECRET", "ADMIN_TOKEN",
+                    "OPENAI_API_KEY", "KAME_ENGINE_TOKEN", "HF_TOKEN")
+_PLACEHOLDER = "replace-with-"
+
+
+def unfilled_placeholders(env: Mapping[str, str]) -> list[str]:
+    """The secret variables that still hold ops/.env.example's placeholder."""
+    return [name for name in SECRET_VARIABLES if _PLACEHOLDER in env.get(name, "")]
+
+
+def unfilled_message(names: list[str]) -> str:
+    return (f"{', '.join(names)} still hold{'s' if len(names) == 1 else ''} the placeholder from ops/.env.example "
+            "(replace-with-...): fill in the real value, or unset it")
 
 
 @dataclass(frozen=True)
@@ -57,8 +75,9 @@ class ServiceConfig:
     # two; replayed or abandoned webhooks must not hold a node's seats for long.
     reservation_ttl_s: float = 8.0
     silent_socket_s: float = 10.0  # no message from Twilio for this long: the stream is dead
-    # Upgraded media sockets without a `start` yet: at most this many per node (503 beyond), each closed
-    # after start_timeout_s. Twilio sends `start` right after the upgrade.
+    # Upgraded media sockets without a `start` yet: at most this many per node (beyond, a newer upgrade closes
+    # the oldest one over a second old, else gets 503), each closed after start_timeout_s. Twilio sends
+    # `start` right after the upgrade.
     max_unstarted_streams: int = 16
     start_timeout_s: float = 5.0
     # Connections on the public port that carry no started call (webhooks in flight, idle keep-alives,
@@ -82,6 +101,8 @@ class ServiceConfig:
     @classmethod
     def from_env(cls, **overrides: object) -> ServiceConfig:
         env = os.environ
+        if placeholders := unfilled_placeholders(env):
+            raise ConfigError(unfilled_message(placeholders))
         values: dict[str, object] = {
             "public_url": env.get("PUBLIC_URL", ""),
             "twilio_auth_token": env.get("TWILIO_AUTH_TOKEN") or None,

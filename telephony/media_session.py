@@ -136,7 +136,7 @@ class MediaStreamSession:
         self.limits = StreamLimits()
         # Upgraded (the signature was good) but not started: such sockets are capped per node and closed
         # after the start timeout, however often they send `connected`.
-        self._opened_at = time.monotonic()
+        self.opened_at = time.monotonic()
         self._unstarted = True
         ctx.unstarted_sockets += 1
         ctx.awaiting_start[self] = None
@@ -198,7 +198,7 @@ class MediaStreamSession:
         limit, start_limit = self.ctx.config.silent_socket_s, self.ctx.config.start_timeout_s
         while not self.ws.closed:
             await asyncio.sleep(min(1.0, limit / 2, start_limit / 2))
-            if self._unstarted and time.monotonic() - self._opened_at > start_limit:
+            if self._unstarted and time.monotonic() - self.opened_at > start_limit:
                 self._protocol_error(NO_START, f"no stream start within {start_limit:.0f}s of the upgrade")
                 self._end_reason = "no_start"
                 await self.ws.close()

@@ -66,7 +66,7 @@ WEBHOOK_REJECTIONS = zero_series(
 zero_series(WEBHOOK_REJECTIONS, endpoint=("voice",), reason=("replayed",))  # signatures carry no nonce
 # A body that is not a form Twilio sends, or one that does not arrive in time (before any signature check).
 zero_series(WEBHOOK_REJECTIONS, endpoint=("voice", "stream_status", "call_status", "connect_action"),
-            reason=("malformed", "slow_body"))
+            reason=("malformed", "slow_body", "oversize"))
 # A stream's start (not a signature): a token that is not the call's, or a second socket for a live call.
 zero_series(WEBHOOK_REJECTIONS, endpoint=("media",),
             reason=("bad_token", "second_stream", "unstarted_cap", "unstarted_evicted"))

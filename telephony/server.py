@@ -12,6 +12,7 @@ import logging
 import re
 import signal
 import socket
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 from urllib.parse import urlencode
@@ -162,6 +163,8 @@ def _counted(request: web.Request, endpoint: str, ok: bool) -> bool:
     return ok
 
 
+# An unstarted media socket at least this old may be closed to make room for a newer upgrade.
+EVICT_UNSTARTED_AFTER_S = 1.0
 # A webhook's body arrives within this, or the request is over (408). aiohttp's keep-alive timer runs only
 # between requests: a body announced and never sent held its connection, and 256 of them (the connection cap)
 # shut out every call, Twilio's webhooks and admitted streams alike.
@@ -180,6 +183,8 @@ async def _webhook_form(request: web.Request, endpoint: str) -> MultiDictProxy[A
             return await request.post()
     except TimeoutError:
         raise _refused(request, endpoint, "slow_body", web.HTTPRequestTimeout(text="request body too slow")) from None
+    except web.HTTPRequestEntityTooLarge as e:  # over client_max_size (32 KB)
+        raise _refused(request, endpoint, "oversize", e) from None
     except (ValueError, LookupError) as e:  # UnicodeDecodeError is a ValueError; LookupError: a bogus charset
         raise _refused(request, endpoint, "malformed", web.HTTPBadRequest(text="malformed form")) from e
 
@@ -263,8 +268,10 @@ async def handle_media(request: web.Request) -> web.StreamResponse:
         # Room is made by closing the oldest socket that never sent `start` (Twilio sends it within
         # milliseconds of the upgrade): refusing the newest let one captured upgrade signature, held on as
         # many sockets and reopened as each timed out, refuse every real call's stream.
+        # Not one younger than a second: a burst of real calls whose `start`s wait in a busy loop's sockets
+        # must not close each other (the newest is refused then, as before).
         oldest = next(iter(ctx.awaiting_start), None)
-        if oldest is None:  # every one of them is starting (a slow claim): refused before the upgrade costs
+        if oldest is None or time.monotonic() - oldest.opened_at < EVICT_UNSTARTED_AFTER_S:
             metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason="unstarted_cap").inc()
             log.warning("media upgrade from %s refused: %d sockets await their start", request.remote,
                         ctx.unstarted_sockets)  # fmt: skip

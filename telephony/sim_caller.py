@@ -128,8 +128,10 @@ def _read_twiml(report: CallReport, body: str) -> ConnectStream | None:
         report.outcome = "busy" if reject.get("reason") == "busy" else "rejected"
     elif root.find("Hangup") is not None:
         report.outcome = "busy"  # what the server answers at capacity: <Say>…</Say><Hangup/>
+    elif root.find("Dial") is not None or root.find("Enqueue") is not None:
+        report.outcome = "busy"  # an agent's busy policy at capacity: handed to a person, or queued
     else:
-        report.errors.append("TwiML has neither <Connect><Stream> nor <Hangup>")
+        report.errors.append("TwiML has neither <Connect><Stream>, <Reject>, <Hangup>, <Dial> nor <Enqueue>")
     return None
 
 

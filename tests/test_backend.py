@@ -985,3 +985,15 @@ async def test_sse_events_are_parsed_as_the_spec_says() -> None:
     assert got == ['{"a":\n1}', "[DONE]"]
     with pytest.raises(LlmStreamError, match="overloaded"):
         [d async for d in _sse_data(lines("event: error", "data: overloaded", ""))]
+
+
+async def test_an_llm_with_neither_endpoint_nor_key_is_said_to_fail_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    """serve with no OPENAI_BASE_URL and no key said "fine for local servers only", while no local server was
+    named: every request then failed, call after call. Start-up says so, and how to run without one."""
+    caplog.set_level(logging.WARNING)
+    for config, says in [(LlmConfig(model="m"), "every request will fail"),
+                         (LlmConfig(model="m", base_url="http://127.0.0.1:9/v1"), "fine for local servers only")]:
+        caplog.clear()
+        llm = LlmClient(config)
+        await llm.aclose()
+        assert says in caplog.text, caplog.text

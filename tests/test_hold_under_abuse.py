@@ -16,6 +16,7 @@ from typing import Any, get_args
 
 import aiohttp
 import pytest
+import torch
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 from twilio.request_validator import RequestValidator
@@ -111,6 +112,15 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
         # A password with an unencoded '/' (openssl rand -base64 makes them): refused at start, never quoted.
         pytest.param({"REDIS_URL": "redis://:Xk9+Qz/7aB@redis:6379/0"}, ["--insecure-dev"],
                      "REDIS_URL does not parse", id="redis-url"),  # fmt: skip
+        # ops/.env.example copied and not filled in: ADMIN_TOKEN's placeholder is a published password.
+        pytest.param({"TWILIO_AUTH_TOKEN": "replace-with-your-twilio-auth-token",
+                      "ADMIN_TOKEN": "replace-with-a-long-random-string"}, ["--insecure-dev"],
+                     "TWILIO_AUTH_TOKEN, ADMIN_TOKEN still hold the placeholder", id="placeholders"),  # fmt: skip
+        # No GPU here (CI, this box): was a traceback from the engine process at the model's load.
+        pytest.param({"KAME_DEVICE": "cuda"}, ["--insecure-dev"], "--device cuda: this machine has no CUDA device",
+                     id="no-cuda", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")),
+        pytest.param({"KAME_DEVICE": "cuda:x"}, ["--insecure-dev"], "--device cuda:x: this machine has", id="bad-cuda",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")),
     ],
 )
 def test_serve_refuses_a_configuration_that_cannot_work_in_one_line(

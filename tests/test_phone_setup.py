@@ -89,6 +89,9 @@ async def test_env_file_values_are_read_and_the_environment_overrides_them(tmp_p
         (["twilio", "setup", "--number", "555-1234"], {}, "--number must be an E.164 number", 2),
         (["twilio", "setup", "--number", NUMBER], {"PUBLIC_URL": "http://voice.example.com"}, "must be https://", 2),
         (["twilio", "setup", "--number", NUMBER], {"TWILIO_ACCOUNT_SID": ""}, "no Twilio credentials", 2),
+        # ops/.env.example copied and left as it is: said so, not a lookup of account "replace-with-..."
+        (["twilio", "setup", "--number", NUMBER], {"TWILIO_ACCOUNT_SID": "replace-with-your-account-sid"},
+         "TWILIO_ACCOUNT_SID still holds the placeholder from ops/.env.example", 2),
         (["dial", "+15557654321", "--from", "+15551112222"], {"TWILIO_AUTH_TOKEN": "wrong"},
          "refused the credentials", 1),
         (["dial", "12345", "--from", NUMBER], {}, "the number to call must be an E.164 number", 2),

@@ -38,7 +38,7 @@ from telephony.sim_caller import (
     run_call_from_args,
     simulate_call,
 )
-from telephony.twiml import busy_twiml, connect_stream_twiml
+from telephony.twiml import at_capacity_twiml, busy_twiml, connect_stream_twiml
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 PARAMS = {"tenant": "acme", "session": "9f3c-test"}
@@ -56,6 +56,7 @@ class FakeServer:
     token: str = TOKEN
     public_base: str | None = None  # the PUBLIC_URL it believes in; None: its own http://127.0.0.1:port
     busy: bool = False
+    busy_answer: str | None = None  # the TwiML of an agent's busy policy, instead of busy_twiml's
     refuse_ws: bool = False
     clear_after_packets: int | None = None  # send a 1 s burst + mark "burst", then `clear`
     garbage: bool = False  # send invalid messages right after `start`
@@ -80,7 +81,9 @@ class FakeServer:
         if not RequestValidator(self.token).validate(url, form, request.headers.get(SIGNATURE_HEADER)):
             return web.Response(status=403)
         self.voice_forms.append(form)
-        if self.busy:
+        if self.busy_answer is not None:
+            twiml = self.busy_answer
+        elif self.busy:
             twiml = busy_twiml("All our lines are busy.")
         else:
             stream = websocket_signature_url(self.base, "/twilio/media")
@@ -301,6 +304,15 @@ async def test_busy_answer(make_server: ServerFactory) -> None:
     report = await simulate_call(server.ws_url, speech_like(), auth_token=TOKEN, public_url=None)
     assert report.outcome == "busy" and report.twiml_say == "All our lines are busy."
     assert report.stream_sid is None and not server.received
+
+
+@pytest.mark.parametrize("policy", ["dial", "enqueue:overflow"])
+async def test_an_agents_busy_policy_is_a_busy_answer_not_an_error(make_server: ServerFactory, policy: str) -> None:
+    """`busy = "dial"` or `"enqueue:NAME"` answers <Dial> or <Enqueue> at capacity: `kame-phone call` said
+    "error: TwiML has neither <Connect><Stream> nor <Hangup>" of a service doing as configured."""
+    server = await make_server(busy_answer=at_capacity_twiml(policy, "busy", "+15550009999"))
+    report = await simulate_call(server.ws_url, speech_like(), auth_token=TOKEN, public_url=None)
+    assert report.outcome == "busy" and not report.errors
 
 
 async def test_behind_a_proxy_signs_the_public_urls(make_server: ServerFactory) -> None:

@@ -86,6 +86,15 @@ async def test_bodies_that_never_arrive_are_cut_off_and_calls_still_come_in(monk
     assert metric("kame_webhook_rejections_total", endpoint="voice", reason="slow_body") == slow + 4
 
 
+async def test_an_oversized_webhook_body_is_a_counted_413() -> None:
+    oversize = metric("kame_webhook_rejections_total", endpoint="voice", reason="oversize")
+    async with _service() as h, aiohttp.ClientSession() as http:
+        async with http.post(h.http_url + VOICE_PATH, data={"CallSid": "CA" + "0" * 40_000}) as r:
+            status = r.status
+    assert status == 413
+    assert metric("kame_webhook_rejections_total", endpoint="voice", reason="oversize") == oversize + 1
+
+
 @pytest.mark.parametrize(
     ("content_type", "body"),
     [
@@ -143,7 +152,7 @@ async def test_one_captured_upgrade_signature_cannot_keep_real_calls_streams_out
     was refused (8 of 8 in the review). The oldest unstarted socket now makes room. Its `start`, with a
     newline in the callSid, is refused as malformed, never written into the log as a line of its own."""
     caplog.set_level(logging.INFO)
-    async with _service(max_calls=4, max_unstarted_streams=4, start_timeout_s=1.0) as h, \
+    async with _service(max_calls=4, max_unstarted_streams=4, start_timeout_s=5.0) as h, \
             aiohttp.ClientSession() as http:  # fmt: skip
         ws_url = h.http_url.replace("http://", "ws://") + MEDIA_PATH
         signature = RequestValidator(TOKEN).compute_signature(ws_url, {})  # one captured upgrade header
@@ -161,10 +170,12 @@ async def test_one_captured_upgrade_signature_cannot_keep_real_calls_streams_out
         async with http.ws_connect(ws_url, headers={SIGNATURE_HEADER: signature}) as ws:
             start = {**FORGED_START, "callSid": "CAx\nforged admin login ok"}
             await ws.send_str(json.dumps({"event": "start", "sequenceNumber": "1", "streamSid": "MZ1", "start": start}))
-            await ws.receive(timeout=5)  # refused
+            with contextlib.suppress(TimeoutError):
+                await ws.receive(timeout=0.5)  # a malformed start: counted, the socket left to its start timeout
         holders = [asyncio.create_task(hold()) for _ in range(4)]
         try:
             await until(lambda: h.ctx.unstarted_sockets == 4, within=5)  # the cap is full
+            await asyncio.sleep(1.2)  # and its sockets over a second old (younger ones are never closed)
             reports = []
             for _ in range(3):  # real calls, one after another, while the holders reopen what is closed
                 reports.append(await simulate_call(ws_url, tone(440.0, 1.0), auth_token=TOKEN, public_url=None,
