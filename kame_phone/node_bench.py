@@ -145,6 +145,10 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def _fmt(figures: dict[str, Any]) -> str:
     ms = "/".join("-" if figures[_key(q)] is None else f"{figures[_key(q)]:.0f}" for q in QUANTILES)
     return f"{ms} (n={figures['count']})"
@@ -271,10 +275,10 @@ def _summarise(calls, serve_args, reports, before, after, ready, log) -> dict[st
         f"as the callers heard it: {_fmt(result['first_audio_heard'])}")
     log(f"turn latency p50/p95/p99 ms (kame_turn_latency_seconds): {_fmt(result['turn_latency'])}; "
         f"as the callers heard it: {_fmt(result['turn_latency_heard'])}")
-    log(f"engine tick p50/p99 ms: {result['tick_p50_ms']}/{result['tick_p99_ms']}, deadline misses "
+    log(f"engine tick p50/p99 ms: {_ms(result['tick_p50_ms'])}/{_ms(result['tick_p99_ms'])}, deadline misses "
         f"{result['deadline_misses']:.0f}, input overruns {result['input_overruns']:.0f}; STT dropped frames "
         f"{result['stt_dropped_frames']:.0f}, errors {result['stt_errors']:.0f}; oracle lag p50/p99 ms: "
-        f"{result['oracle_lag_p50_ms']}/{result['oracle_lag_p99_ms']}; /readyz not ready "
+        f"{_ms(result['oracle_lag_p50_ms'])}/{_ms(result['oracle_lag_p99_ms'])}; /readyz not ready "
         f"{result['readyz_not_ready']}/{result['readyz_samples']}")
     held = result["model_bytes"]
     if all(v is not None for v in held.values()):
