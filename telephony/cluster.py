@@ -504,7 +504,8 @@ class RedisCluster:
         if self._mine.used(call_sid) or self._fallback.used(call_sid):
             # Its stream started here already (or it ended): the token is single-use per call, so a replayed
             # webhook's new reservation (Redis having lost the binding) never lets a second socket in.
-            log.warning("cluster: call %s already streamed on this node; refusing another stream", call_sid)
+            log.warning("cluster: call %s already streamed on this node (or its reservation expired); refusing "
+                        "another stream", call_sid)  # fmt: skip
             return False
         if self._fallback.token_for(call_sid) is not None:
             return self._fallback.claim(call_sid, token)
