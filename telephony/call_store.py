@@ -264,9 +264,28 @@ class _OpStore:
         return str(digit) if self.store_transcripts else _MASKED_DIGIT
 
     def _tool(self, name: str, arguments: str, outcome: str, at: float | None) -> ToolNote:
-        # Arguments carry what the caller said (an order number, a card number): digits go like DTMF's.
-        masked = arguments if self.store_transcripts else re.sub(r"\d", _MASKED_DIGIT, arguments)
+        masked = arguments if self.store_transcripts else _masked_arguments(arguments)
         return ToolNote(name=name, arguments=masked, outcome=outcome, at=time.time() if at is None else float(at))
+
+
+def _masked_arguments(arguments: str) -> str:
+    """Tool arguments with transcripts off: the keys kept (what was asked for), every value's letters and digits
+    masked like DTMF's. They carry what the caller said: a card number, and as much a name or an email."""
+
+    def mask(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: mask(v) for key, v in value.items()}
+        if isinstance(value, list):
+            return [mask(v) for v in value]
+        if isinstance(value, bool) or value is None:
+            return value
+        return re.sub(r"\w", _MASKED_DIGIT, str(value))
+
+    try:
+        parsed = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return re.sub(r"\w", _MASKED_DIGIT, arguments)
+    return json.dumps(mask(parsed), ensure_ascii=False)
 
 
 class MemoryCallStore(_OpStore):

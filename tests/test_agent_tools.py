@@ -496,8 +496,14 @@ async def test_tool_calls_in_the_record_mask_digits_as_dtmf_is() -> None:
     store = MemoryCallStore(store_transcripts=False)
     await store.create(CallRecord("CA" + "3" * 32))
     await store.append_tool("CA" + "3" * 32, "order_status", '{"card": "4111 1111"}', "ok")
+    # A name and an email are the caller's words as much as a card number is: masked too, keys kept.
+    await store.append_tool("CA" + "3" * 32, "book", '{"name": "Jane Doe", "email": "jd@ex.com", "n": 42, '
+                                                     '"vip": true}', "ok")  # fmt: skip
+    await store.append_tool("CA" + "3" * 32, "book", '{"name": "Jane', "bad_arguments")  # not JSON
     record = await store.get("CA" + "3" * 32)
     assert record is not None and record.tools[0].arguments == '{"card": "**** ****"}'
+    assert record.tools[1].arguments == '{"name": "**** ***", "email": "**@**.***", "n": "**", "vip": true}'
+    assert record.tools[2].arguments == '{"****": "****'
 
 
 def test_tool_events_and_call_actions_cross_the_engine_link() -> None:
