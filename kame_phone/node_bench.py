@@ -145,7 +145,7 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
-def _ms(value: float | None) -> str:
+def _whole_ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
@@ -275,10 +275,11 @@ def _summarise(calls, serve_args, reports, before, after, ready, log) -> dict[st
         f"as the callers heard it: {_fmt(result['first_audio_heard'])}")
     log(f"turn latency p50/p95/p99 ms (kame_turn_latency_seconds): {_fmt(result['turn_latency'])}; "
         f"as the callers heard it: {_fmt(result['turn_latency_heard'])}")
-    log(f"engine tick p50/p99 ms: {_ms(result['tick_p50_ms'])}/{_ms(result['tick_p99_ms'])}, deadline misses "
+    tick = f"{_whole_ms(result['tick_p50_ms'])}/{_whole_ms(result['tick_p99_ms'])}"
+    log(f"engine tick p50/p99 ms: {tick}, deadline misses "
         f"{result['deadline_misses']:.0f}, input overruns {result['input_overruns']:.0f}; STT dropped frames "
         f"{result['stt_dropped_frames']:.0f}, errors {result['stt_errors']:.0f}; oracle lag p50/p99 ms: "
-        f"{_ms(result['oracle_lag_p50_ms'])}/{_ms(result['oracle_lag_p99_ms'])}; /readyz not ready "
+        f"{_whole_ms(result['oracle_lag_p50_ms'])}/{_whole_ms(result['oracle_lag_p99_ms'])}; /readyz not ready "
         f"{result['readyz_not_ready']}/{result['readyz_samples']}")
     held = result["model_bytes"]
     if all(v is not None for v in held.values()):

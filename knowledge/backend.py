@@ -581,6 +581,9 @@ class CallBackend:
             exchange.results[index] = (call_id, f"failed: the {what} could not be made ({result}); the caller is "
                                                 "still on the line: tell them")
         self._quiet_until = 0.0
+        # A tool round like any other: a model retrying the failed action would otherwise chain "connecting
+        # you" and a REST request without end while the caller waits.
+        self._tool_rounds += 1
         if self._llm is not None:
             self._start_request(TriggerReason.TOOL_RESULT, self._clock())
 

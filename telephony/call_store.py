@@ -282,10 +282,9 @@ def _masked_arguments(arguments: str) -> str:
         return re.sub(r"\w", _MASKED_DIGIT, str(value))
 
     try:
-        parsed = json.loads(arguments)
-    except (ValueError, RecursionError):
+        return json.dumps(mask(json.loads(arguments)), ensure_ascii=False)
+    except (ValueError, RecursionError):  # not JSON, or nested past the recursion limit ("[[[[...")
         return re.sub(r"\w", _MASKED_DIGIT, arguments)
-    return json.dumps(mask(parsed), ensure_ascii=False)
 
 
 class MemoryCallStore(_OpStore):

@@ -644,8 +644,12 @@ class MediaStreamSession:
             # "...goodbye" and an immediate hang-up) reach the record before the call's end does; bounded.
             await asyncio.wait({self._pump}, timeout=LAST_WORDS_WAIT_S)
             self._pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await self._pump
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # a pump that died must not skip what follows (the seat, the record's end)
+                log.exception("the call's output pump failed")
         call_sid = self.state.call_sid
         if call_sid is not None:
             metrics.CALLS_ACTIVE.dec()

@@ -500,10 +500,12 @@ async def test_tool_calls_in_the_record_mask_digits_as_dtmf_is() -> None:
     await store.append_tool("CA" + "3" * 32, "book", '{"name": "Jane Doe", "email": "jd@ex.com", "n": 42, '
                                                      '"vip": true}', "ok")  # fmt: skip
     await store.append_tool("CA" + "3" * 32, "book", '{"name": "Jane', "bad_arguments")  # not JSON
+    await store.append_tool("CA" + "3" * 32, "book", "[" * 500 + "]" * 500, "ok")  # past the recursion limit
     record = await store.get("CA" + "3" * 32)
     assert record is not None and record.tools[0].arguments == '{"card": "**** ****"}'
     assert record.tools[1].arguments == '{"name": "**** ***", "email": "**@**.***", "n": "**", "vip": true}'
     assert record.tools[2].arguments == '{"****": "****'
+    assert record.tools[3].arguments == "[" * 500 + "]" * 500  # masked as text: nothing to mask, nothing raised
 
 
 def test_tool_events_and_call_actions_cross_the_engine_link() -> None:
@@ -603,3 +605,40 @@ async def test_a_model_that_keeps_calling_tools_stops_at_the_rounds_cap(
     assert len(tool_server.received) == MAX_TOOL_ROUNDS
     assert len(llm_server.requests) == MAX_TOOL_ROUNDS + 1  # the last offered none, and its call was dropped
     assert "tools" not in llm_server.requests[-1]
+
+
+async def test_a_model_retrying_a_failed_transfer_stops_at_the_rounds_cap(
+    llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path
+) -> None:
+    """Told the transfer failed, a model that calls transfer_call again each time chained "connecting you" and
+    a REST request without end while the caller waited (33 in 2 s in the review). A failed action is a tool
+    round: after MAX_TOOL_ROUNDS the tools are no longer offered."""
+    agent = _agents(tmp_path, tool_server.base_url + "/order-status").agents.get("sales")
+    llm_server.tool_triggers = {"person": ("transfer_call", {})}
+    llm_server.loop_tools = True
+    http = HttpSession()
+    executor = ThreadPoolExecutor(max_workers=1)
+    acted: list[ToolUse] = []
+    holder: list[CallBackend] = []
+
+    def on_tool(use: ToolUse) -> None:  # the edge: the line plays, Twilio refuses, the back-end is told
+        acted.append(use)
+        asyncio.get_running_loop().call_later(0.05, holder[0].action_failed, "transfer", "error")
+
+    async with _llm(llm_server) as llm:
+        backend = CallBackend(
+            "CA-retry", stt_factory=NullSTT, llm=llm, executor=executor, on_transcript=lambda *_: None,
+            on_oracle=lambda *_: None, policy=FAST_POLICY, tools=CallTools(agent, ("transfer",), http),
+            on_tool=on_tool,
+        )  # fmt: skip
+        holder.append(backend)
+        await backend.start()
+        try:
+            backend._handle_transcript(SttResult("a person please", final=True), time.monotonic())
+            await asyncio.sleep(2.0)  # the caller says nothing more
+        finally:
+            await backend.aclose()
+            await http.aclose()
+            executor.shutdown()
+    assert 1 <= len(acted) <= MAX_TOOL_ROUNDS + 1, len(acted)
+    assert "tools" not in llm_server.requests[-1]  # the last request offered none
