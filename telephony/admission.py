@@ -49,16 +49,23 @@ class Admission:
         self.reservation_ttl_s = reservation_ttl_s
         self.clock = clock
         self._grants: dict[str, _Grant] = {}
-        self._used: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # CallSid -> whether its stream started (False: its reservation expired, or was released, unclaimed).
+        self._used: collections.OrderedDict[str, bool] = collections.OrderedDict()
 
     def used(self, call_sid: str) -> bool:
         """True once the call's stream started here (live or ended), or its reservation was released or
-        expired."""
+        expired: it gets no new token."""
         self._expire()
         return call_sid in self._used
 
-    def _use_up(self, call_sid: str) -> None:
-        self._used[call_sid] = None
+    def streamed(self, call_sid: str) -> bool:
+        """True once the call's stream started (here, or elsewhere on a grant kept there); not for a
+        reservation that expired or was released unclaimed (the call status callback ends that record)."""
+        self._expire()
+        return self._used.get(call_sid, False)
+
+    def _use_up(self, call_sid: str, streamed: bool) -> None:
+        self._used[call_sid] = streamed or self._used.get(call_sid, False)
         self._used.move_to_end(call_sid)
         if len(self._used) > REMEMBERED_CALLS:
             self._used.popitem(last=False)
@@ -68,7 +75,7 @@ class Admission:
         stale = [sid for sid, g in self._grants.items() if not g.claimed and now - g.issued_at > self.reservation_ttl_s]
         for sid in stale:
             del self._grants[sid]
-            self._use_up(sid)  # its one chance: a webhook for it now is a replay
+            self._use_up(sid, streamed=False)  # its one chance: a webhook for it now is a replay
 
     @property
     def reserved(self) -> int:
@@ -97,15 +104,15 @@ class Admission:
         if grant is None or grant.claimed or not tokens_match(grant.token, token):
             return False
         grant.claimed = True
-        self._use_up(call_sid)
+        self._use_up(call_sid, streamed=True)
         return True
 
     def mark_used(self, call_sid: str) -> None:
         """Remember `call_sid` as used up though it had no grant here (its stream started on a grant kept
         elsewhere): it gets no new token, and no second stream."""
         self._grants.pop(call_sid, None)
-        self._use_up(call_sid)
+        self._use_up(call_sid, streamed=True)
 
     def release(self, call_sid: str) -> None:
-        if self._grants.pop(call_sid, None) is not None:
-            self._use_up(call_sid)
+        if (grant := self._grants.pop(call_sid, None)) is not None:
+            self._use_up(call_sid, streamed=grant.claimed)

@@ -162,7 +162,7 @@ class LocalCluster:
         self.admission.release(call_sid)
 
     async def streamed(self, call_sid: str) -> bool | None:
-        return self.admission.used(call_sid)
+        return self.admission.streamed(call_sid)
 
 
 _NOW_MS_LUA = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
@@ -590,7 +590,7 @@ class RedisCluster:
         self._poke.set()  # publish the freed seat now
 
     async def streamed(self, call_sid: str) -> bool | None:
-        if self._mine.used(call_sid) or self._fallback.used(call_sid):
+        if self._mine.streamed(call_sid) or self._fallback.streamed(call_sid):
             return True
         if self._failing:
             return None

@@ -139,6 +139,7 @@ async def test_a_reservation_without_a_stream_expires(prefix: str) -> None:
         # Its webhook replayed now (a captured one) is used up: no second seat and token, every few seconds.
         with pytest.raises(CallSidUsed):
             await a.reserve(sid)
+        assert await a.streamed(sid) is False  # and yet it never streamed: its final status ends its record
 
 
 async def test_a_draining_node_gets_no_reservations(prefix: str, raw: aioredis.Redis) -> None:

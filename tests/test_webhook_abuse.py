@@ -19,7 +19,7 @@ from kame_phone.media_bench import LoopbackEngine
 from telephony import server as server_module
 from telephony.call_store import MemoryCallStore
 from telephony.config import ServiceConfig
-from telephony.server import MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
+from telephony.server import CALL_STATUS_PATH, MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
 from telephony.signatures import SIGNATURE_HEADER
 from telephony.sim_caller import simulate_call
 from telephony.twiml import parse_connect_stream
@@ -125,6 +125,33 @@ async def test_a_body_twilio_never_sends_is_a_counted_400_not_a_traceback(
     assert metric("kame_webhook_rejections_total", endpoint="voice", reason="malformed") == malformed + 1
     assert status == 200
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text[-2000:]
+
+
+async def test_a_call_whose_reservation_expired_unclaimed_is_ended_by_its_final_status() -> None:
+    """Its stream never started (not opened; the caller had the agent's fallback, or hung up): Twilio's final
+    call status, after the reservation expired, ends the record as no_stream. Taken for a stream started
+    elsewhere (the expired CallSid is used up against replays), it stayed "ringing" for good."""
+    store = MemoryCallStore()
+    engine = LoopbackEngine(max_calls=2)
+    cfg = ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=TOKEN, reservation_ttl_s=0.3)
+    handle = await ServiceHandle(ServerContext(cfg, store, engine)).start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            sid = _sid()
+            status, _ = await _voice(http, handle.http_url, sid)
+            assert status == 200
+            await asyncio.sleep(0.6)  # the reservation expired unclaimed
+            form = {"CallSid": sid, "AccountSid": "AC" + "0" * 32, "CallStatus": "completed"}
+            url = handle.http_url + CALL_STATUS_PATH
+            signature = RequestValidator(TOKEN).compute_signature(url, form)
+            async with http.post(url, data=form, headers={SIGNATURE_HEADER: signature}) as r:
+                assert r.status == 204
+        await store.flush()
+        record = await store.get(sid)
+    finally:
+        await engine.stop()
+        await handle.aclose()
+    assert record is not None and (record.state, record.end_reason) == ("ended", "no_stream")
 
 
 async def test_a_captured_webhook_replayed_after_its_reservation_expired_gets_no_seat() -> None:
