@@ -290,6 +290,9 @@ class MediaStreamSession:
             log.warning("stream for %s rejected (%s)", call_sid, reason)
             metrics.CALLS_TOTAL.labels(outcome="rejected", agent="default").inc()  # its agent is not ours to trust
             self._end_reason = "rejected"
+            # Off the unstarted count now, not after the close handshake (up to 2 s a peer may never answer):
+            # sockets sending a start that fails, over and over, held the cap as well as silent ones did.
+            self._started()
             await self.ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"not admitted")
             return
         self.ctx.add_stream(call_sid, self)

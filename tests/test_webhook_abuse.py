@@ -235,3 +235,34 @@ async def test_the_metrics_listener_caps_its_connections_and_closes_idle_ones(mo
         finally:
             for _, writer in idle:
                 writer.close()
+
+
+async def test_sockets_whose_start_is_refused_do_not_hold_the_unstarted_cap() -> None:
+    """The holder of a captured upgrade signature sends a `start` with a made-up token on each socket and never
+    answers the close: the refused sockets counted as unstarted for the close handshake's 2 s, and never being
+    "awaiting start" either, could not be closed for a newer upgrade: real calls' streams got 503."""
+    async with _service(max_calls=4, max_unstarted_streams=4, start_timeout_s=5.0) as h, \
+            aiohttp.ClientSession() as http:  # fmt: skip
+        ws_url = h.http_url.replace("http://", "ws://") + MEDIA_PATH
+        signature = RequestValidator(TOKEN).compute_signature(ws_url, {})
+        stop = asyncio.Event()
+
+        async def hold() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(aiohttp.ClientError, ConnectionError):
+                    ws = await http.ws_connect(ws_url, headers={SIGNATURE_HEADER: signature}, autoclose=False)
+                    start = {**FORGED_START, "callSid": _sid(), "customParameters": {"token": "made-up"}}
+                    await ws.send_str(json.dumps({"event": "start", "sequenceNumber": "1", "streamSid": "MZ1",
+                                                  "start": start}))  # fmt: skip
+                    await asyncio.sleep(0.5)  # does not read: the server's close goes unanswered meanwhile
+                    await ws.close()  # then again
+
+        holders = [asyncio.create_task(hold()) for _ in range(6)]
+        try:
+            await asyncio.sleep(0.5)
+            reports = [await simulate_call(ws_url, tone(440.0, 1.0), auth_token=TOKEN, public_url=None,
+                                           hold_after=0.3) for _ in range(3)]  # fmt: skip
+        finally:
+            stop.set()
+            await asyncio.gather(*holders, return_exceptions=True)
+    assert [r.outcome for r in reports] == ["completed"] * 3, [r.errors for r in reports]
