@@ -35,6 +35,7 @@ from .interface import (
     OracleUpdate,
 )
 from .link_wire import (
+    COMPATIBLE_VERSIONS,
     PROTOCOL_VERSION,
     SOCKET_BUFFER_BYTES,
     Address,
@@ -234,7 +235,7 @@ class EngineServer:
             writer.write(json_message(b"W", {"error": "wrong token", "permanent": True}))
             return None
         version = hello.get("version", 1)
-        if version != PROTOCOL_VERSION:
+        if version not in COMPATIBLE_VERSIONS:
             metrics.ENGINE_LINK_ERRORS.labels(kind="bad_version").inc()
             why = (f"engine link protocol version mismatch: this engine speaks {PROTOCOL_VERSION}, the edge "
                    f"{str(version)[:20]}; run the same kame-phone release on both")  # fmt: skip
@@ -256,7 +257,7 @@ class EngineServer:
         edge = _Edge(name, writer, seats, next(self._edge_numbers))
         self._edges.add(edge)
         metrics.ENGINE_LINK_EDGES.set(len(self._edges))
-        writer.write(json_message(b"W", {"version": PROTOCOL_VERSION, "seats": seats}))
+        writer.write(json_message(b"W", {"version": version, "seats": seats}))  # the one this link speaks
         log.info("edge %s (%s) joined as e%d with %d seats (%d of %d granted)",
                  name, peer, edge.number, seats, self.seats_granted, self.engine.max_calls)  # fmt: skip
         return edge

@@ -56,6 +56,9 @@ MAX_MESSAGE_BYTES = 32 << 20  # a tick of 256 calls is 2 MB; anything far larger
 # 3: a call's setup carries the actions the edge can carry out; "tool" events (the agent's tool calls).
 # 4: "X": a call action the edge could not carry out, for the call's back-end.
 PROTOCOL_VERSION = 4
+# What either side still speaks, so a rolling upgrade does not cut edges off: a link at 3 is 4 without "X"
+# (the edge does not send it; the engine never needs it). The welcome names the version the link speaks.
+COMPATIBLE_VERSIONS = (3, 4)
 _PCM = np.dtype("<i2")
 _FRAME_BYTES = FRAME_SAMPLES * _PCM.itemsize
 SOCKET_BUFFER_BYTES = 1 << 20  # a whole tick in one send where the kernel allows (it caps at wmem_max)

@@ -41,6 +41,7 @@ from .interface import (
     EngineOutput,
 )
 from .link_wire import (
+    COMPATIBLE_VERSIONS,
     PROTOCOL_VERSION,
     Address,
     LinkError,
@@ -62,6 +63,14 @@ WELCOME_TIMEOUT_S = 5.0  # the edge's wait for the engine's answer
 EDGE_EVENTS_QUEUE = 64  # a call's outputs waiting for its media session, on the edge (a local engine's too)
 SEAT_ANSWER_TIMEOUT_S = 10.0  # the edge's wait for a seat (a join waits for the tick in progress: ms)
 
+
+
+class _OlderEngine(Exception):
+    """The engine refused our version and speaks an older one we still speak (COMPATIBLE_VERSIONS)."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(version)
+        self.version = version
 
 
 class RemoteCallSession:
@@ -118,6 +127,7 @@ class RemoteEngine:
         self.token = token
         self.tls = tls  # on a tls:// address; None: the system's CAs (edge_tls())
         self.requested_seats = seats
+        self.link_version = PROTOCOL_VERSION  # what the link speaks once welcomed (an older engine: older)
         self.name = name or socket.gethostname()
         self.backlog_bytes = backlog_bytes  # ~130 frames of caller audio unsent: the link is stuck, drop
         self._seats = 0
@@ -140,23 +150,29 @@ class RemoteEngine:
 
     async def start(self) -> None:
         """Connect and be granted seats; raises LinkError (refused) or OSError (nobody listening)."""
+        try:
+            await self._hello(*await self._connect(), PROTOCOL_VERSION)
+        except _OlderEngine as older:  # mid-upgrade: an engine that still speaks an older version we speak
+            log.info("engine at %s speaks link protocol %d: using it", self.address, older.version)
+            await self._hello(*await self._connect(), older.version)
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         a = self.address
         if a.unix_path is not None:
-            reader, writer = await asyncio.open_unix_connection(a.unix_path)
-        elif a.tls:
+            return await asyncio.open_unix_connection(a.unix_path)
+        if a.tls:
             try:
-                reader, writer = await asyncio.open_connection(
-                    a.host, a.port, ssl=self.tls or edge_tls(), server_hostname=a.host
-                )
+                return await asyncio.open_connection(a.host, a.port, ssl=self.tls or edge_tls(), server_hostname=a.host)
             except ssl.SSLCertVerificationError as e:  # retrying will not make it trusted
                 raise LinkRefused(
                     f"engine at {a}: its TLS certificate is not trusted ({e.verify_message}); "
                     "set KAME_ENGINE_CA to the CA that signed it"
                 ) from None
-        else:
-            reader, writer = await asyncio.open_connection(a.host, a.port)
-        hello = {"version": PROTOCOL_VERSION, "token": self.token or "", "seats": self.requested_seats,
-                 "name": self.name}  # fmt: skip
+        return await asyncio.open_connection(a.host, a.port)
+
+    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, version: int) -> None:
+        a = self.address
+        hello = {"version": version, "token": self.token or "", "seats": self.requested_seats, "name": self.name}
         writer.write(json_message(b"H", hello))
         try:
             kind, body = await asyncio.wait_for(read_message(reader), WELCOME_TIMEOUT_S)
@@ -164,21 +180,25 @@ class RemoteEngine:
             writer.close()
             raise LinkError(f"engine at {a} did not welcome us") from e
         welcome = json.loads(bytes(body)) if kind == b"W" else {"error": f"unexpected {kind!r}"}
+        theirs = welcome.get("version", 1)  # an older engine ignores the hello's version
         if "error" in welcome:
             writer.close()
+            if welcome.get("permanent") and theirs != version and theirs in COMPATIBLE_VERSIONS:
+                raise _OlderEngine(theirs)
             error = LinkRefused if welcome.get("permanent") else LinkError
             raise error(f"engine at {a} refused us: {welcome['error']}")
-        if welcome.get("version", 1) != PROTOCOL_VERSION:  # an older engine ignores the hello's version
+        if theirs not in COMPATIBLE_VERSIONS:
             writer.close()
             raise LinkRefused(
                 f"engine at {a}: engine link protocol version mismatch: this edge speaks {PROTOCOL_VERSION}, the "
-                f"engine {str(welcome.get('version', 1))[:20]}; run the same kame-phone release on both"
+                f"engine {str(theirs)[:20]}; run the same kame-phone release on both"
             )
+        self.link_version = int(theirs)
         self._seats = int(welcome["seats"])
         self._reader, self._writer = reader, writer
         tune_socket(writer)
         self._receiver = asyncio.create_task(self._receive(), name="engine-link")
-        log.info("engine link to %s up: %d seats", a, self._seats)
+        log.info("engine link to %s up: %d seats (protocol %d)", a, self._seats, self.link_version)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -264,6 +284,8 @@ class RemoteEngine:
         writer.write(audio_message(call_id, pcm))
 
     def _send_action_failed(self, call_id: str, action: CallAction, result: str) -> None:
+        if self.link_version < 4:  # an engine of protocol 3 (mid-upgrade) knows no "X": it would drop the link
+            return
         if self._writer is not None and not self._failed and call_id in self._calls:
             self._writer.write(json_message(b"X", {"call_id": call_id, "action": action, "result": result}))
 

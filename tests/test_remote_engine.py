@@ -673,3 +673,49 @@ async def test_a_caller_who_hangs_up_on_their_last_word_is_heard_across_the_link
     assert record is not None
     said = " ".join(t.text for t in record.turns if t.role == "caller")
     assert "goodbye" in said or "order" in said, record.turns
+
+
+async def test_a_rolling_upgrade_keeps_edges_and_engines_of_protocols_3_and_4_linked(engine_server) -> None:
+    """Protocol 4 added one message (X, a failed call action). Refusing 3 outright cut every edge not yet
+    upgraded off an upgraded engine (and the other way round) until the whole fleet matched. Now an engine
+    welcomes a 3 as 3, and an edge told "3" by an older engine speaks 3 and never sends it X."""
+    _, address = await engine_server(2)
+    reader, writer = await asyncio.open_unix_connection(address.unix_path)
+    writer.write(_link_message(b"H", b'{"version":3,"token":"","seats":1,"name":"old-edge"}'))
+    kind, welcome = await _read_link_message(reader)
+    writer.close()
+    assert kind == b"W" and welcome == {"version": 3, "seats": 1}
+
+    got: list[bytes] = []
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:  # an engine of protocol 3
+        try:
+            _, hello = await _read_link_message(r)
+            if hello["version"] != 3:
+                w.write(_link_message(b"W", b'{"error":"version mismatch","permanent":true,"version":3}'))
+                return
+            w.write(_link_message(b"W", b'{"version":3,"seats":2}'))
+            while True:
+                (n,) = struct.unpack(">I", await r.readexactly(4))
+                message = await r.readexactly(n)
+                got.append(message[:1])
+                if message[:1] == b"O":  # seated
+                    call_id = json.loads(message[1:])["call_id"]
+                    w.write(_link_message(b"R", json.dumps({"call_id": call_id, "ok": True, "error": None}).encode()))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            w.close()
+
+    old = await asyncio.start_server(serve, "127.0.0.1", 0)
+    edge = await RemoteEngine.connect(Address(host="127.0.0.1", port=old.sockets[0].getsockname()[1]),
+                                      token=None, seats=2)  # fmt: skip
+    try:
+        assert edge.link_version == 3 and edge.ready
+        call = await edge.open_call("CA-old")
+        call.action_failed("transfer", "error")  # not for a protocol-3 engine
+        await asyncio.sleep(0.3)
+        assert b"X" not in got and b"O" in got
+    finally:
+        await edge.stop()
+        old.close()
