@@ -102,7 +102,11 @@ class Conversation:
         """Close the caller's utterance. An empty final only drops the partial."""
         text = _clean(text)
         self.partial = ""
-        if not text:
+        if not text:  # the utterance came to nothing: calls made during it stay where they are
+            for turn in reversed(self.turns):
+                if not (isinstance(turn, ToolExchange) and turn.mid_utterance):
+                    break
+                turn.mid_utterance = False
             return
         self._greeting_spoken = False
         self.committed_words += word_count(text)

@@ -997,3 +997,16 @@ async def test_an_llm_with_neither_endpoint_nor_key_is_said_to_fail_at_start(cap
         llm = LlmClient(config)
         await llm.aclose()
         assert says in caplog.text, caplog.text
+
+
+def test_a_tool_call_made_during_an_utterance_the_stt_retracted_stays_before_the_next_one() -> None:
+    """A call made mid-utterance goes after the caller's words once the final comes. If the STT retracted that
+    utterance (an empty final), the caller's next words came before the call, though said after it."""
+    conv = Conversation()
+    conv.caller_partial("where is my")
+    conv.tool_exchange(ToolExchange(calls=[{"id": "c1", "type": "function",
+                                            "function": {"name": "order_status", "arguments": "{}"}}],
+                                    results=[("c1", "shipped Monday")]))  # fmt: skip
+    conv.caller_final("")  # retracted
+    conv.caller_final("hello are you there")
+    assert [m["role"] for m in conv.messages()] == ["system", "assistant", "tool", "user"]
