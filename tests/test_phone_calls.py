@@ -162,7 +162,7 @@ async def test_bad_input_never_disturbs_a_good_call(tiny_checkpoint: Path, quest
         await ws.send_str(tm.start_msg("MZ9", call_sid, "AC1", params))
         await ws.send_str(tm.start_msg("MZ9", call_sid, "AC1", params))  # duplicate start
         await ws.send_str(json.dumps({"event": "media", "streamSid": "MZ9"}))  # no media body
-        await ws.send_str(tm.media_msg("MZ-other", 3, 1, 0, b"\xff" * 160))  # wrong streamSid
+        await ws.send_str(tm.media_msg("MZ" + "f" * 32, 3, 1, 0, b"\xff" * 160))  # another stream's streamSid
         bad64 = json.loads(tm.media_msg("MZ9", 4, 2, 20, b"\xff" * 160))
         bad64["media"]["payload"] = "%%%not base64%%%"
         await ws.send_str(json.dumps(bad64))
