@@ -587,7 +587,6 @@ class CallBackend:
         if self._llm is not None:
             self._start_request(TriggerReason.TOOL_RESULT, self._clock())
 
-
     async def _run_tools(self, calls: list[ToolCallRequest]) -> None:
         assert self._tools is not None
         tools = self._tools
