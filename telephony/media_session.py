@@ -137,6 +137,7 @@ class MediaStreamSession:
         # Upgraded (the signature was good) but not started: such sockets are capped per node and closed
         # after the start timeout, however often they send `connected`.
         self.opened_at = time.monotonic()
+        self._evicted = False
         self._unstarted = True
         ctx.unstarted_sockets += 1
         ctx.awaiting_start[self] = None
@@ -147,6 +148,7 @@ class MediaStreamSession:
         self.ctx.awaiting_start.pop(self, None)
         self._protocol_error(NO_START, "closed before its start to make room for a newer stream")
         self._end_reason = "no_start"
+        self._evicted = True  # a `start` already on its way is not acted on: the socket is closing
         self.ctx.spawn(self.ws.close())
 
     def _started(self) -> None:
@@ -273,6 +275,8 @@ class MediaStreamSession:
     async def _on_start(self, message: StartMessage) -> None:
         if self.state.stream_sid is not None:
             self._protocol_error(DUPLICATE_START, "second start on one stream")
+            return
+        if self._evicted:
             return
         self.ctx.awaiting_start.pop(self, None)  # starting: no longer the one a full cap closes
         # Twilio's media clock starts here. Claiming the seat and opening it may take seconds on a slow
