@@ -49,13 +49,17 @@ async def _service(max_calls: int = 2, **config: object) -> AsyncIterator[Servic
         await handle.aclose()
 
 
-async def _voice(http: aiohttp.ClientSession, base: str, sid: str) -> tuple[int, str]:
-    """Twilio's voice webhook for call `sid`, signed."""
-    form = {"CallSid": sid, "AccountSid": "AC" + "0" * 32, "From": "+15550001", "To": "+15550002"}
-    url = base + VOICE_PATH
+async def _signed_post(http: aiohttp.ClientSession, url: str, form: dict[str, str]) -> tuple[int, str]:
+    """A webhook as Twilio sends it: `form` posted to `url`, signed with the account's token."""
     signature = RequestValidator(TOKEN).compute_signature(url, form)
     async with http.post(url, data=form, headers={SIGNATURE_HEADER: signature}) as r:
         return r.status, await r.text()
+
+
+async def _voice(http: aiohttp.ClientSession, base: str, sid: str) -> tuple[int, str]:
+    """Twilio's voice webhook for call `sid`, signed."""
+    form = {"CallSid": sid, "AccountSid": "AC" + "0" * 32, "From": "+15550001", "To": "+15550002"}
+    return await _signed_post(http, base + VOICE_PATH, form)
 
 
 async def _raw_post(port: int, head: bytes, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -131,26 +135,16 @@ async def test_a_call_whose_reservation_expired_unclaimed_is_ended_by_its_final_
     """Its stream never started (not opened; the caller had the agent's fallback, or hung up): Twilio's final
     call status, after the reservation expired, ends the record as no_stream. Taken for a stream started
     elsewhere (the expired CallSid is used up against replays), it stayed "ringing" for good."""
-    store = MemoryCallStore()
-    engine = LoopbackEngine(max_calls=2)
-    cfg = ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=TOKEN, reservation_ttl_s=0.3)
-    handle = await ServiceHandle(ServerContext(cfg, store, engine)).start()
-    try:
-        async with aiohttp.ClientSession() as http:
-            sid = _sid()
-            status, _ = await _voice(http, handle.http_url, sid)
-            assert status == 200
-            await asyncio.sleep(0.6)  # the reservation expired unclaimed
-            form = {"CallSid": sid, "AccountSid": "AC" + "0" * 32, "CallStatus": "completed"}
-            url = handle.http_url + CALL_STATUS_PATH
-            signature = RequestValidator(TOKEN).compute_signature(url, form)
-            async with http.post(url, data=form, headers={SIGNATURE_HEADER: signature}) as r:
-                assert r.status == 204
-        await store.flush()
-        record = await store.get(sid)
-    finally:
-        await engine.stop()
-        await handle.aclose()
+    async with _service(reservation_ttl_s=0.3) as h, aiohttp.ClientSession() as http:
+        sid = _sid()
+        status, _ = await _voice(http, h.http_url, sid)
+        assert status == 200
+        await asyncio.sleep(0.6)  # the reservation expired unclaimed
+        form = {"CallSid": sid, "AccountSid": "AC" + "0" * 32, "CallStatus": "completed"}
+        status, _ = await _signed_post(http, h.http_url + CALL_STATUS_PATH, form)
+        assert status == 204
+        await h.ctx.store.flush()
+        record = await h.ctx.store.get(sid)
     assert record is not None and (record.state, record.end_reason) == ("ended", "no_stream")
 
 
@@ -247,7 +241,8 @@ async def test_sockets_whose_start_is_refused_do_not_hold_the_unstarted_cap() ->
         signature = RequestValidator(TOKEN).compute_signature(ws_url, {})
         stop = asyncio.Event()
 
-        async def hold() -> None:
+        async def hold(k: int) -> None:
+            await asyncio.sleep(k * 0.08)  # staggered, as sockets come: six upgrades in one instant are a burst
             while not stop.is_set():
                 with contextlib.suppress(aiohttp.ClientError, ConnectionError):
                     ws = await http.ws_connect(ws_url, headers={SIGNATURE_HEADER: signature}, autoclose=False)
@@ -255,9 +250,11 @@ async def test_sockets_whose_start_is_refused_do_not_hold_the_unstarted_cap() ->
                     await ws.send_str(json.dumps({"event": "start", "sequenceNumber": "1", "streamSid": "MZ1",
                                                   "start": start}))  # fmt: skip
                     await asyncio.sleep(0.5)  # does not read: the server's close goes unanswered meanwhile
-                    await ws.close()  # then again
+                    await ws.close()
+                    continue  # then again
+                await asyncio.sleep(0.5)  # an upgrade refused: again at the same pace (never a tight loop)
 
-        holders = [asyncio.create_task(hold()) for _ in range(6)]
+        holders = [asyncio.create_task(hold(k)) for k in range(6)]
         try:
             await asyncio.sleep(0.5)
             reports = [await simulate_call(ws_url, tone(440.0, 1.0), auth_token=TOKEN, public_url=None,
