@@ -24,6 +24,7 @@ Kyutai's on the same GPU (`--serve-arg=--stt=kyutai`, `KAME_STT_CHECKPOINT=rando
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import multiprocessing
 import os
@@ -150,7 +151,7 @@ def _whole_ms(value: float | None) -> str:
 
 
 def _fmt(figures: dict[str, Any]) -> str:
-    ms = "/".join("-" if figures[_key(q)] is None else f"{figures[_key(q)]:.0f}" for q in QUANTILES)
+    ms = "/".join(_whole_ms(figures[_key(q)]) for q in QUANTILES)
     return f"{ms} (n={figures['count']})"
 
 
@@ -228,9 +229,7 @@ def _summarise(calls, serve_args, reports, before, after, ready, log) -> dict[st
         return {**{_key(q): quantile(name, q) for q in QUANTILES}, "count": observed}
 
     served = [r for r in reports if r.outcome == "completed"]
-    outcome_counts: dict[str, int] = {}
-    for r in reports:
-        outcome_counts[r.outcome] = outcome_counts.get(r.outcome, 0) + 1
+    outcome_counts = dict(collections.Counter(r.outcome for r in reports))
     # A call turned away has no audio to keep in time: only served calls have a real-time share.
     realtime = [(r.bot_seconds_received / r.call_seconds if r.call_seconds else 0.0) if r.outcome == "completed"
                 else None for r in reports]

@@ -102,18 +102,16 @@ class Conversation:
         """Close the caller's utterance. An empty final only drops the partial."""
         text = _clean(text)
         self.partial = ""
-        if not text:  # the utterance came to nothing: calls made during it stay where they are
-            for turn in reversed(self.turns):
-                if not (isinstance(turn, ToolExchange) and turn.mid_utterance):
-                    break
-                turn.mid_utterance = False
-            return
-        self._greeting_spoken = False
-        self.committed_words += word_count(text)
+        # The calls made during this utterance (the newest turns): its words go before them; an utterance that
+        # came to nothing leaves them where they are. Either way the utterance is over for them.
         at = len(self.turns)
         while at and isinstance(self.turns[at - 1], ToolExchange) and self.turns[at - 1].mid_utterance:
             at -= 1
             self.turns[at].mid_utterance = False  # type: ignore[union-attr]
+        if not text:
+            return
+        self._greeting_spoken = False
+        self.committed_words += word_count(text)
         last = self.turns[at - 1] if at else None
         if last is not None and last.role == "user":
             last.text += " " + text  # type: ignore[union-attr]

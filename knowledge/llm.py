@@ -88,25 +88,27 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return seen
 
 
+def _error_param(exc: BaseException) -> str:
+    """The `param` an API error's body names (OpenAI's `{"error": {"param": ...}}`, or the body itself), else ""."""
+    body = getattr(exc, "body", None)
+    error = body.get("error", body) if isinstance(body, dict) else {}
+    return str(error.get("param") or "") if isinstance(error, dict) else ""
+
+
 def _refuses_tools(exc: BaseException) -> bool:
     """A 4xx that names tools: the server cannot do function calling. Not one that blames a message of the
     history (`param` messages[...]: a tool name the model made up, e.g. `multi_tool_use.parallel`): that
     is one call's request, and taken for the server's refusal it turned tools off for the whole process."""
     if not (isinstance(exc, openai.APIStatusError) and exc.status_code in (400, 422)):
         return False
-    body = exc.body if isinstance(exc.body, dict) else {}
-    error = body.get("error", body)
-    param = str(error.get("param") or "") if isinstance(error, dict) else ""
+    param = _error_param(exc)
     return not param.startswith("messages") and ("tool" in str(exc).lower() or _blames_a_tool(exc))
 
 
 def _blames_a_tool(exc: BaseException) -> bool:
     """A 4xx naming one tool's definition (OpenAI: param `tools[0].function.parameters`, "Invalid schema for
     function"): the agent's tool set is at fault, not the server's function calling."""
-    body = getattr(exc, "body", None)
-    error = body.get("error", body) if isinstance(body, dict) else {}
-    param = str(error.get("param") or "") if isinstance(error, dict) else ""
-    return param.startswith("tools[") or "invalid schema for function" in str(exc).lower()
+    return _error_param(exc).startswith("tools[") or "invalid schema for function" in str(exc).lower()
 
 
 # Parameters some models refuse (OpenAI's reasoning models: o-series, gpt-5): what to send instead (None: drop it).
@@ -118,9 +120,7 @@ def refused_param(exc: BaseException) -> str | None:
     """The request parameter a 400 says this model does not take (`max_tokens`, `temperature`), else None."""
     if not (isinstance(exc, openai.APIStatusError) and exc.status_code == 400):
         return None
-    body = exc.body if isinstance(exc.body, dict) else {}
-    error = body.get("error", body)
-    param = str(error.get("param") or "") if isinstance(error, dict) else ""
+    param = _error_param(exc)
     if param not in _PARAM_FALLBACKS:
         found = _UNSUPPORTED.search(str(exc))
         param = found.group(1) if found else ""

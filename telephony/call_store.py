@@ -268,6 +268,9 @@ class _OpStore:
         return ToolNote(name=name, arguments=masked, outcome=outcome, at=time.time() if at is None else float(at))
 
 
+_WORD_CHAR = re.compile(r"\w")
+
+
 def _masked_arguments(arguments: str) -> str:
     """Tool arguments with transcripts off: the keys kept (what was asked for), every value's letters and digits
     masked like DTMF's. They carry what the caller said: a card number, and as much a name or an email."""
@@ -279,12 +282,12 @@ def _masked_arguments(arguments: str) -> str:
             return [mask(v) for v in value]
         if isinstance(value, bool) or value is None:
             return value
-        return re.sub(r"\w", _MASKED_DIGIT, str(value))
+        return _WORD_CHAR.sub(_MASKED_DIGIT, str(value))
 
     try:
         return json.dumps(mask(json.loads(arguments)), ensure_ascii=False)
     except (ValueError, RecursionError):  # not JSON, or nested past the recursion limit ("[[[[...")
-        return re.sub(r"\w", _MASKED_DIGIT, arguments)
+        return _WORD_CHAR.sub(_MASKED_DIGIT, arguments)
 
 
 class MemoryCallStore(_OpStore):

@@ -9,14 +9,14 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
-from engine.interface import CallSetup, ToolUse
+from engine.interface import CallAction, CallSetup, ToolUse
 from engine.link_wire import event_message, parse_event, setup_from_wire
 from knowledge.agents import AgentDirectory, Agents
 from knowledge.backend import MAX_TOOL_ROUNDS, TOOL_PENDING, BackendConfig, BackendServices, CallBackend
@@ -526,17 +526,25 @@ FAST_POLICY = OraclePolicyConfig(backoff_initial_s=0.05, backoff_max_s=0.2)
 
 @contextlib.asynccontextmanager
 async def _sales_backend(
-    llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path
+    llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path, actions: tuple[CallAction, ...] = (),
+    edge: Callable[[CallBackend, ToolUse], None] | None = None,
 ) -> AsyncIterator[tuple[CallBackend, list[ToolUse]]]:
-    """One call's back-end with the sales agent's HTTP tool (the ToolServer), the client against FakeLlm."""
+    """One call's back-end with the sales agent's HTTP tool (the ToolServer) and the call `actions` an edge
+    offers, the client against FakeLlm; its tool uses are listed, and handed to `edge` (the edge's part)."""
     agent = _agents(tmp_path, tool_server.base_url + "/order-status").agents.get("sales")
     http = HttpSession()
     executor = ThreadPoolExecutor(max_workers=1)
     used: list[ToolUse] = []
+
+    def on_tool(use: ToolUse) -> None:
+        used.append(use)
+        if edge is not None:
+            edge(backend, use)
+
     async with _llm(llm_server) as llm:
         backend = CallBackend(
             "CA-tools", stt_factory=NullSTT, llm=llm, executor=executor, on_transcript=lambda *_: None,
-            on_oracle=lambda *_: None, policy=FAST_POLICY, tools=CallTools(agent, (), http), on_tool=used.append,
+            on_oracle=lambda *_: None, policy=FAST_POLICY, tools=CallTools(agent, actions, http), on_tool=on_tool,
         )  # fmt: skip
         await backend.start()
         try:
@@ -613,32 +621,14 @@ async def test_a_model_retrying_a_failed_transfer_stops_at_the_rounds_cap(
     """Told the transfer failed, a model that calls transfer_call again each time chained "connecting you" and
     a REST request without end while the caller waited (33 in 2 s in the review). A failed action is a tool
     round: after MAX_TOOL_ROUNDS the tools are no longer offered."""
-    agent = _agents(tmp_path, tool_server.base_url + "/order-status").agents.get("sales")
     llm_server.tool_triggers = {"person": ("transfer_call", {})}
     llm_server.loop_tools = True
-    http = HttpSession()
-    executor = ThreadPoolExecutor(max_workers=1)
-    acted: list[ToolUse] = []
-    holder: list[CallBackend] = []
 
-    def on_tool(use: ToolUse) -> None:  # the edge: the line plays, Twilio refuses, the back-end is told
-        acted.append(use)
-        asyncio.get_running_loop().call_later(0.05, holder[0].action_failed, "transfer", "error")
+    def refused(backend: CallBackend, _use: ToolUse) -> None:  # the line plays, Twilio refuses, the back-end is told
+        asyncio.get_running_loop().call_later(0.05, backend.action_failed, "transfer", "error")
 
-    async with _llm(llm_server) as llm:
-        backend = CallBackend(
-            "CA-retry", stt_factory=NullSTT, llm=llm, executor=executor, on_transcript=lambda *_: None,
-            on_oracle=lambda *_: None, policy=FAST_POLICY, tools=CallTools(agent, ("transfer",), http),
-            on_tool=on_tool,
-        )  # fmt: skip
-        holder.append(backend)
-        await backend.start()
-        try:
-            backend._handle_transcript(SttResult("a person please", final=True), time.monotonic())
-            await asyncio.sleep(2.0)  # the caller says nothing more
-        finally:
-            await backend.aclose()
-            await http.aclose()
-            executor.shutdown()
+    async with _sales_backend(llm_server, tool_server, tmp_path, ("transfer",), refused) as (backend, acted):
+        backend._handle_transcript(SttResult("a person please", final=True), time.monotonic())
+        await asyncio.sleep(2.0)  # the caller says nothing more
     assert 1 <= len(acted) <= MAX_TOOL_ROUNDS + 1, len(acted)
     assert "tools" not in llm_server.requests[-1]  # the last request offered none
