@@ -2,13 +2,19 @@
 reference: weights and KV cache in the compute dtype) and once per variant: an 8-bit KV cache
 (`--kv-dtype`), 8-bit weights (`--weights-dtype`), or both (what a dense deployment runs).
 
-Reported per variant: token agreement (the share of text and audio tokens equal to the reference's over
-all steps and rows), the first step where any token differs, and the text-logit error while the two
-runs still agree (after a difference the runs see different tokens, and their logits stop being
-comparable): max |Δ| and ‖Δ‖/‖ref‖ per step, the worst step. With random weights greedy decoding is
-chaotic (flat logits: a near tie flips at the first nudge), so agreement says little there and the logit
-error is the figure that transfers. `kame-phone bench kv` runs it; the tests run it at tiny size on CPU;
-docs/benchmarks.md has the full-size figures when a GPU was at hand.
+Two runs per variant:
+- free-running, as served: token agreement (the share of text and audio tokens equal to the reference's
+  over all steps and rows), the first step where any token differs, and the text-logit error while the
+  two runs still agree (after a difference they see different tokens and their logits stop being
+  comparable);
+- teacher-forced: the variant fed the reference's own tokens at every step (each head's greedy pick is
+  overridden with the reference's), so its logits stay comparable over all steps, past the KV cache's
+  wrap: the text- and audio-logit error (max |Δ|, and ‖Δ‖/‖ref‖ per step: worst and mean) and top-1
+  agreement (the variant's own greedy pick equal to the reference's, given the same history).
+With random weights greedy decoding is chaotic (flat logits: a near tie flips at the first nudge), so the
+free run's agreement says little there and the teacher-forced figures are the ones that transfer.
+`kame-phone bench kv` runs it; the tests run it at tiny size on CPU; docs/benchmarks.md has the full-size
+figures when a GPU was at hand.
 """
 
 from __future__ import annotations
@@ -40,6 +46,14 @@ class QuantAccuracy:
     first_divergence_step: int | None  # None: identical throughout
     logit_max_abs_err: float  # over the steps before the first divergence
     logit_rel_err: float  # worst step's ||delta|| / ||reference||
+    # Teacher-forced (fed the reference's tokens), over every step:
+    forced_text_top1: float  # share of (step, row) whose greedy text pick equals the reference's
+    forced_audio_top1: float  # the same over every audio codebook
+    forced_text_max_abs_err: float
+    forced_text_rel_err: float  # worst step
+    forced_text_rel_err_mean: float
+    forced_audio_rel_err: float  # worst (step, codebook)
+    forced_audio_rel_err_mean: float
 
     @property
     def label(self) -> str:
@@ -54,8 +68,44 @@ class QuantAccuracy:
 
 @dataclass
 class _Run:
-    tokens: np.ndarray  # [steps, B, 1 + dep_q]
-    logits: list[torch.Tensor]  # per step [B, card] float32 (CPU)
+    tokens: np.ndarray  # [steps, B, 1 + dep_q] as the batch returned them (moshi's delays applied)
+    logits: list[torch.Tensor]  # text head, per step [B, text_card] float32 (CPU)
+    audio_logits: list[list[torch.Tensor]]  # per audio codebook, per step [B, card] float32 (CPU)
+
+    def picks(self) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+        """Each head's greedy pick per step ([B] long): what moshi's sampler took from these logits."""
+        return ([x.argmax(-1) for x in self.logits], [[x.argmax(-1) for x in cb] for cb in self.audio_logits])
+
+
+class _Heads:
+    """Forward hooks on the text head and the depformer's per-codebook heads (each runs once per step, in
+    order): they record each head's logits and, teacher-forcing, replace them by a one-hot of the
+    reference's pick, so greedy sampling feeds the reference's token on (the recorded logits are the
+    variant's own)."""
+
+    def __init__(self, lm: KameLM, force: _Run | None) -> None:
+        self.text: list[torch.Tensor] = []
+        self.audio: list[list[torch.Tensor]] = [[] for _ in range(lm.dep_q)]
+        self._picks = force.picks() if force is not None else None
+        self._hooks = [lm.text_linear.register_forward_hook(self._hook(self.text, 0))]
+        self._hooks += [head.register_forward_hook(self._hook(self.audio[k], k + 1))
+                        for k, head in enumerate(lm.linears[: lm.dep_q])]
+
+    def _hook(self, into: list[torch.Tensor], head: int) -> Callable[..., torch.Tensor | None]:
+        def hook(_module: torch.nn.Module, _inputs: object, out: torch.Tensor) -> torch.Tensor | None:
+            step = len(into)
+            into.append(out.reshape(out.shape[0], -1).float().cpu())
+            if self._picks is None:
+                return None
+            want = self._picks[0][step] if head == 0 else self._picks[1][head - 1][step]
+            one_hot = torch.zeros_like(out).reshape(out.shape[0], -1)
+            one_hot[torch.arange(out.shape[0]), want.to(out.device)] = 1
+            return one_hot.reshape(out.shape)
+        return hook
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
 
 
 def _inputs(lm: KameLM, batch: int, steps: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -65,12 +115,10 @@ def _inputs(lm: KameLM, batch: int, steps: int, seed: int) -> tuple[np.ndarray, 
     return pcm, oracle
 
 
-def _run(lm: KameLM, mimi, kv_dtype: str, pcm: np.ndarray, oracle: np.ndarray) -> _Run:  # type: ignore[no-untyped-def]
+def _run(lm: KameLM, mimi, kv_dtype: str, pcm: np.ndarray, oracle: np.ndarray,  # type: ignore[no-untyped-def]
+         force: _Run | None = None) -> _Run:
     steps, batch = oracle.shape
-    captured: list[torch.Tensor] = []
-    hook = lm.text_linear.register_forward_hook(
-        lambda _m, _i, out: captured.append(out.reshape(out.shape[0], -1).float().cpu())
-    )
+    heads = _Heads(lm, force)
     kb = KameBatch(lm, mimi, batch, GREEDY, kv_dtype=kv_dtype)
     try:
         # Eager on a GPU: a CUDA graph's replay would not call the hook (and its capture refuses the copy).
@@ -83,25 +131,48 @@ def _run(lm: KameLM, mimi, kv_dtype: str, pcm: np.ndarray, oracle: np.ndarray) -
                 tokens.append(np.concatenate([out.text[:, None], out.codes], axis=1))
     finally:
         kb.close()
-        hook.remove()
-    return _Run(np.stack(tokens), captured)
+        heads.remove()
+    return _Run(np.stack(tokens), heads.text, heads.audio)
 
 
-def _compare(ref: _Run, run: _Run, kv_dtype: str, weights_dtype: str) -> QuantAccuracy:
+def _errors(ref: list[torch.Tensor], run: list[torch.Tensor]) -> tuple[float, list[float]]:
+    """max |delta| over the steps, and each step's ||delta|| / ||reference||."""
+    max_abs, rel = 0.0, []
+    for a, b in zip(ref, run, strict=True):
+        max_abs = max(max_abs, float((b - a).abs().max()))
+        rel.append(float((b - a).norm() / a.norm().clamp_min(1e-12)))
+    return max_abs, rel
+
+
+def _top1(ref: list[torch.Tensor], run: list[torch.Tensor]) -> float:
+    return float(torch.stack([a.argmax(-1) == b.argmax(-1) for a, b in zip(ref, run, strict=True)])
+                 .float().mean()) if ref else 1.0
+
+
+def _compare(ref: _Run, run: _Run, forced: _Run, kv_dtype: str, weights_dtype: str) -> QuantAccuracy:
     steps, batch = ref.tokens.shape[:2]
     same = run.tokens == ref.tokens
     differs = np.flatnonzero(~same.all(axis=(1, 2)))
     first = int(differs[0]) if len(differs) else None
     # The text head runs once per step: logits[i] belongs to step i. From the first differing step on,
-    # the two runs may be fed different tokens, so only the steps before it are compared.
+    # the two free runs may be fed different tokens, so only the steps before it are compared.
     upto = len(ref.logits) if first is None else first
-    max_abs, rel = 0.0, 0.0
-    for a, b in zip(ref.logits[:upto], run.logits[:upto], strict=True):
-        d = (b - a).abs()
-        max_abs = max(max_abs, float(d.max()))
-        rel = max(rel, float((b - a).norm() / a.norm().clamp_min(1e-12)))
-    return QuantAccuracy(kv_dtype, weights_dtype, steps, batch, float(same.mean()), float(same[:, :, 0].mean()),
-                         first, max_abs, rel)
+    max_abs, rel = _errors(ref.logits[:upto], run.logits[:upto])
+    # Teacher-forced: the same history as the reference at every step.
+    text_abs, text_rel = _errors(ref.logits, forced.logits)
+    audio_rel = [r for a, b in zip(ref.audio_logits, forced.audio_logits, strict=True) for r in _errors(a, b)[1]]
+    audio_top1 = [_top1(a, b) for a, b in zip(ref.audio_logits, forced.audio_logits, strict=True)]
+    return QuantAccuracy(
+        kv_dtype, weights_dtype, steps, batch, float(same.mean()), float(same[:, :, 0].mean()), first,
+        max_abs, max(rel, default=0.0),
+        forced_text_top1=_top1(ref.logits, forced.logits),
+        forced_audio_top1=float(np.mean(audio_top1)) if audio_top1 else 1.0,
+        forced_text_max_abs_err=text_abs,
+        forced_text_rel_err=max(text_rel, default=0.0),
+        forced_text_rel_err_mean=float(np.mean(text_rel)) if text_rel else 0.0,
+        forced_audio_rel_err=max(audio_rel, default=0.0),
+        forced_audio_rel_err_mean=float(np.mean(audio_rel)) if audio_rel else 0.0,
+    )
 
 
 def measure(
@@ -126,10 +197,14 @@ def measure(
                 raise ValueError("one 8-bit weights format per measurement (quantizing is in place)")
             quantize_weights(lm, weights)
             quantized = weights
-        r = _compare(ref, _run(lm, mimi, kv, pcm, oracle), kv, weights)
+        r = _compare(ref, _run(lm, mimi, kv, pcm, oracle), _run(lm, mimi, kv, pcm, oracle, force=ref), kv, weights)
         log(f"{r.label}: token agreement {r.token_agreement:.4f} (text {r.text_agreement:.4f}), first divergence "
             f"at step {r.first_divergence_step}, text logits before it: max |d| {r.logit_max_abs_err:.4g}, "
-            f"worst relative {r.logit_rel_err:.4g}")
+            f"worst relative {r.logit_rel_err:.4g}; teacher-forced over all steps: top-1 text "
+            f"{r.forced_text_top1:.4f} audio {r.forced_audio_top1:.4f}, text logits max |d| "
+            f"{r.forced_text_max_abs_err:.4g}, relative mean {r.forced_text_rel_err_mean:.4g} worst "
+            f"{r.forced_text_rel_err:.4g}, audio logits relative mean {r.forced_audio_rel_err_mean:.4g} worst "
+            f"{r.forced_audio_rel_err:.4g}")
         results.append(r)
         if on_result is not None:
             on_result(list(results))

@@ -26,7 +26,7 @@ from engine.kv_cache import (
     quantized_attention,
     set_kv_dtype,
 )
-from engine.quant_accuracy import measure
+from engine.quant_accuracy import _inputs, _run, measure
 from engine.sampling import SamplingConfig
 from kame_phone.cli import main
 from telephony.sim_caller import simulate_call
@@ -158,6 +158,8 @@ def test_accuracy_is_measured_against_the_models_own_cache(tiny_checkpoint: Path
     same = measure(bundle.lm, bundle.mimi, ["auto"], steps=40, log=lambda _line: None)[0]
     # The baseline is deterministic, so any difference below is the cache's.
     assert same.token_agreement == 1.0 and same.first_divergence_step is None and same.logit_max_abs_err == 0.0
+    assert same.forced_text_top1 == same.forced_audio_top1 == 1.0
+    assert same.forced_text_max_abs_err == same.forced_text_rel_err == same.forced_audio_rel_err == 0.0
     # Each variant's result is handed on as it is measured (the bench writes its JSON then: a GPU call cut
     # short by its time limit keeps what it measured).
     seen: list[list[str]] = []
@@ -176,7 +178,28 @@ def test_accuracy_is_measured_against_the_models_own_cache(tiny_checkpoint: Path
         assert 0.0 <= r["token_agreement"] <= 1.0 and 0.0 <= r["text_agreement"] <= 1.0
         # Close, not equal: the logits move by about the format's rounding, until a token flips.
         assert 0.0 < r["logit_rel_err"] < 0.1, (kind, r)
+        # Teacher-forced over all 80 steps, past the wrap: the variant's own picks mostly agree, its logits
+        # stay close (the mean below the worst step).
+        assert 0.8 < r["forced_text_top1"] <= 1.0 and 0.8 < r["forced_audio_top1"] <= 1.0, (kind, r)
+        assert 0.0 < r["forced_text_rel_err_mean"] <= r["forced_text_rel_err"] < 0.1, (kind, r)
+        assert 0.0 < r["forced_audio_rel_err_mean"] <= r["forced_audio_rel_err"] < 0.1, (kind, r)
     assert main(["bench", "kv", "--kv-dtype", "int4"]) == 2
+
+
+def test_teacher_forcing_feeds_the_reference_tokens(tiny_checkpoint: Path) -> None:
+    """The teacher-forced run is only comparable if it really sees the reference's history: an fp8 cache
+    flips a free run's tokens at once, yet forced it returns the reference's tokens at every step, while
+    its own logits (recorded before forcing) still differ."""
+    bundle = load_kame(str(tiny_checkpoint))
+    pcm, oracle = _inputs(bundle.lm, 2, 30, seed=1)
+    ref = _run(bundle.lm, bundle.mimi, "auto", pcm, oracle)
+    free = _run(bundle.lm, bundle.mimi, "fp8", pcm, oracle)
+    forced = _run(bundle.lm, bundle.mimi, "fp8", pcm, oracle, force=ref)
+    assert not np.array_equal(free.tokens, ref.tokens)
+    assert np.array_equal(forced.tokens, ref.tokens)
+    assert len(forced.logits) == 30 and len(forced.audio_logits) == bundle.lm.dep_q
+    assert all(len(cb) == 30 for cb in forced.audio_logits)
+    assert any(not torch.equal(a, b) for a, b in zip(ref.logits, forced.logits, strict=True))
 
 
 def test_engine_bench_reports_its_kv_dtype(tmp_path: Path) -> None:
