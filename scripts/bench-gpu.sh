@@ -113,14 +113,15 @@ if [[ $what == weights-autotune || $what == all ]]; then
     --weights-dtype int8 --compile max-autotune-lm --phases --json "$out/batch1-int8w-autotune-lm.json"
 fi
 if [[ $what == kv-cache || $what == kv || $what == all ]]; then
-  # What the 8-bit caches cost in accuracy at full size: greedy steps against the bf16 cache (3 runs).
+  # What the 8-bit caches cost in accuracy at full size: greedy steps against the bf16 cache (5 runs:
+  # the reference, then each format free-running and teacher-forced; JSON written after each format).
   run kv-cache 280 kv --size moshi-7b --context 3000 --steps 500 --kv-dtype int8,fp8 --weights-dtype auto \
     --json "$out/kv-cache.json"
 fi
 if [[ $what == kv-weights || $what == kv || $what == all ]]; then
-  # 8-bit weights alone and with the int8 cache (4 runs: the reference, KV int8, weights int8, both; 300
-  # steps: with random weights the first difference comes within a few steps, and the logit error is read
-  # before it).
+  # 8-bit weights alone and with the int8 cache (7 runs: the reference, then KV int8, weights int8 and both,
+  # each free-running and teacher-forced; 300 steps: the teacher-forced error covers every step, past no
+  # wrap at context 3000, so more steps would only repeat it).
   run kv-weights 280 kv --size moshi-7b --context 3000 --steps 300 --kv-dtype int8 --weights-dtype int8 \
     --json "$out/kv-weights.json"
 fi
