@@ -85,11 +85,22 @@ class Slot:
     frames_out: int = 0
     underruns: int = 0
     overruns: int = 0
+    standing_backlog: int = 0  # ticks in a row that left >= CATCHUP_BACKLOG caller frames queued
+    catchups: int = 0
     # Forced response delay: muted while the caller speaks and until `release_at` ticks.
     caller_speaking: bool = False
     release_at: int = -1
     forced_delay_frames: int | None = None  # this call's own (its agent's); None: the loop's
 
+
+# The caller's frames come in bursts after any stall on their way (a TCP retransmit, a GC pause, a slow
+# hop), and a tick takes one: without a way back, a backlog once built delays everything the model hears
+# for the rest of the call (a 500 ms stall left every later frame 240 ms late). One frame queued beyond the
+# tick's own is the jitter cushion (arrival wobbles by milliseconds around the tick, so a steady one is
+# normal and dropping it would trade a gap for a splice every second); a deeper backlog that stands for
+# CATCHUP_AFTER_TICKS (about a second) loses its quietest queued frame, at most one a second.
+CATCHUP_BACKLOG = 2
+CATCHUP_AFTER_TICKS = 12
 
 # A node whose ticks miss their frame this often, over this window, is falling behind: every seated call
 # is getting less than real time, so it stops taking calls until it keeps time again.
@@ -114,6 +125,8 @@ class LoopStats:
     tick_s: deque[float] = field(default_factory=lambda: deque(maxlen=2048))
     underruns: int = 0  # all slots, since start
     overruns: int = 0
+    catchups: int = 0  # caller frames skipped to shrink a standing backlog, all slots, since start
+    input_backlog: int = 0  # the last tick's deepest caller backlog (frames left queued after its take)
     recent: deque[tuple[float, bool]] = field(default_factory=lambda: deque(maxlen=64))  # (finished at, late)
     busy_since: float | None = None  # when calls were first seated since the loop was last empty
 
@@ -304,6 +317,22 @@ class FrameLoop:
             return False
         return slot.caller_speaking or self._tick_no < slot.release_at
 
+    def _catch_up(self, slot: Slot) -> None:
+        """After the tick's take (under the lock): a backlog standing past the jitter cushion loses its
+        quietest queued frame (silence between words, where there is any, rather than a word)."""
+        if len(slot.inbox) < CATCHUP_BACKLOG:
+            slot.standing_backlog = 0
+            return
+        slot.standing_backlog += 1
+        if slot.standing_backlog < CATCHUP_AFTER_TICKS:
+            return
+        quietest = min(range(len(slot.inbox)), key=lambda i: float(np.square(slot.inbox[i]).mean()))
+        del slot.inbox[quietest]
+        slot.standing_backlog = 0
+        slot.catchups += 1
+        self.stats.catchups += 1
+        metrics.ENGINE_INPUT_CATCHUPS.inc()
+
     def tick(self) -> list[tuple[Slot, SlotOutput]]:
         """One synchronous engine step for every active slot. Returns what was delivered."""
         B = self.max_calls
@@ -312,11 +341,14 @@ class FrameLoop:
         reset = np.zeros(B, dtype=bool)
         oracle = np.full(B, self.batch.lm.text_padding_token_id, dtype=np.int64)
         held = np.zeros(B, dtype=bool)
+        backlog = 0
         with self._lock:
             slots = list(self._slots)
             self._idle = all(slot is None for slot in slots)
             if self._idle:  # nobody seated: no model step (an idle engine stays near 0 % CPU)
                 self._tick_no += 1
+                self.stats.input_backlog = 0
+                metrics.ENGINE_INPUT_BACKLOG.set(0)
                 return []
             for row, slot in enumerate(slots):
                 if slot is None:
@@ -327,12 +359,16 @@ class FrameLoop:
                     slot.needs_reset = False
                 if slot.inbox:
                     pcm[row] = slot.inbox.popleft()
+                    self._catch_up(slot)
+                    backlog = max(backlog, len(slot.inbox))
                 elif slot.got_audio:
                     slot.underruns += 1
                     self.stats.underruns += 1
                     metrics.ENGINE_UNDERRUNS.inc()
                 held[row] = self._held(slot)
             self._tick_no += 1
+            self.stats.input_backlog = backlog
+        metrics.ENGINE_INPUT_BACKLOG.set(backlog)
 
         def take_oracle() -> np.ndarray:
             """The oracle token of every row, read by the batch right before the LM step."""

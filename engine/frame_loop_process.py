@@ -99,7 +99,7 @@ class FrameLoopProcess:
         self._closed = False
         self._abort_start = threading.Event()  # SIGTERM while the child loads: kill it, stop waiting
         self.alive = False
-        self._counted = (0, 0)  # (underruns, overruns) already added to this process's metrics
+        self._counted = (0, 0, 0)  # (underruns, overruns, catchups) already added to this process's metrics
         self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._audio_queued = 0
         self.audio_shed = 0  # caller frames never sent because the child was that far behind
@@ -207,6 +207,8 @@ class FrameLoopProcess:
             busy = sum(r is not None for r in self._rows)
             metrics.ENGINE_SLOTS_BUSY.set(busy)
             self.stats.seated(busy)
+            if not busy:  # the child's idle ticks send nothing: no call, no backlog
+                metrics.ENGINE_INPUT_BACKLOG.set(0)
 
     def push_audio(self, row: int, call_id: str, pcm: np.ndarray) -> None:
         if pcm.shape != (FRAME_SAMPLES,):
@@ -307,15 +309,19 @@ class FrameLoopProcess:
             for hook in hooks:
                 hook()
 
-    def _count(self, counters: tuple[int, int]) -> None:
-        underruns, overruns = counters
-        du, do = underruns - self._counted[0], overruns - self._counted[1]
+    def _count(self, counters: tuple[int, int, int, int]) -> None:
+        underruns, overruns, catchups, backlog = counters
+        du, do, dc = (now - before for now, before in zip(counters[:3], self._counted, strict=True))
         if du > 0:
             metrics.ENGINE_UNDERRUNS.inc(du)
         if do > 0:
             metrics.ENGINE_OVERRUNS.inc(do)
-        self._counted = counters
-        self.stats.underruns, self.stats.overruns = counters
+        if dc > 0:
+            metrics.ENGINE_INPUT_CATCHUPS.inc(dc)
+        metrics.ENGINE_INPUT_BACKLOG.set(backlog)
+        self._counted = (underruns, overruns, catchups)
+        self.stats.underruns, self.stats.overruns, self.stats.catchups = underruns, overruns, catchups
+        self.stats.input_backlog = backlog
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -425,7 +431,8 @@ class _ChildFrameLoop(FrameLoop):
         fed = []
         while self.oracle_fed:
             fed.append(self.oracle_fed.popleft())
-        self.send(("tick", delivered, fed, (self.stats.underruns, self.stats.overruns)))
+        stats = self.stats
+        self.send(("tick", delivered, fed, (stats.underruns, stats.overruns, stats.catchups, stats.input_backlog)))
 
     def safe_tick(self) -> bool:
         ok = super().safe_tick()

@@ -63,6 +63,16 @@ ENGINE_OVERRUNS = Counter(
     "kame_engine_input_overruns_total",
     "Caller frames dropped because a slot's input queue was full (audio faster than real time).",
 )
+ENGINE_INPUT_CATCHUPS = Counter(
+    "kame_engine_input_catchups_total",
+    "Caller frames skipped (the quietest queued) because a call's input backlog stood past the jitter cushion "
+    "for a second: the model was hearing that caller late after a stall.",
+)
+ENGINE_INPUT_BACKLOG = Gauge(
+    "kame_engine_input_backlog_frames",
+    "The deepest caller input backlog over the seated calls after the last tick's take, in 80 ms frames: "
+    "0-1 is normal (1 is the jitter cushion); more is audio the model will hear that much late.",
+)
 ORACLE_LAG_SECONDS = Histogram(
     "kame_oracle_lag_seconds",
     "From the transcript update that triggered an LLM request to its first oracle token in the slot.",

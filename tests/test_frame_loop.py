@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.batch import UNGENERATED, KameBatch
-from engine.frame_loop import FrameLoop, SlotOutput
+from engine.frame_loop import CATCHUP_AFTER_TICKS, FrameLoop, SlotOutput
 from engine.interface import FRAME_SAMPLES, EngineFull
 from engine.oracle_buffer import DraftTokens
 from engine.sampling import SamplingConfig
@@ -173,6 +173,45 @@ def test_late_frames_get_silence_and_count_underruns(tiny_bundle) -> None:
         loop.push_audio(row, "A", frame)
     assert loop._slots[row].overruns == 4
     assert metric("kame_engine_input_overruns_total") - over_before == 4
+
+
+def test_a_standing_input_backlog_is_worked_off_but_the_jitter_cushion_is_kept(tiny_bundle) -> None:
+    """After a stall the caller's frames arrive in a burst; one is taken a tick, so without catching up
+    the model would hear the caller that much late for the rest of the call."""
+    loop = _loop(tiny_bundle, slots=2)
+    row = loop.join("A", Recorder())
+    slot = loop._slots[row]
+    audio = iter(_caller_audio(5, 200))
+    before = metric("kame_engine_input_catchups_total")
+    loop.push_audio(row, "A", next(audio))
+    loop.push_audio(row, "A", next(audio))  # one frame early: the jitter cushion
+    for _ in range(3 * CATCHUP_AFTER_TICKS):
+        loop.tick()
+        loop.push_audio(row, "A", next(audio))
+    # A steady single frame left after each take is kept, never dropped.
+    assert slot.catchups == 0 and loop.stats.input_backlog == 1 == metric("kame_engine_input_backlog_frames")
+
+    loop.push_audio(row, "A", next(audio))  # a stall's burst: two frames more, 4 queued (the bound)
+    loop.push_audio(row, "A", next(audio))
+    ticks = 0
+    while slot.catchups < 2:
+        loop.tick()
+        ticks += 1
+        if slot.catchups == 1 and ticks == CATCHUP_AFTER_TICKS:
+            assert all(float(np.abs(f).max()) > 1e-3 for f in slot.inbox)  # the pause went, no word did
+        if slot.standing_backlog == CATCHUP_AFTER_TICKS - 1 and slot.catchups == 0:
+            loop.push_audio(row, "A", np.full(FRAME_SAMPLES, 1e-4, dtype=np.float32))  # a pause between words
+        else:
+            loop.push_audio(row, "A", next(audio))
+        assert ticks <= 2 * CATCHUP_AFTER_TICKS + 2
+    assert ticks == 2 * CATCHUP_AFTER_TICKS  # one frame a second, from the first tick of the backlog
+    # Worked down to the cushion, and no further.
+    for _ in range(2 * CATCHUP_AFTER_TICKS):
+        loop.tick()
+        loop.push_audio(row, "A", next(audio))
+    assert slot.catchups == 2 and loop.stats.catchups == 2 and slot.overruns == 0
+    assert metric("kame_engine_input_catchups_total") - before == 2
+    assert metric("kame_engine_input_backlog_frames") == loop.stats.input_backlog == 1
 
 
 def test_capacity_and_bad_frames(tiny_bundle) -> None:

@@ -251,6 +251,8 @@ def test_dashboard_covers_the_core_signals() -> None:
         "kame_engine_deadline_misses_total",
         "kame_engine_underruns_total",
         "kame_engine_input_overruns_total",
+        "kame_engine_input_catchups_total",
+        "kame_engine_input_backlog_frames",
         "kame_twilio_protocol_errors_total",
         "kame_llm_errors_total",
         "kame_stt_errors_total",
