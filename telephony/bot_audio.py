@@ -111,7 +111,7 @@ class BotAudioFanout:
         mulaw, levels = float_to_ulaw(line), levels_dbfs(line)  # every row's 640 bytes, back to back
         encoded = time.monotonic()
         sent_at = [
-            await session.send_bot_audio(mulaw[k * FRAME_BYTES : (k + 1) * FRAME_BYTES])
+            await session.send_bot_audio(mulaw[k * FRAME_BYTES : (k + 1) * FRAME_BYTES], float(levels[k]))
             for k, session in enumerate(sessions)
         ]
         sent = time.monotonic()

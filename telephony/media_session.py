@@ -3,8 +3,10 @@
 Two tasks per stream, both owned here: the receive loop (this object's `run`) and the event pump that
 records the engine's transcripts and oracle drafts for the call. The bot's audio comes from the server's
 one `BotAudioFanout`, which encodes a whole engine tick for every call at once and hands each stream its
-μ-law through `send_bot_audio` the moment the engine makes it (the engine ticks in real time, so Twilio's
-playout buffer stays a frame or two deep and `clear` is rarely needed).
+μ-law through `send_bot_audio` the moment the engine makes it. The engine ticks in real time, so Twilio's
+playout queue stays a frame or two deep, until a stall releases frames as a burst: the queue keeps that
+depth for good (both sides run at real time). `PlayoutClock` tracks it; the stream drains it through the
+bot's pauses and clears it when the caller talks over stale speech.
 Bad input is counted, logged with the call id and dropped; it never reaches another call.
 """
 
@@ -36,6 +38,7 @@ from knowledge.agents import Agent
 from . import metrics
 from .framing import InboundFramer
 from .logs import call_id_var
+from .playout_clock import CLEAR_ON_BARGE_IN_ABOVE_S, DRAIN_ABOVE_S, PlayoutClock
 from .stream_limits import StreamLimits
 from .turns import SILENCE_DBFS, TurnTracker, Unanswered
 from .twilio_messages import (
@@ -75,6 +78,7 @@ LINE_LEAD_FRAMES = 12
 FRAMES_PER_WORD = 6
 AUDIO_AFTER_TEXT_FRAMES = 3
 LINE_MARK_WAIT_S = 5.0
+LINE_AFTER_CLEAR_S = 1.0  # a `clear` emptied the line before it played: what the bot says next, then the action
 ACTION_ANSWER_WAIT_S = 11.0  # the REST client's own timeout (10 s), and a little more
 
 
@@ -132,6 +136,9 @@ class MediaStreamSession:
         self._action_task: asyncio.Task[Any] | None = None  # the task carrying it out
         self._requesting = False  # its REST request is in flight
         self._awaited_mark: tuple[str, asyncio.Event] | None = None  # a mark whose echo someone waits for
+        self._awaited_played = False  # its echo said played (not emptied by a `clear`)
+        self.playout = PlayoutClock()
+        self._clear_due = False  # the caller talked over a stale queue: clear it (from the receive loop)
         self._bot_word_starts = 0  # words the bot has begun (its text pieces starting with '▁')
         self.limits = StreamLimits()
         # Upgraded (the signature was good) but not started: such sockets are capped per node and closed
@@ -222,6 +229,10 @@ class MediaStreamSession:
             refused = self._on_media(message)
             if refused is not None:  # counted against the stream, as any refused message, so a flood ends it
                 await self._refused(refused)
+            if self._clear_due:
+                self._clear_due = False
+                metrics.MEDIA_PLAYOUT_CLEARS.inc()
+                await self.clear()
         elif not await self._limit(message.event):
             return
         elif isinstance(message, StartMessage):
@@ -376,7 +387,11 @@ class MediaStreamSession:
         for frame in self.inbound.push(message.media.payload, arrived_at=now):
             self.engine_call.push_audio(frame.pcm)
             metrics.MEDIA_INBOUND_SECONDS.observe(time.monotonic() - frame.last_arrival)
+            was_speaking = self.turns.caller_speaking
             ended = self.turns.caller_frame(frame.pcm, frame.last_arrival)
+            if (self.turns.caller_speaking and not was_speaking
+                    and self.playout.backlog(now) > CLEAR_ON_BARGE_IN_ABOVE_S):
+                self._clear_due = True  # the bot's queued speech is older than what the model now hears
             if isinstance(ended, Unanswered):
                 metrics.TURNS_UNANSWERED_SECONDS.observe(ended.waited_s)
             elif ended is not None and ended.overlap:
@@ -388,10 +403,16 @@ class MediaStreamSession:
                 self._store_soon(self.ctx.store.add_latency(st.call_sid, "turn", ended.reply_latency_s))
 
     def _on_mark(self, name: str) -> None:
-        # Twilio echoes a mark once the audio queued before it has played (or was cleared).
-        self.state.marks_played += 1
-        self.state.last_mark_played = name
+        # Twilio echoes a mark once the audio queued before it has played, or at once when a `clear`
+        # emptied the queue: that audio was never heard.
+        echo = self.playout.echoed(name, time.monotonic())
+        if echo.waited_s is not None:
+            metrics.MEDIA_PLAYOUT_DELAY_SECONDS.observe(echo.waited_s)
+        if echo.played:
+            self.state.marks_played += 1
+            self.state.last_mark_played = name
         if self._awaited_mark is not None and self._awaited_mark[0] == name:
+            self._awaited_played = echo.played
             self._awaited_mark[1].set()
 
     async def _on_dtmf(self, digit: str) -> None:
@@ -440,19 +461,26 @@ class MediaStreamSession:
             if spoken_at is not None and st.frames_sent >= spoken_at + AUDIO_AFTER_TEXT_FRAMES:
                 break
             await asyncio.sleep(FRAME_SECONDS / 2)
-        if not self.playing or self._media is None:
-            return
-        name, played = f"line{st.frames_sent}", asyncio.Event()
-        self._awaited_mark = (name, played)
-        try:
-            with contextlib.suppress(ConnectionResetError, RuntimeError):
-                await self.ws.send_str(mark_message(self._media.stream_sid, name))
-                st.marks_sent += 1
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(LINE_MARK_WAIT_S):  # a peer that never echoes must not hold the action
-                    await played.wait()
-        finally:
-            self._awaited_mark = None
+        # Once more if a `clear` (an engine reset, a barge-in) emptied the queue before the line played: the
+        # action then waits for what the bot says next, rather than cutting in at once.
+        for attempt in range(2):
+            if not self.playing or self._media is None:
+                return
+            name, played = f"line{st.frames_sent}.{attempt}", asyncio.Event()
+            self._awaited_mark, self._awaited_played = (name, played), False
+            try:
+                with contextlib.suppress(ConnectionResetError, RuntimeError):
+                    await self.ws.send_str(mark_message(self._media.stream_sid, name))
+                    self.playout.mark_sent(name, time.monotonic())
+                    st.marks_sent += 1
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(LINE_MARK_WAIT_S):  # a peer that never echoes must not hold it
+                        await played.wait()
+            finally:
+                self._awaited_mark = None
+            if self._awaited_played or not played.is_set():
+                return
+            await asyncio.sleep(LINE_AFTER_CLEAR_S)
 
     async def _act(self, action: CallAction, trigger: str) -> str:
         """Hand the caller to a person (Twilio replaces the call's TwiML with a <Dial>: our stream ends) or hang
@@ -505,19 +533,28 @@ class MediaStreamSession:
         if self.state.frames_sent:
             await self.clear()
 
-    async def send_bot_audio(self, mulaw: bytes) -> float | None:
+    async def send_bot_audio(self, mulaw: bytes, level_dbfs: float) -> float | None:
         """Send one engine frame (80 ms of μ-law) as one media message; when it left, or None if it did not.
 
         Never waits for the peer: a peer that stops reading gets its frames dropped (and, after
-        `silent_socket_s` of that, its stream closed) instead of stalling every other call's audio."""
+        `silent_socket_s` of that, its stream closed) instead of stalling every other call's audio. A quiet
+        frame is not sent while Twilio's queue is deeper than DRAIN_ABOVE_S: a pause skipped, so a stall's
+        backlog drains instead of delaying the bot's every later word."""
         assert self._media is not None
         if self._peer_backlogged():
+            return None
+        now = time.monotonic()
+        if level_dbfs <= self.turns.threshold_dbfs and self.playout.backlog(now) > DRAIN_ABOVE_S:
+            metrics.MEDIA_PLAYOUT_DRAINED.inc()
+            self.bot_silent(now)
             return None
         try:
             await self.ws.send_frame(self._media.render(mulaw), WSMsgType.TEXT)
         except (ConnectionResetError, RuntimeError):  # socket gone under us: the receive loop ends the call
             return None
-        return time.monotonic()
+        sent = time.monotonic()
+        self.playout.sent(sent)
+        return sent
 
     def _peer_backlogged(self) -> bool:
         transport = self._transport
@@ -568,8 +605,10 @@ class MediaStreamSession:
         if st.frames_sent - self._last_mark_at_frame < self.ctx.config.mark_every_frames or self._media is None:
             return
         self._last_mark_at_frame = st.frames_sent
+        name = f"f{st.frames_sent}"
         with contextlib.suppress(ConnectionResetError, RuntimeError):
-            await self.ws.send_str(mark_message(self._media.stream_sid, f"f{st.frames_sent}"))
+            await self.ws.send_str(mark_message(self._media.stream_sid, name))
+            self.playout.mark_sent(name, time.monotonic())
             st.marks_sent += 1
 
     # ---- engine -> this call's record: events ----
@@ -624,6 +663,7 @@ class MediaStreamSession:
         if self.state.stream_sid and not self.ws.closed:
             with contextlib.suppress(ConnectionResetError, RuntimeError):
                 await self.ws.send_str(clear_message(self.state.stream_sid))
+                self.playout.cleared(time.monotonic())
 
     # ---- the end ----
 

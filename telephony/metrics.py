@@ -151,6 +151,21 @@ MEDIA_OUTBOUND_DROPPED = Counter(
     "kame_media_outbound_dropped_frames_total",
     "Bot frames not sent because the peer was not reading its socket (its unsent backlog was full).",
 )
+MEDIA_PLAYOUT_DELAY_SECONDS = Histogram(
+    "kame_media_playout_delay_seconds",
+    "From sending a playout mark to Twilio's echo of it: the bot audio queued ahead of it at Twilio, plus the "
+    "round trip. A stall's burst shows here; it should stay near the round trip.",
+    buckets=[0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0],
+)
+MEDIA_PLAYOUT_DRAINED = Counter(
+    "kame_media_playout_drained_frames_total",
+    "Quiet bot frames (pauses) not sent because Twilio's queue was deeper than two frames: a stall's backlog "
+    "drained without losing a word.",
+)
+MEDIA_PLAYOUT_CLEARS = Counter(
+    "kame_media_playout_clears_total",
+    "Twilio playout queues cleared because the caller started talking over more than 250 ms of queued bot speech.",
+)
 # Twilio's call status callback (the number's StatusCallback, set by `kame-phone twilio setup`).
 CALL_STATUSES = ("queued", "initiated", "ringing", "in-progress", "completed", "busy", "failed", "no-answer",
                  "canceled", "unknown")  # fmt: skip

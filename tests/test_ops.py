@@ -266,6 +266,9 @@ def test_dashboard_covers_the_core_signals() -> None:
         "kame_call_store_dropped_ops_total",
         "kame_stt_dropped_frames_total",
         "kame_media_outbound_dropped_frames_total",
+        "kame_media_playout_delay_seconds_bucket",
+        "kame_media_playout_drained_frames_total",
+        "kame_media_playout_clears_total",
         *LINK_METRICS,
     ):
         assert name in used, f"the dashboard shows nothing from {name}"
@@ -402,6 +405,7 @@ def test_alert_rules_are_well_formed() -> None:
         "kame_engine_slots_busy",
         "kame_engine_slots",
         "kame_media_outbound_dropped_frames_total",
+        "kame_media_playout_delay_seconds_bucket",
         *LINK_METRICS,
     ):
         assert name in exprs, f"no alert uses {name}"

@@ -1,0 +1,219 @@
+"""Twilio's playout queue after a stall: the edge drains it through the bot's pauses and clears it when the
+caller talks over stale speech (telephony/playout_clock.py). Without that, both sides run at real time and
+a stall's burst delays every later word of the bot for the rest of the call."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+from engine.interface import FRAME_SECONDS
+from telephony import twilio_messages as tm
+from telephony.mulaw import float_to_ulaw
+from telephony.playout_clock import DRAIN_ABOVE_S, ECHO_SLACK_S, PlayoutClock
+
+from .phone_fixtures import metric, running_phone
+
+
+def test_the_clock_follows_sends_corrects_by_echoes_and_forgets_cleared_marks() -> None:
+    clock = PlayoutClock()
+    for k in range(5):  # real time: the queue holds about the frame just sent
+        clock.sent(10.0 + k * FRAME_SECONDS)
+    assert abs(clock.backlog(10.0 + 4 * FRAME_SECONDS) - FRAME_SECONDS) < 1e-9
+    for _ in range(6):  # a stall's burst: six frames in one instant
+        clock.sent(11.0)
+    assert abs(clock.backlog(11.0) - 6 * FRAME_SECONDS) < 1e-9
+    assert clock.backlog(20.0) == 0.0
+
+    clock = PlayoutClock()
+    clock.sent(1.0)
+    clock.mark_sent("a", 1.0)  # due when the frame has played: 1.08
+    echo = clock.echoed("a", 1.1)  # on time (the way back): no correction
+    assert echo.played and abs(echo.waited_s - 0.1) < 1e-9 and abs(clock.until - 1.08) < 1e-9
+    clock.sent(2.0)
+    clock.mark_sent("b", 2.0)
+    echo = clock.echoed("b", 2.6)  # half a second late: a stall after the socket; the queue is deeper
+    assert echo.played and abs(clock.until - (2.08 + 0.52 - ECHO_SLACK_S)) < 1e-9
+
+    clock.sent(3.0)
+    clock.mark_sent("c", 3.0)
+    clock.cleared(3.01)
+    assert clock.backlog(3.01) == 0.0
+    assert clock.echoed("c", 3.02) == type(echo)(played=False, waited_s=None)  # emptied, never heard
+    assert clock.echoed("nobody-sent-this", 3.0).played  # not the clock's to judge
+    for k in range(100):  # a peer that never echoes: bounded
+        clock.mark_sent(f"m{k}", 4.0)
+    assert len(clock._pending) <= 64
+
+
+def _tone(samples: int) -> bytes:
+    return bytes(float_to_ulaw((0.5 * np.sin(2 * np.pi * 440 * np.arange(samples) / 8000)).astype(np.float32)))
+
+
+async def _call_with_a_stall(
+    checkpoint: Path, *, barge_in: bool
+) -> tuple[list[tuple[float, str]], float, float, float]:
+    """A call on loopback whose edge stalls 0.8 s (the event loop blocked: the engine thread keeps making
+    frames, the fan-out sends them as a burst after). The caller is silent, or after the stall talks.
+    Returns the events received (time, kind), the stall's end, the deepest estimated queue after it and
+    the estimate 4 s later."""
+    async with running_phone(checkpoint) as phone, aiohttp.ClientSession() as http:
+        call_sid, params = await phone.answer(http)
+        ws = await phone.open_stream(http)
+        await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))
+        events: list[tuple[float, str]] = []
+        loud = _tone(160)
+        talking = asyncio.Event()
+
+        async def read() -> None:
+            async for m in ws:
+                if m.type == aiohttp.WSMsgType.TEXT:
+                    events.append((time.monotonic(), json.loads(m.data)["event"]))
+
+        async def send() -> None:  # 20 ms packets on the wall clock: after a stall, the ones due go at once
+            seq, began = 1, time.monotonic()
+            while True:
+                seq += 1
+                payload = loud if talking.is_set() else b"\xff" * 160
+                await ws.send_str(tm.media_msg("MZ1", seq, seq - 1, 20 * seq, payload))
+                await asyncio.sleep(max(0.0, began + 0.02 * seq - time.monotonic()))
+
+        reader, sender = asyncio.create_task(read()), asyncio.create_task(send())
+        try:
+            async with asyncio.timeout(10):
+                while sum(kind == "media" for _, kind in events) < 10:  # noqa: ASYNC110 - polls what the reader saw
+                    await asyncio.sleep(0.05)
+            session = phone.ctx.streams[call_sid]
+            time.sleep(0.8)  # noqa: ASYNC251 - the stall under test: the edge's loop blocked
+            stalled_until = time.monotonic()
+            deepest = 0.0
+            for _ in range(10):  # the burst goes out within a few loop turns
+                await asyncio.sleep(0.02)
+                deepest = max(deepest, session.playout.backlog(time.monotonic()))
+            if barge_in:
+                talking.set()
+            await asyncio.sleep(4.0)
+            backlog_after = session.playout.backlog(time.monotonic())
+        finally:
+            sender.cancel()
+            await ws.send_str(tm.stop_msg("MZ1", 10**6, call_sid, "AC1"))
+            await ws.close()
+            reader.cancel()
+            await phone.settled()
+        print(f'deepest {deepest:.3f} s, 4 s later {backlog_after:.3f} s')
+        return events, stalled_until, deepest, backlog_after
+
+
+async def test_a_stalls_backlog_at_twilio_drains_through_the_bots_pauses(tiny_checkpoint: Path) -> None:
+    """The tiny model's random voice is never quiet, so this test plays the bot itself through the real
+    stream (the fan-out stopped): a stall's burst of speech, then a pause at real time."""
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
+        call_sid, params = await phone.answer(http)
+        ws = await phone.open_stream(http)
+        await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))
+        media = 0
+
+        async def read() -> None:
+            nonlocal media
+            async for m in ws:
+                if m.type == aiohttp.WSMsgType.TEXT and json.loads(m.data)["event"] == "media":
+                    media += 1
+
+        reader = asyncio.create_task(read())
+        try:
+            async with asyncio.timeout(10):
+                while media < 3:
+                    await ws.send_str(tm.media_msg("MZ1", 2, 1, 20, b"\xff" * 160))
+                    await asyncio.sleep(0.02)
+            await phone.ctx.fanout.aclose()  # from here the test is the bot
+            session = phone.ctx.streams[call_sid]
+            drained_before = metric("kame_media_playout_drained_frames_total")
+            speech, pause = bytes(_tone(640)), b"\xff" * 640
+            await asyncio.sleep(0.3)  # Twilio's queue runs dry
+            before = media
+            for _ in range(8):  # the stall's burst
+                assert await session.send_bot_audio(speech, -10.0) is not None
+            t0 = time.monotonic()
+            assert 0.6 < session.playout.backlog(t0) <= 8 * FRAME_SECONDS
+            sent = []
+            for k in range(12):  # the bot pauses, at real time
+                await asyncio.sleep(max(0.0, t0 + (k + 1) * FRAME_SECONDS - time.monotonic()))
+                sent.append(await session.send_bot_audio(pause, -60.0) is not None)
+            # The pause's frames are skipped while over two frames are queued, then sent again.
+            assert sent[:4] == [False] * 4 and sent[-4:] == [True] * 4, sent
+            assert metric("kame_media_playout_drained_frames_total") - drained_before == sent.count(False)
+            assert session.playout.backlog(time.monotonic()) <= DRAIN_ABOVE_S + FRAME_SECONDS
+            for _ in range(6):  # speech is never skipped, however deep the queue
+                assert await session.send_bot_audio(speech, -10.0) is not None
+            async with asyncio.timeout(5):  # what was sent arrived, and nothing else
+                while media < before + 8 + sent.count(True) + 6:  # noqa: ASYNC110 - polls what the reader saw
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
+            assert media == before + 8 + sent.count(True) + 6
+        finally:
+            await ws.send_str(tm.stop_msg("MZ1", 10**6, call_sid, "AC1"))
+            await ws.close()
+            reader.cancel()
+            await phone.settled()
+
+
+async def test_talking_over_a_stale_queue_clears_it(tiny_checkpoint: Path) -> None:
+    clears_before = metric("kame_media_playout_clears_total")
+    events, stalled_until, deepest, later = await _call_with_a_stall(tiny_checkpoint, barge_in=True)
+    assert deepest > DRAIN_ABOVE_S
+    kinds_after = [kind for t, kind in events if t > stalled_until]
+    assert "clear" in kinds_after
+    assert metric("kame_media_playout_clears_total") - clears_before >= 1
+    assert kinds_after[kinds_after.index("clear") + 1 :].count("media") > 0  # and the bot goes on
+    assert later <= DRAIN_ABOVE_S + FRAME_SECONDS
+
+
+async def test_an_action_line_cleared_before_it_played_is_waited_for_again(tiny_checkpoint: Path) -> None:
+    """Twilio echoes every pending mark at once when a `clear` empties its queue: such an echo is not the
+    line heard, so a transfer or hang-up does not cut in over a line the caller never got."""
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
+        call_sid, params = await phone.answer(http)
+        ws = await phone.open_stream(http)
+        await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))
+        marks: asyncio.Queue[str] = asyncio.Queue()
+
+        async def read() -> None:
+            async for m in ws:
+                event = json.loads(m.data)
+                if event["event"] == "mark" and event["mark"]["name"].startswith("line"):
+                    marks.put_nowait(event["mark"]["name"])
+
+        async def send() -> None:
+            seq = 1
+            while True:
+                seq += 1
+                await ws.send_str(tm.media_msg("MZ1", seq, seq - 1, 20 * seq, b"\xff" * 160))
+                await asyncio.sleep(0.02)
+
+        reader, sender = asyncio.create_task(read()), asyncio.create_task(send())
+        try:
+            async with asyncio.timeout(10):
+                while call_sid not in phone.ctx.streams:  # noqa: ASYNC110 - the server side's seat
+                    await asyncio.sleep(0.02)
+            session = phone.ctx.streams[call_sid]
+            played_before = session.state.marks_played
+            line = asyncio.create_task(session._line_played("Let me put you through."))
+            first = await asyncio.wait_for(marks.get(), 15)
+            await session.clear()  # an engine reset, say: Twilio empties its queue and echoes the mark
+            await ws.send_str(tm.mark_msg("MZ1", 10**5, first))
+            second = await asyncio.wait_for(marks.get(), 5)  # waited for again, after what comes next
+            assert second != first and not line.done()
+            await ws.send_str(tm.mark_msg("MZ1", 10**5 + 1, second))
+            await asyncio.wait_for(line, 5)
+            assert session.state.marks_played == played_before + 1  # the cleared echo was not "played"
+        finally:
+            sender.cancel()
+            await ws.send_str(tm.stop_msg("MZ1", 10**6, call_sid, "AC1"))
+            await ws.close()
+            reader.cancel()
+            await phone.settled()
