@@ -51,10 +51,29 @@ class ToolExchange:
 # second while the caller talks: without a bound a long call's requests grow without end, and past a small
 # self-hosted model's context every one fails and the call runs front-end only for the rest of its life.
 MAX_HISTORY_CHARS = 16_000
+# No one turn takes more than this share of it: a caller who talks on with no reply (a recorded message, a
+# dictation) or a bot that talks on alone grows one turn without end, and sent whole it would either be the
+# whole prompt or crowd every earlier turn out. Its newest words are kept (a quarter is ~700 words, minutes
+# of speech: no real turn is cut).
+TURN_SHARE = 4
+MIN_CLIPPED_CHARS = 40  # a turn clipped to fewer than this says nothing: the history stops there instead
 
 
 def _clean(text: str) -> str:
     return " ".join(text.split())
+
+
+def _tail(text: str, limit: int) -> str:
+    """The newest `limit` characters of a turn, from a word's start, marked as cut."""
+    if len(text) <= limit:
+        return text
+    cut = text[len(text) - limit:]
+    space = cut.find(" ")
+    return "… " + (cut[space + 1:] if 0 <= space < len(cut) - 1 else cut)
+
+
+def _size(group: list[dict[str, Any]]) -> int:
+    return sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or "")) for m in group)
 
 
 def _letters(text: str) -> str:
@@ -163,7 +182,9 @@ class Conversation:
     # --- rendering ---------------------------------------------------------------------------------
     def messages(self) -> list[dict[str, Any]]:
         """System prompt + the transcript as chat turns; the pending partial is the last user text. Only the
-        newest turns that fit `max_history_chars` are sent (the newest always), a tool exchange whole."""
+        newest turns that fit `max_history_chars` are sent, no turn longer than a TURN_SHARE of it (its newest
+        words kept), a tool exchange whole or not at all (the newest always: the LLM must see the result it
+        asked for; its size is bounded by the tools' own caps)."""
         groups: list[list[dict[str, Any]]] = []
         for turn in self.turns:
             if isinstance(turn, ToolExchange):
@@ -174,14 +195,24 @@ class Conversation:
             text = _clean(turn.text)
             if text:
                 groups.append([{"role": turn.role, "content": text}])
-        kept, size = 0, 0
+        budget, per_turn = self.max_history_chars, max(1, self.max_history_chars // TURN_SHARE)
+        chosen: list[list[dict[str, Any]]] = []
         for group in reversed(groups):
-            size += sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or "")) for m in group)
-            if kept and size > self.max_history_chars:
+            if budget <= 0:
                 break
-            kept += 1
+            if group[0].get("tool_calls") is not None:
+                if _size(group) <= budget or not chosen:
+                    chosen.append(group)
+                    budget -= _size(group)
+                continue  # an older exchange that does not fit is left out; older words may still fit
+            limit = min(per_turn, budget)
+            if len(group[0]["content"]) > limit and limit < MIN_CLIPPED_CHARS and chosen:
+                break
+            content = _tail(group[0]["content"], limit)
+            chosen.append([{"role": group[0]["role"], "content": content}])
+            budget -= len(content)
         out: list[dict[str, Any]] = [{"role": "system", "content": self.system_prompt}]
-        for group in groups[len(groups) - kept:]:
+        for group in reversed(chosen):
             out += group
         if self.partial:
             if out[-1]["role"] == "user":

@@ -26,7 +26,7 @@ from engine.service import EngineConfig, LocalEngine
 from knowledge import backend as backend_module
 from knowledge.agents import Agents
 from knowledge.backend import BackendConfig, BackendServices, CallBackend
-from knowledge.conversation import Conversation, ToolExchange
+from knowledge.conversation import MAX_HISTORY_CHARS, TURN_SHARE, Conversation, ToolExchange
 from knowledge.llm import LlmClient, LlmConfig, LlmError
 from knowledge.oracle_policy import OraclePolicyConfig
 from knowledge.stt import (
@@ -343,10 +343,59 @@ def test_a_long_calls_requests_carry_only_the_newest_turns_that_fit() -> None:
     assert history[-4]["content"] == "answer49" and "question number 49" in history[-5]["content"]
     assert not any("question number 0 " in str(m.get("content")) for m in history)
     assert history[0]["role"] != "tool"  # never half an exchange
-    # A single turn over the bound is still sent: the newest turn always is.
-    big = Conversation(max_history_chars=10)
-    big.caller_final("a question far longer than ten characters")
-    assert big.messages()[1:] == [{"role": "user", "content": "a question far longer than ten characters"}]
+    # A single turn over its share of the bound is sent clipped, its newest words kept from a word's start.
+    big = Conversation(max_history_chars=100)
+    big.caller_final("so " * 20 + "what time do you open")
+    (only,) = big.messages()[1:]
+    assert only["role"] == "user" and only["content"] == "… so what time do you open"
+
+
+def test_a_turn_that_grows_without_end_keeps_the_prompt_bounded_and_the_history() -> None:
+    """A caller who talks on with no reply (a recorded message, a dictation) builds one user turn; a bot
+    that talks on alone, one assistant turn. Sent whole, every request grew with the call (210 KB after
+    3000 finals) and one such turn crowded out every earlier one."""
+    conv = Conversation()
+    for i in range(30):
+        conv.caller_final(f"order line {i} please add item {i}")
+        conv.bot_piece(f"\u2581added{i}")
+    for i in range(3000):
+        conv.caller_final(f"and then the message goes on with words number {i}")
+    conv.caller_partial("are you still there")
+    msgs = conv.messages()
+    history = msgs[1:]
+    assert sum(len(str(m.get("content") or "")) for m in history) <= MAX_HISTORY_CHARS + 100
+    last = history[-1]["content"]
+    assert last.startswith("… ") and last.endswith("words number 2999 are you still there")
+    assert len(last) <= MAX_HISTORY_CHARS // TURN_SHARE + 30
+    assert any("order line 29" in str(m["content"]) for m in history)  # earlier turns still there
+    assert any("order line 0 " in str(m["content"]) for m in history)  # all 30 fit beside the clipped one
+
+    conv = Conversation()
+    for i in range(30):
+        conv.caller_final(f"order line {i} please add item {i}")
+        conv.bot_piece(f"\u2581added{i}")
+    for _ in range(4000):  # the caller went quiet; the bot talks on
+        conv.bot_piece("\u2581blah")
+    conv.caller_final("hello are you still there")
+    history = conv.messages()[1:]
+    assert history[-1] == {"role": "user", "content": "hello are you still there"}
+    assert history[-2]["role"] == "assistant" and len(history[-2]["content"]) <= MAX_HISTORY_CHARS // TURN_SHARE + 2
+    assert any("order line 29" in str(m["content"]) for m in history)
+
+
+def test_an_old_oversized_tool_exchange_is_left_out_not_the_history_before_it() -> None:
+    conv = Conversation(max_history_chars=2000)
+    conv.caller_final("my order number is 12345")
+    conv.bot_piece("\u2581checking")
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    conv.tool_exchange(ToolExchange(calls=[call], results=[("c1", "r" * 3000)]))
+    history = conv.messages()[1:]
+    assert history[-2]["role"] == "assistant" and history[-1]["role"] == "tool"  # the newest is sent whole
+    conv.caller_final("thanks and when does it arrive")
+    history = conv.messages()[1:]
+    assert history[-1] == {"role": "user", "content": "thanks and when does it arrive"}
+    assert not any(m["role"] == "tool" or m.get("tool_calls") for m in history)  # whole or not at all
+    assert history[0] == {"role": "user", "content": "my order number is 12345"}  # older words still fit
 
 
 # --- LLM client against the real server -------------------------------------------------------------
