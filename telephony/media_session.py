@@ -78,6 +78,10 @@ LINE_LEAD_FRAMES = 12
 FRAMES_PER_WORD = 6
 AUDIO_AFTER_TEXT_FRAMES = 3
 LINE_MARK_WAIT_S = 5.0
+# The bot's words go to the call record when the caller's next utterance ends, or after this many words
+# (about a minute of speech): a caller on hold or silent would otherwise leave the live record without the
+# bot's side, and lose it with the node.
+BOT_TURN_FLUSH_WORDS = 150
 LINE_AFTER_CLEAR_S = 1.0  # a `clear` emptied the line before it played: what the bot says next, then the action
 ACTION_ANSWER_WAIT_S = 11.0  # the REST client's own timeout (10 s), and a little more
 
@@ -140,6 +144,7 @@ class MediaStreamSession:
         self.playout = PlayoutClock()
         self._clear_due = False  # the caller talked over a stale queue: clear it (from the receive loop)
         self._bot_word_starts = 0  # words the bot has begun (its text pieces starting with '▁')
+        self._bot_words_flushed_at = 0  # `_bot_word_starts` when the bot's words last went to the record
         self.limits = StreamLimits()
         # Upgraded (the signature was good) but not started: such sockets are capped per node and closed
         # after the start timeout, however often they send `connected`.
@@ -524,9 +529,11 @@ class MediaStreamSession:
 
     def note_bot_text(self, piece: str) -> None:
         if piece:
-            self.state.bot_words.append(piece)
             if piece.startswith("\u2581"):
                 self._bot_word_starts += 1
+                if self._bot_word_starts - self._bot_words_flushed_at >= BOT_TURN_FLUSH_WORDS:
+                    self._flush_bot_turn()  # at a word's start: no word is split across two entries
+            self.state.bot_words.append(piece)
 
     async def restart_playout(self) -> None:
         """The engine started this call's model afresh (after a reset): drop what Twilio still has queued."""
@@ -648,6 +655,7 @@ class MediaStreamSession:
         await self.ctx.store.append_oracle(self.state.call_sid, text, at=time.time() - (time.monotonic() - started))
 
     def _flush_bot_turn(self) -> None:
+        self._bot_words_flushed_at = self._bot_word_starts
         words = "".join(self.state.bot_words).replace("\u2581", " ").strip()
         self.state.bot_words.clear()
         if words and self.state.call_sid:

@@ -14,6 +14,7 @@ import pytest
 from engine.oracle_buffer import DraftTokens
 from telephony import twilio_messages as tm
 from telephony.config import ConfigError, ServiceConfig
+from telephony.media_session import BOT_TURN_FLUSH_WORDS
 from telephony.server import STATUS_PATH, VOICE_PATH
 from telephony.sim_caller import simulate_call
 from telephony.twiml import parse_connect_stream
@@ -413,3 +414,31 @@ async def test_a_caller_who_hangs_up_on_their_last_word_still_has_it_recorded(ti
     assert record is not None
     said = " ".join(t.text for t in record.turns if t.role == "caller")
     assert "goodbye" in said or "order" in said, record.turns
+
+
+async def test_the_bots_words_reach_the_live_record_while_the_caller_is_silent(tiny_checkpoint: Path) -> None:
+    """The bot's words went to the record only when the caller's next utterance ended: a caller on hold
+    left the live record without the bot's side for as long, and a node lost meanwhile lost it."""
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
+        call_sid, params = await phone.answer(http)
+        ws = await phone.open_stream(http)
+        await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))
+        async with asyncio.timeout(10):
+            while call_sid not in phone.ctx.streams:  # noqa: ASYNC110 - the server side's seat
+                await ws.send_str(tm.media_msg("MZ1", 2, 1, 20, b"\xff" * 160))
+                await asyncio.sleep(0.02)
+        session = phone.ctx.streams[call_sid]
+        for i in range(BOT_TURN_FLUSH_WORDS + 5):  # the bot talks on (beside the tiny model's own pieces)
+            session.note_bot_text(f"\u2581word{i}")
+        bot = ""
+        async with asyncio.timeout(5):
+            while "word140" not in bot:
+                await asyncio.sleep(0.05)  # the write is handed to a task
+                await phone.store.flush()
+                record = await phone.store.get(call_sid)
+                assert record is not None and record.state == "streaming"
+                bot = " ".join(t.text or "" for t in record.turns if t.role == "bot")
+        assert "word0 " in bot + " " and "word140" in bot
+        await ws.send_str(tm.stop_msg("MZ1", 999, call_sid, "AC1"))
+        await ws.close()
+        await phone.settled()
