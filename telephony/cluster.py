@@ -2,7 +2,8 @@
 
 `/twilio/voice` may land on any node. It reserves a call slot on a node with room and answers TwiML
 that points Twilio's media stream at *that* node, with a per-call token. The stream's `start` then
-claims the reservation on the node it reached. Two implementations of one `Cluster` protocol:
+claims the reservation on the node it reached (or, where nodes share one URL behind a load balancer and
+the stream reached another of them, moves it there). Two implementations of one `Cluster` protocol:
 
 - `LocalCluster`: a single node, in process (no REDIS_URL).
 - `RedisCluster`: nodes publish their free slots in Redis with heartbeats; one Lua script picks a node
@@ -260,6 +261,22 @@ redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return take_seat(KEYS[2], KEYS[3], KEYS[4], ARGV[1], tonumber(ARGV[5]), now)
 """
 
+# The stream reached this node, but the reservation is another node's that gives the same stream URL (nodes
+# behind one public host name: Twilio's stream lands on whichever the load balancer picks, e.g. an old and a
+# new pod during a rolling update). It is as good a stream as any: the seat moves here. KEYS 1 resv:<sid>,
+# 2 the reserving node's resv zset, 3 this node's resv zset, 4 this node's hash, 5 this node's held zset.
+# ARGV 1 call sid, 2 the reserving node's id, 3 token, 4 bound ttl ms, 5 held ttl ms, 6 this node's id, 7 this
+# node's stream url. Returns this node's reservation count, or -1 as _CLAIM_LUA.
+_TAKEOVER_LUA = _NOW_MS_LUA + _TAKE_SEAT_LUA + """
+local held = redis.call('HMGET', KEYS[1], 'node', 'token', 'state', 'until', 'url')
+if held[1] ~= ARGV[2] or held[2] ~= ARGV[3] or held[3] ~= 'reserved' or held[5] ~= ARGV[7] then return -1 end
+if held[4] and tonumber(held[4]) <= now then return -1 end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[1], 'node', ARGV[6], 'state', 'claimed')
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return take_seat(KEYS[3], KEYS[4], KEYS[5], ARGV[1], tonumber(ARGV[5]), now)
+"""
+
 # Redis lost resv:<sid> (a restart without persistence, a failover, an eviction) and this node's own book
 # admitted the stream: write the binding back as claimed, so a replayed webhook gets no new token.
 # KEYS and ARGV as _CLAIM_LUA, plus ARGV 6 the node's stream url. Returns the node's reservation count.
@@ -314,6 +331,7 @@ class RedisCluster:
         self._heartbeat_script = client.register_script(_HEARTBEAT_LUA)
         self._reserve_script = client.register_script(_RESERVE_LUA)
         self._claim_script = client.register_script(_CLAIM_LUA)
+        self._takeover_script = client.register_script(_TAKEOVER_LUA)
         self._restore_script = client.register_script(_RESTORE_LUA)
         self._release_script = client.register_script(_RELEASE_LUA)
         # Reservations made while Redis was failing, on this node only (counted in the published `free`).
@@ -511,13 +529,18 @@ class RedisCluster:
             return self._fallback.claim(call_sid, token)
         keys = [self._resv_key(call_sid), self._my_resv_key, self._node_key(self.node_id), self._my_held_key]
         try:
-            node_id, held = await self._redis.hmget(self._resv_key(call_sid), ["node", "token"])
+            node_id, held, url = await self._redis.hmget(self._resv_key(call_sid), ["node", "token", "url"])
             if node_id is None:
                 return await self._claim_lost(call_sid, token, keys)
-            if node_id != self.node_id or held is None or not tokens_match(held, token):
+            if held is None or not tokens_match(held, token):
                 return False
-            count = int(await self._claim_script(keys=keys, args=[call_sid, self.node_id, token,
-                                                                 _ms(self.bound_ttl_s), self._held_ms]))
+            if node_id == self.node_id:
+                count = int(await self._claim_script(keys=keys, args=[call_sid, self.node_id, token,
+                                                                     _ms(self.bound_ttl_s), self._held_ms]))
+            elif url == self.stream_url and self.capacity_fn() > 0:
+                count = await self._take_over(call_sid, node_id, token)
+            else:
+                return False  # another node's stream URL: the stream reached the wrong node
         except _REDIS_FAILURES as exc:
             self._failed("claim", exc)
             return self._claim_from_mine(call_sid, token)  # reserved here through Redis before it failed
@@ -529,6 +552,16 @@ class RedisCluster:
             self._mine.mark_used(call_sid)  # reserved by another node's webhook: spent all the same
         self._acked[call_sid] = time.monotonic()  # the caller counts the stream before it next awaits
         return True
+
+    async def _take_over(self, call_sid: str, node_id: str, token: str) -> int:
+        keys = [self._resv_key(call_sid), f"{self._node_key(node_id)}:resv", self._my_resv_key,
+                self._node_key(self.node_id), self._my_held_key]
+        count = int(await self._takeover_script(keys=keys, args=[call_sid, node_id, token, _ms(self.bound_ttl_s),
+                                                                 self._held_ms, self.node_id, self.stream_url]))
+        if count >= 0:
+            log.info("cluster: call %s was reserved on node %s behind the same URL; its stream is taken here",
+                     call_sid, node_id)
+        return count
 
     async def _claim_lost(self, call_sid: str, token: str, keys: list[str]) -> bool:
         """Redis has no reservation for the call (it restarted empty, failed over, evicted it): this node's

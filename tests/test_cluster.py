@@ -617,3 +617,40 @@ async def _any_hget_is(raw: aioredis.Redis, keys: list[str], field: str, value: 
 
 async def _all_free(raw: aioredis.Redis, prefix: str, expected: dict[str, int]) -> bool:
     return all([await node_free(raw, prefix, node_id) == free for node_id, free in expected.items()])
+
+
+async def test_nodes_behind_one_url_take_each_others_streams(prefix: str, raw: aioredis.Redis) -> None:
+    """Two nodes behind one public host name (an old and a new pod in a rolling update, one Ingress): the
+    webhook reserves on one, the load balancer sends the stream to either. It used to be refused on the
+    other (bad_token: the caller heard the fallback apology); the seat now moves to where the stream is."""
+    shared = f"wss://phone.example.com{MEDIA_PATH}"
+    free = {"a": 2, "b": 2}
+    a, b, c = (RedisCluster(client(), name, shared if name != "c" else f"wss://c.example.com{MEDIA_PATH}",
+                            (lambda n=name: free.get(n, 2)), key_prefix=prefix, heartbeat_s=0.1, node_ttl_s=0.6)
+               for name in ("a", "b", "c"))
+    try:
+        for node in (a, b, c):
+            await node.start()
+        sid = new_call_sid()
+        r = await a.reserve(sid)
+        assert r is not None and r.node_id == "a" and r.stream_url == shared
+        assert not await c.claim(sid, r.token)  # a node at another URL: still the wrong node
+        assert not await b.claim(sid, "x" * len(r.token))  # the token still counts
+        assert await b.claim(sid, r.token)
+        assert await raw.hget(f"{prefix}resv:{sid}", "node") == "b"
+        assert await raw.zscore(f"{prefix}node:a:resv", sid) is None  # a's seat is free again
+        assert await raw.zscore(f"{prefix}node:b:held", sid) is not None  # b's is taken
+        for node in (a, b):  # single-use, wherever the replay lands
+            assert not await node.claim(sid, r.token)
+        await b.release(sid)
+        assert await raw.hget(f"{prefix}resv:{sid}", "state") == "ended"
+
+        free["b"] = 0  # a node with no seat of its own does not take a stream over
+        sid = new_call_sid()
+        r = await a.reserve(sid)
+        assert r is not None and r.node_id == "a"
+        assert not await b.claim(sid, r.token)
+        assert await a.claim(sid, r.token)
+    finally:
+        for node in (a, b, c):
+            await node.aclose()
