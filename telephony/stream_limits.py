@@ -2,7 +2,7 @@
 flood the node: every kind but `media` gets a token bucket sized well above what Twilio sends; `media` has its
 own real-time guard in the media session, whose drops count here too, and media refused before `start` or
 for another stream counts against `invalid`. Drops are counted, never logged one by one, and a
-stream far past its limits is ended (outcome `flooding`)."""
+stream far past its limits (within a minute) is ended (outcome `flooding`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ LIMITS: dict[str, tuple[float, float]] = {
     "dtmf": (5.0, 20),
     "invalid": (5.0, 50),  # malformed or unknown messages (also counted as protocol errors)
 }
-END_AFTER_DROPS = 1000  # a stream this far past its limits is hostile or broken: end it
+END_AFTER_DROPS = 1000  # a stream this far past its limits within a window is hostile or broken: end it
+# Counted per window, not over the call's life: an honest sender whose clock runs a little fast, or the odd
+# burst after a network stall, drops a few messages an hour; over a long call those would add up to an end.
+DROP_WINDOW_S = 60.0
 
 
 @dataclass(slots=True)
@@ -44,8 +47,10 @@ class _Bucket:
 class StreamLimits:
     """One stream's buckets, made on first use of each kind."""
 
-    dropped: int = 0
+    dropped: int = 0  # since the stream began
     _buckets: dict[str, _Bucket] = field(default_factory=dict)
+    _window_drops: int = 0
+    _window_start: float = 0.0
 
     def allow(self, kind: str, now: float | None = None) -> bool:
         """False (and counted) when `kind` is over its limit; kinds without a limit always pass."""
@@ -58,15 +63,18 @@ class StreamLimits:
             bucket = self._buckets[kind] = _Bucket(limit[0], limit[1], limit[1], now)
         if bucket.take(now):
             return True
-        self.dropped += 1
-        metrics.STREAM_MESSAGES_DROPPED.labels(event=kind).inc()
+        self.drop(kind, now)
         return False
 
-    def drop(self, kind: str) -> None:
+    def drop(self, kind: str, now: float | None = None) -> None:
         """A message refused by a guard of its own (media past real time): counted as a drop all the same."""
+        now = time.monotonic() if now is None else now
+        if now - self._window_start > DROP_WINDOW_S:
+            self._window_start, self._window_drops = now, 0
         self.dropped += 1
+        self._window_drops += 1
         metrics.STREAM_MESSAGES_DROPPED.labels(event=kind).inc()
 
     @property
     def flooding(self) -> bool:
-        return self.dropped > END_AFTER_DROPS
+        return self._window_drops > END_AFTER_DROPS

@@ -17,6 +17,7 @@ from telephony.call_store import CallRecord
 from telephony.server import VOICE_PATH
 from telephony.sim_caller import simulate_call
 from telephony.sim_playout import CallReport
+from telephony.stream_limits import END_AFTER_DROPS, StreamLimits
 from telephony.twiml import parse_connect_stream
 
 from .phone_fixtures import Phone, metric, new_call_sid, running_phone
@@ -308,3 +309,21 @@ async def test_silent_connections_are_closed_after_the_keepalive_timeout_and_fre
         for _, writer in silent:
             writer.close()
 
+
+
+def test_drops_end_a_stream_only_when_they_come_fast() -> None:
+    """A flood is a thousand drops within a minute; an honest stream's odd drop (a sender's clock a little
+    fast, a burst after a network stall) added up over a long call must not end it."""
+    limits = StreamLimits()
+    for hour in range(10):  # 150 drops an hour for ten hours, in bursts of 25
+        for burst in range(6):
+            for _ in range(25):
+                limits.drop("media", now=hour * 3600.0 + burst * 600.0)
+    assert limits.dropped == 1500 and not limits.flooding
+    for i in range(END_AFTER_DROPS + 1):  # a flood
+        limits.drop("media", now=40_000.0 + i * 0.01)
+    assert limits.flooding
+    kept = StreamLimits()
+    for i in range(END_AFTER_DROPS + 200):  # marks past their bucket (100 pass) count the same way
+        kept.allow("mark", now=0.0 + i * 1e-4)
+    assert kept.flooding
