@@ -311,7 +311,9 @@ class MemoryCallStore(_OpStore):
     def _expire(self) -> None:
         now = time.monotonic()
         while self._records and next(iter(self._records.values()))[1] <= now:
-            self._records.popitem(last=False)
+            call_sid, (record, _) = self._records.popitem(last=False)
+            if record.state == "streaming":  # a live call quiet past the retention (on hold) is kept
+                self._records[call_sid] = (record, now + self.ttl_s)
 
     def _submit(self, ops: Sequence[_Op]) -> None:
         self._expire()
@@ -713,8 +715,8 @@ class RedisCallStore(_OpStore):
                     json.dumps(scalars, separators=(",", ":")), json.dumps(lists, separators=(",", ":"))]  # fmt: skip
             if await self._restore(keys=[*self._call_keys(call_sid), self._index_key], args=args) == 1:
                 CALL_STORE_RESTORED_RECORDS.inc()
-                logger.warning("call store: Redis had lost call %s (restarted empty?); its whole record is "
-                               "written back", call_sid)  # fmt: skip
+                logger.warning("call store: Redis had no record of live call %s (it expired while the call was "
+                               "quiet, or Redis restarted empty); its whole record is written back", call_sid)
                 return
         self.unapplied_ops += len(ops)
         CALL_STORE_UNAPPLIED_OPS.inc(len(ops))

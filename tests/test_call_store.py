@@ -423,3 +423,21 @@ async def test_pending_ops_gauge_sums_the_open_stores_only(server: RedisServer) 
     assert ref() is None
     assert pending_ops_gauge() == base
     await client.aclose()
+
+
+async def test_a_live_call_quiet_past_the_retention_is_kept_in_memory() -> None:
+    """Records expire `ttl_s` after their last write; a call on hold longer than a short retention (set for
+    privacy) lost its record, and its later writes and end went nowhere."""
+    store = MemoryCallStore(ttl_s=0.3)
+    await store.create(new_call("CA1", created_at=time.time()))
+    await store.update("CA1", state="streaming")
+    await asyncio.sleep(0.5)
+    record = await store.get("CA1")
+    assert record is not None and record.state == "streaming"
+    await store.append_turn("CA1", "caller", "still there?")
+    await store.end("CA1", "completed")
+    record = await store.get("CA1")
+    assert record is not None and record.state == "ended" and [t.text for t in record.turns] == ["still there?"]
+    await asyncio.sleep(0.5)
+    assert await store.get("CA1") is None  # once ended, the retention applies
+    await store.aclose()
