@@ -45,6 +45,10 @@ class LlmConfig:
     base_url: str | None = None  # None: the openai package's default (api.openai.com)
     api_key: str = field(default="", repr=False)  # never in a repr, never in a log line
     timeout_s: float = 10.0  # connect / read / write: a stream that stalls this long is a timeout
+    # After the first token: keep-alives and empty deltas are reads that succeed, so the per-read timeout never
+    # fires on them; a stream without a text piece or tool-call delta for this long is a timeout.
+    idle_timeout_s: float = 2.5
+    max_request_s: float = 30.0  # the whole request, however it trickles
     max_tokens: int | None = 96  # drafts are <= 30 words; None: let the server decide
     temperature: float | None = None  # None: the server's default (the official code sets none)
 
@@ -320,11 +324,19 @@ class LlmClient:
         started = time.monotonic()
         streaming = False
         text = ""
+        loop = asyncio.get_running_loop()
+        cap_at = loop.time() + cfg.max_request_s
         try:
             # The client's timeouts are per read: a server that hangs after its headers, or drips keep-alives
-            # or empty chunks, would never time out. The first token has a deadline of its own; it is lifted
-            # once text flows (before the first yield, so it never fires while the consumer holds the draft).
-            async with asyncio.timeout(cfg.timeout_s) as first_token:
+            # or empty chunks, would never time out. The first token has a deadline of its own; after it, each
+            # text piece or tool-call delta must follow the last within idle_timeout_s, and the whole request
+            # must end within max_request_s. The deadline is lifted around each yield, so it never fires while
+            # the consumer holds the draft (it would cancel the consumer's own work).
+            async with asyncio.timeout(min(cfg.timeout_s, cfg.max_request_s)) as deadline:
+
+                def progressed() -> None:
+                    deadline.reschedule(min(loop.time() + cfg.idle_timeout_s, cap_at))
+
                 # The raw response, not the client's parsed stream: its type-driven request transform and
                 # per-chunk model objects took 60% of the back-end's event loop at 32 calls (py-spy, bench
                 # oracle), which delays every other call's request and first draft. The client still does
@@ -346,10 +358,12 @@ class LlmClient:
                                 break
                             delta = _delta(json.loads(data))
                             # The first token, text or a function call's first piece (an answer too), is timed
-                            # once; the first-token deadline is lifted then.
-                            if _add_tool_call_pieces(delta, calls) and first_token.when() is not None:
-                                metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
-                                first_token.reschedule(None)
+                            # once (`not text and not calls` before it).
+                            first = not text and not calls
+                            if _add_tool_call_pieces(delta, calls):
+                                if first:
+                                    metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
+                                progressed()
                             piece = _delta_content(delta)
                             if not piece:
                                 continue
@@ -357,11 +371,12 @@ class LlmClient:
                                 piece = piece.lstrip()
                                 if not piece:
                                     continue
-                                if first_token.when() is not None:
+                                if not calls:
                                     metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
-                                    first_token.reschedule(None)
                             text += piece
+                            deadline.reschedule(None)
                             yield well_formed(text)  # a surrogate pair split across two chunks
+                            progressed()
             for index, parts in sorted(calls.items()):
                 if parts.name:  # a call without a name cannot be run: dropped, as a server's noise
                     # Well-formed as the text is: a split pair in the arguments (an emoji in a search) would
@@ -392,17 +407,23 @@ class LlmClient:
                                 names)  # fmt: skip
                 retry = True
             else:
-                self._fail(exc, streaming, text, call_id)
+                self._fail(exc, streaming, text, call_id, started)
         if retry:  # the same request, as the server takes it (counted once more)
             async for draft in self.stream_draft(messages, call_id=call_id, request_id=request_id, model=model,
                                                  tools=tools):
                 yield draft
 
-    def _fail(self, exc: Exception, streaming: bool, text: str, call_id: str) -> NoReturn:
+    def _fail(self, exc: Exception, streaming: bool, text: str, call_id: str, started: float) -> NoReturn:
         """Count, log and raise a failed request as an LlmError (`text`: what had streamed before it)."""
         kind = classify_error(exc, streaming=streaming)
-        if isinstance(exc, TimeoutError) and not text:
-            exc = TimeoutError(f"no first token within {self.config.timeout_s:g}s")
+        if isinstance(exc, TimeoutError) and not str(exc):  # ours (asyncio.timeout): say which deadline
+            cfg = self.config
+            if time.monotonic() - started >= cfg.max_request_s - 0.01:
+                exc = TimeoutError(f"request not done within {cfg.max_request_s:g}s")
+            elif text:
+                exc = TimeoutError(f"no progress for {cfg.idle_timeout_s:g}s")
+            else:
+                exc = TimeoutError(f"no first token within {cfg.timeout_s:g}s")
         message = self._scrub(f"{type(exc).__name__}: {exc}")
         metrics.LLM_ERRORS.labels(kind=kind).inc()
         log.warning("call %s: LLM request failed (%s) after %d chars: %s", call_id, kind, len(text), message)

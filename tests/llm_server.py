@@ -45,7 +45,7 @@ def _bad_tool_name_in(messages: list[dict[str, Any]]) -> bool:
 
 @dataclass
 class FakeLlm:
-    mode: str = "ok"  # ok | status | malformed | broken | error_event | split_pair | hang | drip | no_tools
+    mode: str = "ok"  # ok | status | malformed | broken | error_event | split_pair | hang | drip | no_tools | endless
     status: int = 500
     delay_s: float = 0.0  # before the response starts
     chunk_delay_s: float = 0.0  # between streamed chunks
@@ -69,6 +69,9 @@ class FakeLlm:
     refuse_tool: str | None = None
     stall_at_chunk: int | None = None
     stall_s: float = 0.0
+    # Before streamed chunk number `drip_at_chunk`: keep-alives and text-less chunks only, for a minute (a server
+    # that stops answering mid-stream but keeps the connection busy).
+    drip_at_chunk: int | None = None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -109,6 +112,9 @@ class FakeLlm:
         if mode in ("hang", "drip"):
             await self._stall(resp, body["model"], drip=mode == "drip")
             return resp
+        if mode == "endless":
+            await self._endless(resp, body["model"])
+            return resp
         call = self._tool_call_for(body)
         if call is not None and mode in ("ok", "split_pair"):
             await self._stream_tool_call(resp, body["model"], *call)
@@ -132,6 +138,9 @@ class FakeLlm:
                         await resp.write(f"data: {json.dumps(piece)}\n\n".encode())
                 if i == self.stall_at_chunk:
                     await asyncio.sleep(self.stall_s)
+                if i == self.drip_at_chunk:
+                    await self._stall(resp, body["model"], drip=True)
+                    return resp
                 chunk = {
                     "id": "chatcmpl-1",
                     "object": "chat.completion.chunk",
@@ -186,6 +195,19 @@ class FakeLlm:
                 await resp.write(chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}))
             await resp.write(chunk({}, finish="tool_calls") + b"data: [DONE]\n\n")
             await resp.write_eof()
+        except ConnectionError:
+            self.disconnects += 1
+
+    async def _endless(self, resp: web.StreamResponse, model: str) -> None:
+        """Words without end (a server ignoring max_tokens), each `chunk_delay_s` apart, for a minute at most."""
+        try:
+            for i in range(100_000):
+                chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": model,
+                         "choices": [{"index": 0, "delta": {"content": f"{' ' if i else ''}word{i}"}}]}  # fmt: skip
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await asyncio.sleep(self.chunk_delay_s or 0.001)
+                if i * (self.chunk_delay_s or 0.001) > 60:
+                    break
         except ConnectionError:
             self.disconnects += 1
 

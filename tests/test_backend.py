@@ -498,6 +498,55 @@ async def test_a_server_that_never_sends_a_first_token_is_a_timeout(llm_server: 
         await wait_until(lambda: llm_server.disconnects == 1)
 
 
+async def test_a_stream_that_only_drips_after_its_first_words_times_out(llm_server: FakeLlm) -> None:
+    """Three words, then keep-alives and text-less chunks every 100 ms: each read succeeds, so neither the
+    first-token deadline (lifted) nor the per-read timeout ever fired, and the answer hung for good. Now a
+    timeout after idle_timeout_s without progress, counted, with the words so far delivered; stream closed."""
+    llm_server.drip_at_chunk = 3
+    llm = LlmClient(LlmConfig(model="m", base_url=llm_server.base_url, api_key=API_KEY, idle_timeout_s=0.5))
+    before = llm_errors("timeout")
+    got: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(LlmError) as err:
+        async for draft in llm.stream_draft([{"role": "user", "content": "hello"}], call_id="c-drip"):
+            got.append(draft)
+    elapsed = time.monotonic() - started
+    await llm.aclose()
+    assert err.value.kind == "timeout" and "no progress for 0.5s" in str(err.value) and 0.4 < elapsed < 3.0
+    assert llm_errors("timeout") == before + 1
+    assert got[-1] == "Sure, about hello,"  # what came before the stall was delivered
+    await wait_until(lambda: llm_server.disconnects == 1, limit_s=5)
+
+
+async def test_a_request_that_trickles_past_its_cap_times_out(llm_server: FakeLlm) -> None:
+    """A word every 100 ms, without end: never idle, so only the whole request's cap ends it."""
+    llm_server.mode, llm_server.chunk_delay_s = "endless", 0.1
+    llm = LlmClient(LlmConfig(model="m", base_url=llm_server.base_url, api_key=API_KEY, max_request_s=1.0))
+    before = llm_errors("timeout")
+    got: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(LlmError) as err:
+        async for draft in llm.stream_draft([{"role": "user", "content": "hello"}]):
+            got.append(draft)
+    elapsed = time.monotonic() - started
+    await llm.aclose()
+    assert err.value.kind == "timeout" and "not done within 1s" in str(err.value) and 0.9 < elapsed < 3.0
+    assert llm_errors("timeout") == before + 1 and got and got[-1].startswith("word0 word1")
+    await wait_until(lambda: llm_server.disconnects == 1, limit_s=5)
+
+
+async def test_a_consumer_holding_a_draft_is_not_cut_off_by_the_idle_deadline(llm_server: FakeLlm) -> None:
+    """The deadlines are lifted while the consumer holds a draft: its own slow work is not the server's stall."""
+    llm = LlmClient(LlmConfig(model="m", base_url=llm_server.base_url, api_key=API_KEY, idle_timeout_s=0.2))
+    got: list[str] = []
+    async for draft in llm.stream_draft([{"role": "user", "content": "hello"}]):
+        got.append(draft)
+        if len(got) == 2:
+            await asyncio.sleep(0.5)
+    await llm.aclose()
+    assert got[-1] == answer_for([{"role": "user", "content": "hello"}])
+
+
 async def test_stream_draft_slow_stream_within_timeout_completes(llm_server: FakeLlm) -> None:
     llm_server.chunk_delay_s = 0.05
     llm = make_llm(llm_server, timeout_s=2.0)
@@ -734,7 +783,7 @@ async def test_a_held_draft_reaches_the_engine_within_a_frame_while_the_llm_stal
 ) -> None:
     """A draft that came < 80 ms after the last one sent is held back, but only until its frame has passed:
     an LLM that stalls mid-answer does not keep the words it already sent away from the engine."""
-    llm_server.stall_at_chunk, llm_server.stall_s = 3, 3.0  # three words at once, then 3 s of nothing
+    llm_server.stall_at_chunk, llm_server.stall_s = 3, 2.0  # three words at once, then 2 s of nothing
     llm = make_llm(llm_server)
     rec = Recorder()
     backend = backend_for(rec, executor, stt_factory=NullSTT, llm=llm)
