@@ -14,7 +14,8 @@ LLM_TTFT_SECONDS = Histogram(
 )
 LLM_REQUESTS = Counter("kame_llm_requests_total", "LLM draft requests started.")
 # Every `kind` knowledge/llm.py's ErrorKind can take (tests check the two agree).
-LLM_ERROR_KINDS = ("timeout", "rate_limited", "server_error", "connection", "malformed", "other")
+# too_long: a reply cut at LlmConfig.max_draft_chars (delivered, but the server ignored max_tokens).
+LLM_ERROR_KINDS = ("timeout", "rate_limited", "server_error", "connection", "malformed", "other", "too_long")
 LLM_ERRORS = zero_series(
     Counter("kame_llm_errors_total", "LLM request failures by kind.", ["kind"]), kind=LLM_ERROR_KINDS
 )

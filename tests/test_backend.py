@@ -547,6 +547,39 @@ async def test_a_consumer_holding_a_draft_is_not_cut_off_by_the_idle_deadline(ll
     assert got[-1] == answer_for([{"role": "user", "content": "hello"}])
 
 
+async def test_a_reply_without_end_is_cut_at_a_word_and_the_stream_closed(
+    llm_server: FakeLlm, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server ignoring max_tokens streamed forever (each update re-tokenized whole by the engine). At
+    max_draft_chars the reply ends: cut at a word, the stream closed, counted and logged once."""
+    llm_server.mode = "endless"
+    llm = LlmClient(LlmConfig(model="m", base_url=llm_server.base_url, api_key=API_KEY, max_draft_chars=100))
+    before = llm_errors("too_long")
+    caplog.set_level(logging.WARNING)
+    drafts = [d async for d in llm.stream_draft([{"role": "user", "content": "hello"}], call_id="c-long")]
+    await llm.aclose()
+    last = drafts[-1]
+    assert 90 < len(last) <= 100 and last == " ".join(f"word{i}" for i in range(len(last.split(" "))))
+    assert llm_errors("too_long") == before + 1
+    assert caplog.text.count("c-long") == 1 and "100 chars" in caplog.text
+    await wait_until(lambda: llm_server.disconnects == 1, limit_s=5)
+
+
+async def test_a_cut_reply_reaches_the_engine_complete(llm_server: FakeLlm, executor) -> None:
+    llm_server.mode = "endless"
+    llm = LlmClient(LlmConfig(model="m", base_url=llm_server.base_url, api_key=API_KEY, max_draft_chars=60))
+    rec = Recorder()
+    backend = backend_for(rec, executor, stt_factory=NullSTT, llm=llm)
+    await backend.start()
+    backend._handle_transcript(SttResult("tell me everything", final=True), time.monotonic())
+    await wait_until(lambda: bool(rec.complete) and rec.complete[-1], limit_s=10)
+    text, done = rec.drafts_of(1)[-1]
+    assert done and text.endswith(f"word{len(text.split(' ')) - 1}") and len(text) <= 60
+    assert not rec.errors and len(llm_server.requests) == 1
+    await backend.aclose()
+    await llm.aclose()
+
+
 async def test_stream_draft_slow_stream_within_timeout_completes(llm_server: FakeLlm) -> None:
     llm_server.chunk_delay_s = 0.05
     llm = make_llm(llm_server, timeout_s=2.0)
