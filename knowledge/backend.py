@@ -535,7 +535,8 @@ class CallBackend:
             if candidate_id == self._candidate_id:
                 if latest is not None:  # what came before the failure is still the newest answer, and all of it
                     self._deliver_draft(latest, triggered_at, candidate_id, complete=True)
-                self.policy.on_failure(self._clock())
+                # No retry once words went out: it would replay the answer from its first word.
+                self.policy.on_failure(self._clock(), retry=latest is None)
             self._report_error("llm_error", exc.kind)
             return
         except asyncio.CancelledError:
@@ -544,7 +545,7 @@ class CallBackend:
             metrics.LLM_ERRORS.labels(kind="other").inc()
             log.exception("call %s: LLM request crashed", self.call_id)
             if candidate_id == self._candidate_id:
-                self.policy.on_failure(self._clock())
+                self.policy.on_failure(self._clock(), retry=latest is None)
             self._report_error("llm_error", f"other: {type(exc).__name__}")
             return
         finally:

@@ -9,7 +9,8 @@ Differences from the official code, on purpose:
 - a final (or growth) seen while the rate cap applies is kept and fires as soon as the window frees up
   (the official code consumes its "final" flag even when capped, so that final never triggers);
 - after a failed request it backs off exponentially and then retries by itself a few times, so a call
-  whose caller has stopped talking still gets a draft once the LLM recovers.
+  whose caller has stopped talking still gets a draft once the LLM recovers (not after a failure that
+  came mid-answer: what was said stands, and a retry would start the answer over).
 
 Times are plain floats (seconds on any monotonic clock); nothing here sleeps or reads a clock.
 """
@@ -106,13 +107,16 @@ class OraclePolicy:
         self._s.failures = 0
         self._s.auto_retries = 0
 
-    def on_failure(self, now: float) -> None:
-        """The current request failed at `now`: back off, then retry (a bounded number of times)."""
+    def on_failure(self, now: float, *, retry: bool = True) -> None:
+        """The current request failed at `now`: back off, then retry (a bounded number of times).
+
+        `retry` False: the failure came after some of the answer was delivered (a broken stream); a retry
+        would be a new answer from its first word, so the caller would hear the start again."""
         s = self._s
         s.failures += 1
         cfg = self.config
         s.blocked_until = now + min(cfg.backoff_max_s, cfg.backoff_initial_s * 2 ** (s.failures - 1))
-        s.retry_pending = s.auto_retries < cfg.max_auto_retries
+        s.retry_pending = retry and s.auto_retries < cfg.max_auto_retries
 
     # --- the decision ------------------------------------------------------------------------------
     def poll(self, now: float) -> TriggerReason | None:

@@ -341,3 +341,15 @@ def test_a_final_shorter_than_its_partials_lowers_the_baseline_too() -> None:
     assert p.poll(0.5) is TriggerReason.FINAL  # baseline 3
     p.on_partial(2)
     assert p.poll(0.75) is TriggerReason.GROWTH
+
+
+def test_a_failure_after_words_went_out_backs_off_but_does_not_retry() -> None:
+    """A stream that broke mid-answer: what was said stands; a retry would replay the answer from its start."""
+    p = OraclePolicy(CFG)
+    p.on_final(3)
+    assert p.poll(0.0) is TriggerReason.FINAL
+    p.on_failure(0.5, retry=False)
+    assert p.poll(0.75) is None  # still backing off
+    assert polls(p, 1.0, 20.0) == []  # and no retry after it
+    p.on_partial(2)  # the caller's new words still ask
+    assert p.poll(20.0) is TriggerReason.GROWTH
