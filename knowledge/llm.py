@@ -29,7 +29,10 @@ from . import metrics
 log = logging.getLogger(__name__)
 
 # too_long: not a failure (the reply is cut and delivered), counted with them as a server misbehaving.
-ErrorKind = Literal["timeout", "rate_limited", "server_error", "connection", "malformed", "other", "too_long"]
+# empty: a stream that ended with neither text nor a tool call (a reasoning model that spent its budget).
+ErrorKind = Literal[
+    "timeout", "rate_limited", "server_error", "connection", "malformed", "other", "too_long", "empty"
+]
 
 
 class LlmError(Exception):
@@ -63,6 +66,8 @@ def classify_error(exc: BaseException, *, streaming: bool) -> ErrorKind:
     `streaming`: the response headers had arrived, so a dropped connection is a broken stream
     ("malformed"), not a refused one ("connection").
     """
+    if isinstance(exc, EmptyReplyError):
+        return "empty"
     if not streaming and any(isinstance(e, ConnectionRefusedError | socket.gaierror) for e in _chain(exc)):
         return "connection"  # the aiohttp transport reports a refused connect as a connect *timeout*
     transport = _httpx_error(exc)  # raised while reading the body: the client wraps only the send
@@ -135,12 +140,19 @@ def refused_param(exc: BaseException) -> str | None:
     return param if param in _PARAM_FALLBACKS else None
 
 
+# A reasoning model's max_completion_tokens also pays for its hidden reasoning: a draft's 96 left nothing for
+# the answer (an empty reply, finish_reason "length"). The answer stays short through the prompt.
+MIN_COMPLETION_TOKENS = 1024
+
+
 def request_params(params: dict[str, Any], refused: set[str]) -> dict[str, Any]:
     """`params` as this model takes them: each refused one renamed, or dropped."""
     out: dict[str, Any] = {}
     for name, value in params.items():
         if name in refused:
             instead = _PARAM_FALLBACKS.get(name)
+            if instead == "max_completion_tokens" and isinstance(value, int):
+                value = max(value, MIN_COMPLETION_TOKENS)
             if instead is not None:
                 out[instead] = value
         else:
@@ -159,6 +171,10 @@ def _httpx_error(exc: BaseException) -> str | None:
 
 class LlmStreamError(Exception):
     """The server sent an error inside an otherwise healthy stream: it gave up mid-answer."""
+
+
+class EmptyReplyError(Exception):
+    """The stream ended well but said nothing: no text, no tool call."""
 
 
 async def _sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -221,6 +237,13 @@ def _delta(chunk: Any) -> dict[str, Any]:
     if not isinstance(delta, dict):
         raise TypeError(f"delta is {type(delta).__name__}, not an object")
     return delta
+
+
+def _finish_reason(chunk: dict[str, Any]) -> str | None:
+    """A chunk's finish_reason ("stop", "length", ...), else None."""
+    choices = chunk.get("choices")
+    reason = choices[0].get("finish_reason") if choices and isinstance(choices[0], dict) else None
+    return str(reason)[:32] if reason else None
 
 
 def _delta_content(delta: dict[str, Any]) -> str | None:
@@ -335,6 +358,7 @@ class LlmClient:
         started = time.monotonic()
         streaming = False
         text = ""
+        finish: str | None = None  # the stream's finish_reason, for the log of an empty reply
         loop = asyncio.get_running_loop()
         cap_at = loop.time() + cfg.max_request_s
         try:
@@ -367,7 +391,9 @@ class LlmClient:
                         async for data in events:
                             if data == "[DONE]":
                                 break
-                            delta = _delta(json.loads(data))
+                            chunk = json.loads(data)
+                            delta = _delta(chunk)
+                            finish = _finish_reason(chunk) or finish
                             # The first token, text or a function call's first piece (an answer too), is timed
                             # once (`not text and not calls` before it).
                             first = not text and not calls
@@ -397,6 +423,9 @@ class LlmClient:
                             if too_long:
                                 break  # closes the stream; the draft ends here
                             progressed()
+            if not text and not any(parts.name for parts in calls.values()):
+                # Not a success: the policy's failure path retries, rather than the caller getting no answer.
+                raise EmptyReplyError(f"no text and no tool call (finish_reason {finish})")
             for index, parts in sorted(calls.items()):
                 if parts.name:  # a call without a name cannot be run: dropped, as a server's noise
                     # Well-formed as the text is: a split pair in the arguments (an emoji in a search) would

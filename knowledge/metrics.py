@@ -14,8 +14,9 @@ LLM_TTFT_SECONDS = Histogram(
 )
 LLM_REQUESTS = Counter("kame_llm_requests_total", "LLM draft requests started.")
 # Every `kind` knowledge/llm.py's ErrorKind can take (tests check the two agree).
-# too_long: a reply cut at LlmConfig.max_draft_chars (delivered, but the server ignored max_tokens).
-LLM_ERROR_KINDS = ("timeout", "rate_limited", "server_error", "connection", "malformed", "other", "too_long")
+# too_long: a reply cut at LlmConfig.max_draft_chars (delivered, but the server ignored max_tokens); empty: a
+# reply with neither text nor a tool call.
+LLM_ERROR_KINDS = ("timeout", "rate_limited", "server_error", "connection", "malformed", "other", "too_long", "empty")
 LLM_ERRORS = zero_series(
     Counter("kame_llm_errors_total", "LLM request failures by kind.", ["kind"]), kind=LLM_ERROR_KINDS
 )

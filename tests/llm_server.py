@@ -45,7 +45,8 @@ def _bad_tool_name_in(messages: list[dict[str, Any]]) -> bool:
 
 @dataclass
 class FakeLlm:
-    mode: str = "ok"  # ok | status | malformed | broken | error_event | split_pair | hang | drip | no_tools | endless
+    # ok | status | malformed | broken | error_event | split_pair | hang | drip | no_tools | endless | empty
+    mode: str = "ok"
     status: int = 500
     delay_s: float = 0.0  # before the response starts
     chunk_delay_s: float = 0.0  # between streamed chunks
@@ -114,6 +115,14 @@ class FakeLlm:
             return resp
         if mode == "endless":
             await self._endless(resp, body["model"])
+            return resp
+        if mode == "empty":  # a reasoning model that spent max_completion_tokens thinking: no text at all
+            for delta, finish in (({"role": "assistant", "content": ""}, None), ({}, "length")):
+                chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
+                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
             return resp
         call = self._tool_call_for(body)
         if call is not None and mode in ("ok", "split_pair"):

@@ -580,6 +580,33 @@ async def test_a_cut_reply_reaches_the_engine_complete(llm_server: FakeLlm, exec
     await llm.aclose()
 
 
+async def test_an_empty_reply_is_a_counted_error_that_is_retried(
+    llm_server: FakeLlm, executor, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stream that ends with no text and no tool call (a reasoning model that spent its whole budget,
+    finish_reason "length") was a silent success: the caller got no answer and nothing asked again."""
+    llm_server.mode, llm_server.failures_left = "empty", 1
+    llm = make_llm(llm_server)
+    caplog.set_level(logging.WARNING)
+    before = llm_errors("empty")
+    with pytest.raises(LlmError) as err:
+        async for _ in llm.stream_draft([{"role": "user", "content": "hi"}], call_id="c-empty"):
+            pass
+    assert err.value.kind == "empty" and llm_errors("empty") == before + 1
+    assert "c-empty" in caplog.text and "finish_reason length" in caplog.text
+    # In a call: the policy's failure path, so it is retried and the answer comes.
+    llm_server.failures_left = 1
+    rec = Recorder()
+    backend = backend_for(rec, executor, stt_factory=NullSTT, llm=llm)
+    await backend.start()
+    backend._handle_transcript(SttResult("are you there", final=True), time.monotonic())
+    answer = answer_for([{"role": "user", "content": "are you there"}])
+    await wait_until(lambda: bool(rec.oracles) and rec.oracles[-1][0] == answer, limit_s=10)
+    assert ("llm_error", "empty") in rec.errors and llm_errors("empty") == before + 2
+    await backend.aclose()
+    await llm.aclose()
+
+
 async def test_stream_draft_slow_stream_within_timeout_completes(llm_server: FakeLlm) -> None:
     llm_server.chunk_delay_s = 0.05
     llm = make_llm(llm_server, timeout_s=2.0)
