@@ -3,11 +3,11 @@
 It reproduces the trigger of the official KAME server (`LLMStreamManager` in server_oracle.py): the
 back-end polls it every `poll_interval_s`; it fires when the caller's word count (committed final words
 plus the pending partial, never shrinking until the next final) grew by `min_word_delta` since the last
-request, or when an STT final arrived, at most `max_requests` times per sliding `window_s`.
+request, or when an STT final arrived, at most `max_requests` times per sliding `window_s` (finals excepted).
 
 Differences from the official code, on purpose:
-- a final (or growth) seen while the rate cap applies is kept and fires as soon as the window frees up
-  (the official code consumes its "final" flag even when capped, so that final never triggers);
+- a final is never held by the rate cap (the official code consumes its "final" flag when capped, so that
+  final never triggers); growth seen while capped is kept and fires as soon as the window frees up;
 - after a failed request it backs off exponentially and then retries by itself a few times, so a call
   whose caller has stopped talking still gets a draft once the LLM recovers (not after a failure that
   came mid-answer: what was said stands, and a retry would start the answer over).
@@ -145,8 +145,11 @@ class OraclePolicy:
             return None
         while s.request_times and s.request_times[0] <= now - cfg.window_s:
             s.request_times.popleft()
-        if len(s.request_times) >= cfg.max_requests:
-            return None  # capped: keep every flag, fire at the first poll after the window frees
+        # Capped: keep every flag, fire at the first poll after the window frees. Not a final: partials' requests
+        # filled the window while the caller spoke, and the answer to what they said in the end waited up to
+        # 0.8 s behind them. A final still counts in the window (finals come at most every ~0.6 s of silence).
+        if len(s.request_times) >= cfg.max_requests and reason is not TriggerReason.FINAL:
+            return None
         s.request_times.append(now)
         s.asked_at_words = count
         s.final_pending = False
