@@ -536,7 +536,7 @@ class CallBackend:
                 if latest is not None:  # what came before the failure is still the newest answer, and all of it
                     self._deliver_draft(latest, triggered_at, candidate_id, complete=True)
                 # No retry once words went out: it would replay the answer from its first word.
-                self.policy.on_failure(self._clock(), retry=latest is None)
+                self.policy.on_failure(self._clock(), retry=latest is None, retry_after_s=exc.retry_after_s)
             self._report_error("llm_error", exc.kind)
             return
         except asyncio.CancelledError:

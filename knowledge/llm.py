@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 import json
 import logging
+import math
 import re
 import socket
 import time
@@ -38,9 +40,28 @@ ErrorKind = Literal[
 class LlmError(Exception):
     """A draft request failed; `kind` is its LLM_ERRORS label."""
 
-    def __init__(self, kind: ErrorKind, message: str) -> None:
+    def __init__(self, kind: ErrorKind, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind: ErrorKind = kind
+        self.retry_after_s = retry_after_s  # a 429/503's Retry-After: ask again no sooner
+
+
+MAX_RETRY_AFTER_S = 60.0  # a server asking for longer is still asked again then: a call cannot wait more
+
+
+def retry_after(exc: BaseException) -> float | None:
+    """A 429/503's Retry-After (seconds or an HTTP date), in seconds, at most MAX_RETRY_AFTER_S; else None."""
+    if not (isinstance(exc, openai.APIStatusError) and exc.status_code in (429, 503)):
+        return None
+    value = exc.response.headers.get("retry-after", "")
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError):
+            return None
+    return min(MAX_RETRY_AFTER_S, max(0.0, seconds)) if math.isfinite(seconds) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,8 +496,10 @@ class LlmClient:
                 exc = TimeoutError(f"no first token within {cfg.timeout_s:g}s")
         message = self._scrub(f"{type(exc).__name__}: {exc}")
         metrics.LLM_ERRORS.labels(kind=kind).inc()
-        log.warning("call %s: LLM request failed (%s) after %d chars: %s", call_id, kind, len(text), message)
-        raise LlmError(kind, message) from None
+        wait = retry_after(exc)
+        log.warning("call %s: LLM request failed (%s) after %d chars: %s%s", call_id, kind, len(text), message,
+                    "" if wait is None else f" (Retry-After {wait:g}s)")  # fmt: skip
+        raise LlmError(kind, message, wait) from None
 
     def _scrub(self, message: str) -> str:
         key = self.config.api_key

@@ -107,15 +107,18 @@ class OraclePolicy:
         self._s.failures = 0
         self._s.auto_retries = 0
 
-    def on_failure(self, now: float, *, retry: bool = True) -> None:
+    def on_failure(self, now: float, *, retry: bool = True, retry_after_s: float | None = None) -> None:
         """The current request failed at `now`: back off, then retry (a bounded number of times).
 
         `retry` False: the failure came after some of the answer was delivered (a broken stream); a retry
-        would be a new answer from its first word, so the caller would hear the start again."""
+        would be a new answer from its first word, so the caller would hear the start again.
+        `retry_after_s`: the server's Retry-After (429/503); the back-off lasts at least that long (asking
+        sooner only earns another refusal)."""
         s = self._s
         s.failures += 1
         cfg = self.config
-        s.blocked_until = now + min(cfg.backoff_max_s, cfg.backoff_initial_s * 2 ** (s.failures - 1))
+        backoff = min(cfg.backoff_max_s, cfg.backoff_initial_s * 2 ** (s.failures - 1))
+        s.blocked_until = now + max(backoff, retry_after_s or 0.0)
         s.retry_pending = retry and s.auto_retries < cfg.max_auto_retries
 
     # --- the decision ------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ class FakeLlm:
     # Before streamed chunk number `drip_at_chunk`: keep-alives and text-less chunks only, for a minute (a server
     # that stops answering mid-stream but keeps the connection busy).
     drip_at_chunk: int | None = None
+    retry_after: str | None = None  # the Retry-After header of a "status" answer
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -87,7 +88,9 @@ class FakeLlm:
         if mode == "status":
             # Echo the credentials back, as some proxies do: the client must not log them.
             auth = request.headers.get("Authorization", "")
-            return web.json_response({"error": {"message": f"boom (auth {auth})"}}, status=self.status)
+            headers = {"Retry-After": self.retry_after} if self.retry_after is not None else None
+            return web.json_response({"error": {"message": f"boom (auth {auth})"}}, status=self.status,
+                                     headers=headers)  # fmt: skip
         if mode == "bad_history" or _bad_tool_name_in(body["messages"]):
             # OpenAI on a tool name outside [a-zA-Z0-9_-] in the history: ours, not its
             error = {"message": "Invalid 'messages[3].tool_calls[0].function.name': string does not match "

@@ -607,6 +607,37 @@ async def test_an_empty_reply_is_a_counted_error_that_is_retried(
     await llm.aclose()
 
 
+@pytest.mark.parametrize(("status", "header", "wait"), [(429, "3", 3.0), (503, "1.5", 1.5), (429, "3600", 60.0),
+                                                      (429, "soon", None), (500, "3", None)])  # fmt: skip
+async def test_retry_after_is_carried_in_the_error(
+    llm_server: FakeLlm, status: int, header: str, wait: float | None
+) -> None:
+    llm_server.mode, llm_server.status, llm_server.retry_after = "status", status, header
+    llm = make_llm(llm_server)
+    with pytest.raises(LlmError) as err:
+        async for _ in llm.stream_draft([{"role": "user", "content": "hi"}]):
+            pass
+    await llm.aclose()
+    assert err.value.retry_after_s == wait
+
+
+async def test_a_429s_retry_after_holds_the_retry_back(llm_server: FakeLlm, executor) -> None:
+    """Retry-After was ignored: the back-end asked again after its own 50 ms back-off, to be refused again."""
+    llm_server.mode, llm_server.status, llm_server.retry_after, llm_server.failures_left = "status", 429, "1", 1
+    llm = make_llm(llm_server)
+    rec = Recorder()
+    backend = backend_for(rec, executor, stt_factory=NullSTT, llm=llm)
+    await backend.start()
+    backend._handle_transcript(SttResult("are you open", final=True), time.monotonic())
+    await wait_until(lambda: bool(rec.errors), limit_s=5)
+    failed_at = time.monotonic()
+    await wait_until(lambda: len(llm_server.requests) == 2, limit_s=5)
+    assert time.monotonic() - failed_at >= 0.9
+    await wait_until(lambda: bool(rec.oracles) and rec.complete[-1], limit_s=5)
+    await backend.aclose()
+    await llm.aclose()
+
+
 async def test_stream_draft_slow_stream_within_timeout_completes(llm_server: FakeLlm) -> None:
     llm_server.chunk_delay_s = 0.05
     llm = make_llm(llm_server, timeout_s=2.0)

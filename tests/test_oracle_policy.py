@@ -358,3 +358,14 @@ def test_a_failure_after_words_went_out_backs_off_but_does_not_retry() -> None:
     assert polls(p, 1.0, 20.0) == []  # and no retry after it
     p.on_partial(2)  # the caller's new words still ask
     assert p.poll(20.0) is TriggerReason.GROWTH
+
+
+def test_retry_after_lengthens_the_back_off() -> None:
+    """A 429's Retry-After of 5 s: nothing is asked before it, not even a final; the retry comes after it."""
+    p = OraclePolicy(CFG)
+    p.on_final(3)
+    assert p.poll(0.0) is TriggerReason.FINAL
+    p.on_failure(0.0, retry_after_s=5.0)
+    p.on_final(2)
+    assert polls(p, 0.25, 5.0) == []
+    assert p.poll(5.0) is TriggerReason.FINAL
