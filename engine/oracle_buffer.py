@@ -25,6 +25,12 @@ from typing import Protocol
 # back until the next space or the stream's end.
 _LAST_SPACE = re.compile(r" (?=[^ ]*$)")
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# Characters the tokenizer maps to unknown (id 0) or deletes: U+FFFD (a broken character), control characters
+# other than \t \n \r \f (SentencePiece reads those as a space), zero-width and bidi format marks, and private
+# use. Deleted, as SentencePiece deletes most of them anyway: an unknown token in the oracle is a token the model
+# never saw there. Per character, so a draft's prefix strips to a prefix of the whole (settling is unchanged).
+_UNKNOWN = re.compile("[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2060-\u2064\ufeff"
+                      "\ue000-\uf8ff\ufffd\ufffe\uffff]")
 
 
 def well_formed(text: str) -> str:
@@ -49,6 +55,7 @@ class DraftTokens:
 def tokenize_draft(tokenizer: Tokenizer, text: str, complete: bool) -> DraftTokens:
     """Tokenize a draft; all of it is settled once `complete` (its stream ended), else all but its last word."""
     text = well_formed(text)  # from any back-end or engine-link peer: one call's bad text must not raise here
+    text = _UNKNOWN.sub("", text)
     tokens = tokenizer.encode(text) if text else []
     if complete:
         return DraftTokens(tokens, len(tokens))
