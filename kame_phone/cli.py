@@ -60,18 +60,17 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kame-phone serve: {problem}", file=sys.stderr)
         return 2
 
-    async def main() -> None:
+    async def main() -> int:
         store = open_call_store(
             config.redis_url,
             key_prefix=config.redis_prefix,
             ttl_s=config.retention_s,
             store_transcripts=config.store_transcripts,
         )
-        await run_service(config, store, lambda: connect_engine(args) if args.engine else load_engine(args),
-                          agents=agents)  # fmt: skip
+        return await run_service(config, store, lambda: connect_engine(args) if args.engine else load_engine(args),
+                                 agents=agents, exit_when_engine_fails=not args.engine)  # fmt: skip
 
-    asyncio.run(main())
-    return 0
+    return asyncio.run(main())
 
 
 def _engine_serve(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import hmac
@@ -53,6 +54,8 @@ MEDIA_PATH = "/twilio/media"
 STATUS_PATH = "/twilio/stream-status"
 CALL_STATUS_PATH = "/twilio/call-status"  # the number's StatusCallback: the call's own progress
 LOADING_STOP_TIMEOUT_S = 15.0  # a stop while the engine loads: its load is given up within this
+ENGINE_WATCH_S = 1.0  # how often a serving node checks that its engine is still alive
+ENGINE_LOST_END_S = 5.0  # a dead engine's calls end themselves (engine_lost) within this, else are ended
 _CALL_SID = re.compile(r"^CA[0-9a-fA-F]{32}$")
 BUSY_MESSAGE = "All our lines are busy right now. Please call again in a few minutes. Goodbye."
 UNAVAILABLE_MESSAGE = "Sorry, we cannot take your call right now. Please call again later. Goodbye."
@@ -503,8 +506,22 @@ class ServiceHandle:
                     await asyncio.sleep(poll_s)
         except TimeoutError:
             log.warning("drain timed out with %d calls still up: ending them", len(ctx.streams))
+        await self.end_calls(outcome="drain_timeout")
+
+    async def end_calls(self, outcome: str) -> None:
         # At once, not one after another: each call's end may wait a moment for its last words.
-        await asyncio.gather(*(session.end("drain_timeout") for session in list(self.ctx.streams.values())))
+        await asyncio.gather(*(session.end(outcome) for session in list(self.ctx.streams.values())))
+
+    async def engine_lost(self) -> None:
+        """The engine failed for good: take no new calls, let its calls end themselves (each is told
+        engine_lost and hangs up), and end the ones still up after ENGINE_LOST_END_S (a hung engine tells none)."""
+        ctx = self.ctx
+        ctx.draining = True
+        await ctx.cluster.drain()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(ENGINE_LOST_END_S):
+                await ctx.no_streams.wait()
+        await self.end_calls(outcome="engine_lost")
 
     @property
     def metrics_url(self) -> str | None:
@@ -533,10 +550,14 @@ async def run_service(
     load_engine: Callable[[], Awaitable[Any]],
     *,
     agents: AgentDirectory | None = None,
-) -> None:
-    """Serve until SIGTERM/SIGINT, then drain: no new calls, finish the current ones, exit.
+    exit_when_engine_fails: bool = True,
+) -> int:
+    """Serve until SIGTERM/SIGINT, then drain: no new calls, finish the current ones, exit (0).
 
     HTTP comes up first so /healthz answers while the model loads; /readyz turns 200 once it has.
+    Returns 1 once the engine has failed for good (its process died, or it hung), after ending its calls:
+    only a restart brings it back, and Docker restarts a container that exits, never one merely unhealthy.
+    `exit_when_engine_fails` False (an edge on a remote engine): a lost link only fails /healthz.
     """
     ctx = ServerContext(config, store, agents=agents, twilio_rest=TwilioRest.from_env())
     if ctx.twilio_rest is None and any(a.dtmf_transfer for a in ctx.agents.agents.by_name.values()):
@@ -559,17 +580,26 @@ async def run_service(
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait({loading, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if loading.done():
+            stopped.cancel()
             engine = loading.result()
             ctx.attach_engine(engine)
             freeze_startup_heap()
             await ctx.cluster.refresh()  # routable now, not at the next heartbeat
             log.info("ready: %d call slots", engine.max_calls)
-            await stopped
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), ENGINE_WATCH_S)
+                if engine.failed and exit_when_engine_fails:
+                    log.error("the engine failed (its process died or hung): ending its calls and exiting, "
+                              "so the container or pod is restarted")  # fmt: skip
+                    await handle.engine_lost()
+                    return 1
         else:
             loading.cancel()  # the engine gives up its load (engine/service.py: start)
             await asyncio.wait({loading}, timeout=LOADING_STOP_TIMEOUT_S)
         log.info("stopping: draining %d calls (up to %.0fs)", len(ctx.streams), config.drain_timeout_s)
         await handle.drain(config.drain_timeout_s)
+        return 0
     finally:
         await ctx.cluster.aclose()  # other nodes stop seeing this one now, not after node_ttl_s
         if engine is not None:

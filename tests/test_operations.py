@@ -5,6 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
@@ -15,7 +21,10 @@ from telephony.logs import JsonFormatter, call_id_var, setup_logging
 from telephony.sim_caller import simulate_call
 
 from .phone_fixtures import flite_wav, running_phone
-from .redis_support import RedisServer, redis_errors
+from .polling import until
+from .redis_support import RedisServer, free_port, redis_errors
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ISSUE_METRICS = [
     "kame_first_audio_seconds", "kame_turn_latency_seconds", "kame_turn_overlaps_total", "kame_oracle_lag_seconds",
@@ -151,3 +160,67 @@ async def test_redis_stopped_and_restarted_mid_call_loses_nothing(
     assert record.stream_sid == report.stream_sid and record.first_audio_s is not None  # before the outage
     assert record.dtmf == ["4", "2"]  # the first during the outage, the second after
     assert any(t.role == "bot" for t in record.turns)
+
+
+class ServeProcess:
+    """`kame-phone serve` (all-in-one, the tiny model in its engine process) as an operator runs it."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, log: Path, base: str) -> None:
+        self.proc, self.log, self.base = proc, log, base
+
+    def said(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    async def exit_code(self, within: float) -> int:
+        try:
+            return await asyncio.wait_for(self.proc.wait(), within)
+        except TimeoutError:
+            raise AssertionError(f"serve still running after {within:g} s: {self.said()[-3000:]}") from None
+
+
+@asynccontextmanager
+async def serve_process(checkpoint: Path, tmp_path: Path, *flags: str, env: dict[str, str] | None = None,
+                        ready: bool = True) -> AsyncIterator[ServeProcess]:
+    """Started with this checkout first on its path (the venv's editable install may point elsewhere), and
+    waited for until /readyz says 200 unless `ready` is False; killed if a test leaves it running."""
+    port = free_port()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("KAME_", "TWILIO_", "PUBLIC_URL", "REDIS_"))}
+    clean["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), clean.get("PYTHONPATH")]))
+    argv = [sys.executable, "-m", "kame_phone.cli", "serve", "--insecure-dev", "--port", str(port), "--metrics-port",
+            "0", "--checkpoint", str(checkpoint), "--device", "cpu", "--stt", "none", "--llm", "none", "--greedy",
+            "--max-calls", "2", *flags]  # fmt: skip
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = await asyncio.create_subprocess_exec(*argv, cwd=ROOT, env=clean | (env or {}), stdout=out,
+                                                    stderr=out)  # fmt: skip
+    serve = ServeProcess(proc, log, f"http://127.0.0.1:{port}")
+    try:
+        if ready:
+            async with aiohttp.ClientSession() as http:
+                async def is_ready() -> bool:
+                    assert proc.returncode is None, serve.said()[-3000:]
+                    try:
+                        async with http.get(serve.base + "/readyz") as r:
+                            return r.status == 200
+                    except aiohttp.ClientError:
+                        return False
+
+                await until(is_ready, "serve to be ready", 120, every=0.2)
+        yield serve
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_serve_exits_non_zero_once_its_engine_process_died(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """A dead engine process only turned /healthz 503: k8s restarts the pod on it, but Docker (compose's
+    `restart: unless-stopped`) never restarts a container that is merely unhealthy, so the node stayed up
+    refusing every call. serve now exits non-zero, and any restart policy brings it back."""
+    async with serve_process(tiny_checkpoint, tmp_path) as serve:
+        found = re.search(r"engine process (\d+) ready", serve.said())
+        assert found, serve.said()[-3000:]
+        os.kill(int(found.group(1)), signal.SIGKILL)
+        code = await serve.exit_code(30)
+    assert code != 0, serve.said()[-3000:]
+    assert "the engine failed" in serve.said()
