@@ -128,6 +128,15 @@ _UPDATABLE = _STR_FIELDS | _FLOAT_FIELDS
 _LIST_NAMES: tuple[_ListName, ...] = get_args(_ListName)
 
 
+@dataclass(frozen=True, slots=True)
+class CallBrief:
+    """A call's state and where it streams, without its lists (a long call's turns are thousands of items)."""
+
+    state: CallState
+    node: str | None
+    agent: str | None
+
+
 class CallStoreUnavailable(RuntimeError):
     """A read could not reach the backing store (writes never raise this; they are buffered)."""
 
@@ -144,6 +153,7 @@ class CallStore(Protocol):
     async def add_latency(self, call_sid: str, name: LatencyName, seconds: float) -> None: ...
     async def end(self, call_sid: str, reason: str, at: float | None = None) -> None: ...
     async def get(self, call_sid: str) -> CallRecord | None: ...
+    async def brief(self, call_sid: str) -> CallBrief | None: ...
     async def list_recent(self, limit: int = 50) -> list[CallRecord]: ...
     def adopt(self, call_sid: str) -> None: ...
     async def ping(self) -> bool: ...
@@ -331,6 +341,11 @@ class MemoryCallStore(_OpStore):
         self._expire()
         entry = self._records.get(call_sid)
         return None if entry is None else CallRecord.from_dict(entry[0].to_dict())  # a copy
+
+    async def brief(self, call_sid: str) -> CallBrief | None:
+        self._expire()
+        entry = self._records.get(call_sid)
+        return None if entry is None else CallBrief(entry[0].state, entry[0].node, entry[0].agent)
 
     async def list_recent(self, limit: int = 50) -> list[CallRecord]:
         """Live calls, most recently written first."""
@@ -772,6 +787,19 @@ class RedisCallStore(_OpStore):
         pending = list(self._by_call.get(call_sid, ()))  # snapshot BEFORE the read
         ((record, applied),) = await self._read([call_sid])
         return self._merge(record, applied, pending)
+
+    async def brief(self, call_sid: str) -> CallBrief | None:
+        """`get` for three fields: one HMGET, no list read or decoded on the event loop (a 2-hour call's
+        full read took 80 ms). Our unflushed writes are laid over it like `get` does."""
+        pending = [op for op in self._by_call.get(call_sid, ()) if op.kind != "push"]  # snapshot BEFORE the read
+        key = self._call_keys(call_sid)[0]
+        state, node, agent, applied = await self._guard(
+            self._redis.hmget(key, ["state", "node", "agent", self._seq_field]))  # fmt: skip
+        record = None
+        if state is not None:
+            record = CallRecord(call_sid=call_sid, state=state, node=node, agent=agent)
+        record = self._merge(record, int(applied or 0), pending)
+        return None if record is None else CallBrief(record.state, record.node, record.agent)
 
     async def list_recent(self, limit: int = 50) -> list[CallRecord]:
         """Live calls, most recently written first."""

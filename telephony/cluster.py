@@ -109,6 +109,10 @@ class Cluster(Protocol):
         says: the record lags while that node's writes wait out a Redis outage. None: cannot tell."""
         ...
 
+    async def node_alive(self, node_id: str) -> bool | None:
+        """Whether node `node_id` still heartbeats (its node hash has not expired). None: cannot tell."""
+        ...
+
 
 class LocalCluster:
     """One node, in process: the per-call tokens of `Admission` plus this node's free slots."""
@@ -164,6 +168,9 @@ class LocalCluster:
 
     async def streamed(self, call_sid: str) -> bool | None:
         return self.admission.streamed(call_sid)
+
+    async def node_alive(self, node_id: str) -> bool | None:
+        return True if node_id == self.node_id else None  # no registry of other nodes here
 
 
 _NOW_MS_LUA = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
@@ -633,6 +640,17 @@ class RedisCluster:
             self._failed("streamed", exc)
             return None
         return None if state is None else state != "reserved"  # gone: expired or lost, cannot tell
+
+    async def node_alive(self, node_id: str) -> bool | None:
+        if node_id == self.node_id:
+            return True
+        if self._failing:
+            return None  # a Redis that fails us may have lost no node: say nothing
+        try:
+            return bool(await self._redis.exists(self._node_key(node_id)))  # expires node_ttl_s after its last beat
+        except _REDIS_FAILURES as exc:
+            self._failed("node_alive", exc)
+            return None
 
 
 def _ms(seconds: float) -> int:

@@ -39,7 +39,7 @@ CALLS_ACTIVE = Gauge("kame_calls_active", "Calls with an open media stream.")
 CALL_OUTCOMES = (
     "completed", "busy", "misconfigured", "rejected", "engine_full", "oversize", "socket_error", "silent_socket",
     "stalled_peer", "engine_lost", "flooding", "no_start", "drain_timeout", "transferred", "ended_by_agent",
-    "no_stream",
+    "no_stream", "node_lost",
 )  # fmt: skip
 CALLS_TOTAL = zero_series(
     Counter("kame_calls_total", "Calls by outcome and by the agent that answered.", ["outcome", "agent"]),

@@ -331,7 +331,8 @@ async def handle_stream_status(request: web.Request) -> web.Response:
 
 async def handle_call_status(request: web.Request) -> web.Response:
     """Twilio's call status callback: counted; a call that ended before its stream ever started (the caller
-    hung up while the webhook was answered, the stream could not be opened) is closed in its record."""
+    hung up while the webhook was answered, the stream could not be opened) is closed in its record, and so
+    is one still streaming on a node that is gone (it crashed: nobody else would end it, node_lost)."""
     ctx = _ctx(request)
     form = await _webhook_form(request, "call_status")
     if not ctx.webhook_ok(request, form, "call_status"):
@@ -347,7 +348,7 @@ async def handle_call_status(request: web.Request) -> web.Response:
     log.info("Twilio call status: %s", status)
     if status in metrics.FINAL_CALL_STATUSES:
         try:
-            record = await ctx.store.get(call_sid)
+            record = await ctx.store.brief(call_sid)  # not get(): the state, not every turn of a long call
         except CallStoreUnavailable:
             return web.Response(status=204)  # the record keeps its state; Redis errors are counted already
         if record is not None and record.state == "ringing":
@@ -358,6 +359,14 @@ async def handle_call_status(request: web.Request) -> web.Response:
             else:
                 metrics.CALLS_TOTAL.labels(outcome="no_stream", agent=record.agent or "default").inc()
                 await ctx.store.end(call_sid, "no_stream")
+        elif record is not None and record.state == "streaming" and record.node is not None:
+            # A live node ends its own calls. One that no longer heartbeats crashed with the call: without
+            # this its record said "streaming" until it expired (24 h). None (Redis failing): left alone.
+            if await ctx.cluster.node_alive(record.node) is False:
+                log.warning("call status %s for a call streaming on node %s, which is gone: ended as node_lost",
+                            status, record.node)  # fmt: skip
+                metrics.CALLS_TOTAL.labels(outcome="node_lost", agent=record.agent or "default").inc()
+                await ctx.store.end(call_sid, "node_lost")
     return web.Response(status=204)
 
 

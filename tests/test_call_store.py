@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
 from telephony.call_store import (
+    CallBrief,
     CallRecord,
     CallStore,
     CallStoreUnavailable,
@@ -116,6 +117,24 @@ async def test_record_lifecycle(kind: str, prefix: str) -> None:
         assert [r.call_sid for r in await other.list_recent(1)] == ["CA1"]
         await other.aclose()
     await store.aclose()
+
+
+async def test_brief_reads_state_node_and_agent_with_our_unflushed_writes(kind: str, prefix: str) -> None:
+    """The status callback's read: what `get` says of them, before and after the writes reach Redis."""
+    store = make_store(kind, prefix)
+    try:
+        assert await store.brief("CA-none") is None
+        await store.create(CallRecord(call_sid="CA-b", node="node-1", agent="sales"))
+        await store.append_turn("CA-b", "caller", "hello")
+        await store.update("CA-b", state="streaming")
+        assert await store.brief("CA-b") == CallBrief("streaming", "node-1", "sales")  # maybe not flushed yet
+        await flushed(store)
+        await store.end("CA-b", "completed")
+        assert await store.brief("CA-b") == CallBrief("ended", "node-1", "sales")
+        await flushed(store)
+        assert await store.brief("CA-b") == CallBrief("ended", "node-1", "sales")
+    finally:
+        await store.aclose()
 
 
 async def test_a_node_whose_clock_runs_fast_does_not_hide_the_other_nodes_calls(

@@ -23,13 +23,14 @@ import redis.asyncio as aioredis
 from twilio.request_validator import RequestValidator
 
 from telephony.admission import CallSidUsed
+from telephony.call_store import CallRecord, open_call_store
 from telephony.cluster import LocalCluster, RedisCluster, Reservation, open_cluster
 from telephony.config import ServiceConfig
-from telephony.server import MEDIA_PATH, VOICE_PATH
+from telephony.server import CALL_STATUS_PATH, MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
 from telephony.sim_caller import CallReport, simulate_call
 from telephony.twiml import parse_connect_stream
 
-from .phone_fixtures import flite_wav, new_call_sid
+from .phone_fixtures import flite_wav, metric, new_call_sid
 from .polling import until
 from .redis_support import REDIS_URL, RedisServer, SlowProxy, free_port, redis_errors
 
@@ -654,3 +655,49 @@ async def test_nodes_behind_one_url_take_each_others_streams(prefix: str, raw: a
     finally:
         for node in (a, b, c):
             await node.aclose()
+
+
+async def test_the_final_call_status_ends_a_call_left_streaming_by_a_node_that_is_gone(prefix: str) -> None:
+    """A node that crashes mid-call ends nothing: its calls' records said "streaming" until they expired (24 h),
+    and the status callback (which may land on any node) only closed calls still ringing. Now a call streaming
+    on a node that no longer heartbeats is ended there (node_lost); one on a live node is left to that node.
+    The check reads the record's state and node only, never the whole record (every turn of a long call)."""
+    token = "t" * 32
+    store = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")
+    config = ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token, redis_url=REDIS_URL, redis_prefix=prefix,
+                           node_id="here", heartbeat_s=0.1, node_ttl_s=0.6)  # fmt: skip
+    ctx = ServerContext(config, store)
+    ctx.cluster = open_cluster(config, lambda: 0, "ws://127.0.0.1/here" + MEDIA_PATH)
+    handle = await ServiceHandle(ctx).start()
+    await ctx.cluster.start()
+    lost, live, ours = new_call_sid(), new_call_sid(), new_call_sid()
+
+    async def whole_record(_: str) -> None:
+        raise AssertionError("the status callback read the whole record")
+
+    try:
+        async with nodes(prefix, {"alive": 1}):
+            for sid, node in ((lost, "crashed"), (live, "alive"), (ours, "here")):
+                await store.create(CallRecord(call_sid=sid, node=node, agent="default"))
+                await store.update(sid, state="streaming")
+                await store.append_turn(sid, "caller", "hello")
+            await store.flush()
+            store.get = whole_record  # type: ignore[method-assign]
+            before = metric("kame_calls_total", outcome="node_lost")
+            url = handle.http_url + CALL_STATUS_PATH
+            async with aiohttp.ClientSession() as http:
+                for sid in (lost, live, ours):
+                    form = {"CallSid": sid, "CallStatus": "completed"}
+                    signed = {"X-Twilio-Signature": RequestValidator(token).compute_signature(url, form)}
+                    async with http.post(url, data=form, headers=signed) as r:
+                        assert r.status == 204
+            await store.flush()
+            del store.get  # type: ignore[method-assign]
+            records = {sid: await store.get(sid) for sid in (lost, live, ours)}
+    finally:
+        await ctx.cluster.aclose()
+        await handle.aclose()
+        await store.aclose()
+    got = {sid: (r.state, r.end_reason) for sid, r in records.items() if r is not None}
+    assert got == {lost: ("ended", "node_lost"), live: ("streaming", None), ours: ("streaming", None)}
+    assert metric("kame_calls_total", outcome="node_lost") == before + 1
