@@ -44,6 +44,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_unstarted_streams=args.max_unstarted_streams,
             start_timeout_s=args.start_timeout,
             max_idle_connections=args.max_idle_connections,
+            drain_timeout_s=args.drain_timeout,
         )
     except ConfigError as e:
         print(f"kame-phone serve: {e}", file=sys.stderr)
@@ -261,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
              help="seconds a media socket may wait for its stream's start")  # fmt: skip
     env_flag(serve, "--max-idle-connections", "KAME_MAX_IDLE_CONNECTIONS", default=256, parse=parse_int,
              help="public-port connections without a started call, at most (beyond: refused at once)")  # fmt: skip
+    env_flag(serve, "--drain-timeout", "KAME_DRAIN_TIMEOUT", default=600.0, parse=parse_float,
+             help="on SIGTERM, wait this long (s) for the calls in progress to end; those still up then are "
+                  "ended (keep the orchestrator's grace period above it)")  # fmt: skip
     serve.add_argument("--engine", default=EnvDefault("KAME_ENGINE_ADDRESS", None), metavar="ADDRESS",
                        help="use the engine of a `kame-phone engine-serve` at unix:/path, tcp://host:port or "
                             "tls://host:port (token in $KAME_ENGINE_TOKEN; for tls://, the CA in $KAME_ENGINE_CA) "

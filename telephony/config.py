@@ -96,7 +96,7 @@ class ServiceConfig:
     # The kernel's send buffer per media socket (Linux doubles it). Left to autotuning it grows to MBs,
     # minutes of audio at 11 KB/s, so a peer that stopped reading would go unnoticed that long. 0: kernel's.
     media_send_buffer_bytes: int = 64 * 1024
-    drain_timeout_s: float = 600.0
+    drain_timeout_s: float = 600.0  # serve --drain-timeout (KAME_DRAIN_TIMEOUT)
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServiceConfig:
@@ -157,6 +157,9 @@ class ServiceConfig:
         for name, value in positive.items():
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be above 0, got {value:g}")
+        if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):  # 0: end the calls at once
+            raise ConfigError(f"--drain-timeout (KAME_DRAIN_TIMEOUT) must be 0 or more seconds, "
+                              f"got {self.drain_timeout_s:g}")  # fmt: skip
         if self.redis_url:
             self._check_redis_url(self.redis_url)
 

@@ -9,11 +9,13 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import pytest
 
 from telephony.call_store import open_call_store
@@ -168,6 +170,19 @@ class ServeProcess:
     def __init__(self, proc: asyncio.subprocess.Process, log: Path, base: str) -> None:
         self.proc, self.log, self.base = proc, log, base
 
+    @property
+    def ws_url(self) -> str:
+        return self.base.replace("http://", "ws://") + "/twilio/media"
+
+    async def streaming(self, calls: int = 1) -> None:
+        """Until `calls` calls hold a seat (of --max-calls 2): /readyz's capacity_left drops with each stream."""
+        async with aiohttp.ClientSession() as http:
+            async def seated() -> bool:
+                async with http.get(self.base + "/readyz") as r:
+                    return (await r.json())["capacity_left"] == 2 - calls
+
+            await until(seated, f"{calls} calls streaming", 30, every=0.1)
+
     def said(self) -> str:
         return self.log.read_text(errors="replace")
 
@@ -224,3 +239,44 @@ async def test_serve_exits_non_zero_once_its_engine_process_died(tiny_checkpoint
         code = await serve.exit_code(30)
     assert code != 0, serve.said()[-3000:]
     assert "the engine failed" in serve.said()
+
+
+def _long_call(serve: ServeProcess, seconds: float = 60.0) -> asyncio.Task:  # type: ignore[type-arg]
+    t = np.arange(int(seconds * 8000)) / 8000
+    audio = (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32)
+    return asyncio.create_task(simulate_call(serve.ws_url, audio, auth_token=None, public_url=None, hold_after=0.5))
+
+
+async def test_serve_drains_for_its_drain_timeout_then_ends_the_calls(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """serve's drain was fixed at 600 s (engine-serve had --drain-timeout): an operator with a shorter grace
+    period had calls cut by the SIGKILL instead of ended, and a test rig waited 10 minutes. Now
+    --drain-timeout / KAME_DRAIN_TIMEOUT set it: calls still up after it are ended (drain_timeout)."""
+    async with serve_process(tiny_checkpoint, tmp_path, env={"KAME_DRAIN_TIMEOUT": "1.5"}) as serve:
+        call = _long_call(serve)
+        await serve.streaming()
+        started = time.monotonic()
+        serve.proc.send_signal(signal.SIGTERM)
+        code = await serve.exit_code(30)
+        took = time.monotonic() - started
+        report = await asyncio.wait_for(call, 10)
+    assert code == 0, serve.said()[-3000:]
+    assert 1.5 <= took < 15, took
+    assert report.server_hung_up and report.call_seconds < 30
+    assert "draining 1 calls (up to 2s)" in serve.said()
+
+
+@pytest.mark.parametrize(("argv", "env", "said"), [
+    (["--drain-timeout", "-1"], {}, "--drain-timeout (KAME_DRAIN_TIMEOUT) must be 0 or more seconds, got -1"),
+    ([], {"KAME_DRAIN_TIMEOUT": "soon"}, "KAME_DRAIN_TIMEOUT='soon' is refused: not a number"),
+    ([], {"KAME_DRAIN_TIMEOUT": "inf"}, "KAME_DRAIN_TIMEOUT='inf' is refused: not a finite number"),
+])  # fmt: skip
+def test_serve_refuses_a_bad_drain_timeout_in_one_line(
+    argv: list[str], env: dict[str, str], said: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kame_phone.cli import main
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "--insecure-dev", *argv]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err
