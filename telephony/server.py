@@ -501,18 +501,21 @@ class ServiceHandle:
     def http_url(self) -> str:
         return f"http://{self.ctx.config.host}:{self.port}"
 
-    async def drain(self, timeout_s: float, poll_s: float = 0.1) -> None:
+    async def drain(self, timeout_s: float, poll_s: float = 0.1, cut: asyncio.Event | None = None) -> None:
         """Take no new calls (and tell the other nodes); wait for the calls in progress to finish, and for
-        reservations already promised to this node to start their stream or expire."""
+        reservations already promised to this node to start their stream or expire. `cut` set (a second
+        SIGTERM/SIGINT: the operator will not wait) ends the calls still up at once, as the timeout does."""
         ctx = self.ctx
         ctx.draining = True
         await ctx.cluster.drain()
+        cut = cut or asyncio.Event()
         try:
             async with asyncio.timeout(timeout_s):
-                await ctx.no_streams.wait()
                 # A reservation starts its stream or expires without an event (and maybe on Redis): poll.
-                while ctx.streams or ctx.cluster.reserved > 0:  # noqa: ASYNC110 - see above
+                while (ctx.streams or ctx.cluster.reserved > 0) and not cut.is_set():  # noqa: ASYNC110 - see above
                     await asyncio.sleep(poll_s)
+            if cut.is_set():
+                log.warning("stopped again during the drain: ending the %d calls still up now", len(ctx.streams))
         except TimeoutError:
             log.warning("drain timed out with %d calls still up: ending them", len(ctx.streams))
         await self.end_calls(outcome="drain_timeout")
@@ -607,7 +610,10 @@ async def run_service(
             loading.cancel()  # the engine gives up its load (engine/service.py: start)
             await asyncio.wait({loading}, timeout=LOADING_STOP_TIMEOUT_S)
         log.info("stopping: draining %d calls (up to %.0fs)", len(ctx.streams), config.drain_timeout_s)
-        await handle.drain(config.drain_timeout_s)
+        cut = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal ends the calls now and exits
+            loop.add_signal_handler(sig, cut.set)
+        await handle.drain(config.drain_timeout_s, cut=cut)
         return 0
     finally:
         await ctx.cluster.aclose()  # other nodes stop seeing this one now, not after node_ttl_s

@@ -24,7 +24,7 @@ from telephony.sim_caller import simulate_call
 
 from .phone_fixtures import flite_wav, running_phone
 from .polling import until
-from .redis_support import RedisServer, free_port, redis_errors
+from .redis_support import REDIS_URL, RedisServer, free_port, redis_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -280,3 +280,30 @@ def test_serve_refuses_a_bad_drain_timeout_in_one_line(
     assert main(["serve", "--insecure-dev", *argv]) == 2
     err = capsys.readouterr().err
     assert said in err and "Traceback" not in err, err
+
+
+async def test_a_second_sigterm_during_the_drain_ends_the_calls_and_exits(
+    tiny_checkpoint: Path, tmp_path: Path, prefix: str
+) -> None:
+    """A second SIGTERM (or ^C) during a drain did nothing: serve went on waiting up to --drain-timeout for
+    calls that may last minutes. Now it ends them at once (drain_timeout, as the timeout does) and exits."""
+    env = {"REDIS_URL": REDIS_URL, "KAME_REDIS_PREFIX": prefix}
+    async with serve_process(tiny_checkpoint, tmp_path, env=env) as serve:  # --drain-timeout: 600 s
+        call = _long_call(serve)
+        await serve.streaming()
+        serve.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(2.0)
+        assert serve.proc.returncode is None and not call.done()  # draining: the call goes on
+        started = time.monotonic()
+        serve.proc.send_signal(signal.SIGTERM)
+        code = await serve.exit_code(30)
+        took = time.monotonic() - started
+        report = await asyncio.wait_for(call, 10)
+    assert code == 0, serve.said()[-3000:]
+    assert took < 10 and report.server_hung_up, took
+    store = open_call_store(REDIS_URL, key_prefix=prefix)
+    try:
+        record = await store.get(report.call_sid)
+    finally:
+        await store.aclose()
+    assert record is not None and (record.state, record.end_reason) == ("ended", "drain_timeout")
