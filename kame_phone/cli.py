@@ -8,7 +8,9 @@ import errno
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from telephony.config import DEFAULT_METRICS_PORT
@@ -397,7 +399,20 @@ def load_dotenv_file() -> None:
             os.environ.setdefault(key, value)
 
 
+_LONG_RUNNING = ("serve", "engine-serve")
+
+
+def _exit_at_once(signum: int, _frame: object) -> None:
+    os._exit(128 + signum)  # 143: nothing to drain yet; what the default action would do, as PID 1 too
+
+
 def main(argv: list[str] | None = None) -> int:
+    # First thing: as PID 1 (a pod without an init) a signal with no handler is ignored, so a SIGTERM during
+    # the seconds of imports and start-up was lost and the pod waited out its grace period for the SIGKILL.
+    # The service's own drain handler replaces this one once it can drain.
+    command = (sys.argv[1:] if argv is None else argv)[:1]
+    if command and command[0] in _LONG_RUNNING and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_at_once)
     load_dotenv_file()
     args = build_parser().parse_args(argv)
     try:

@@ -307,3 +307,32 @@ async def test_a_second_sigterm_during_the_drain_ends_the_calls_and_exits(
     finally:
         await store.aclose()
     assert record is not None and (record.state, record.end_reason) == ("ended", "drain_timeout")
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has a handler of its own for SIGTERM (SigCgt in /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+
+
+async def test_a_sigterm_early_in_start_up_stops_serve_at_once(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """As PID 1 of a container without an init, a process ignores every signal it has no handler for; serve
+    installed its handlers only after its imports and its HTTP start, so a SIGTERM in those first seconds (a
+    rollout, a scale-down) was lost, and the pod waited out its grace period for the SIGKILL. main() now
+    catches SIGTERM first thing and exits 143 until the drain handler replaces it.
+
+    This test's serve is not PID 1, where the default action would kill it (status -15) and prove nothing;
+    so it checks that serve catches SIGTERM from its first moments (SigCgt), then that the signal it sends
+    then, during the imports, ends serve at once by that handler (143): a caught signal works as PID 1 too."""
+    async with serve_process(tiny_checkpoint, tmp_path, ready=False) as serve:
+        started = time.monotonic()
+        await until(lambda: _catches_sigterm(serve.proc.pid), "serve to catch SIGTERM", 30, every=0.005)
+        caught_after = time.monotonic() - started
+        serve.proc.send_signal(signal.SIGTERM)
+        code = await serve.exit_code(5)
+    assert "listening on" not in serve.said(), serve.said()[-2000:]  # it was still starting up
+    assert code == 143 and caught_after < 1.0, (code, caught_after, serve.said()[-2000:])
