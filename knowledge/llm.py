@@ -453,7 +453,11 @@ class LlmClient:
                     # fail every later request of the call, which carries this exchange.
                     yield ToolCallRequest(well_formed(parts.id) or f"call_{index}", well_formed(parts.name),
                                           well_formed(parts.arguments))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # Superseded by a newer draft (the caller said more), or stopped by a call action or the call's
+            # end: no outcome. The error ratio leaves these out, or in an outage while callers talk (each
+            # request replaced before its error came) it would read a fraction of what fails.
+            metrics.LLM_REQUESTS_CANCELLED.inc()
             raise
         except Exception as exc:
             refused = None if streaming else refused_param(exc)

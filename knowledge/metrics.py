@@ -13,6 +13,11 @@ LLM_TTFT_SECONDS = Histogram(
     buckets=[b / 1000 for b in LAG_BUCKETS_MS],
 )
 LLM_REQUESTS = Counter("kame_llm_requests_total", "LLM draft requests started.")
+LLM_REQUESTS_CANCELLED = Counter(
+    "kame_llm_requests_cancelled_total",
+    "LLM draft requests cancelled before they ended: superseded by a newer draft (the caller said more), or "
+    "stopped by a call action or the call's end. No outcome: the error ratio is errors / (started - cancelled).",
+)
 # Every `kind` knowledge/llm.py's ErrorKind can take (tests check the two agree).
 # too_long: a reply cut at LlmConfig.max_draft_chars (delivered, but the server ignored max_tokens); empty: a
 # reply with neither text nor a tool call.

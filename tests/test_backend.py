@@ -59,6 +59,10 @@ def llm_requests() -> float:
     return REGISTRY.get_sample_value("kame_llm_requests_total") or 0.0
 
 
+def llm_cancelled() -> float:
+    return REGISTRY.get_sample_value("kame_llm_requests_cancelled_total") or 0.0
+
+
 def stt_errors() -> float:
     return REGISTRY.get_sample_value("kame_stt_errors_total") or 0.0
 
@@ -847,6 +851,7 @@ async def test_a_new_request_cancels_the_superseded_stream(tmp_path: Path, llm_s
     frames = frames_of(speech(tmp_path, "I would like to order a large pizza with cheese."))
     head, rest = frames[:16], frames[16:]  # the first second of speech: a few words of partials, no final
     llm_server.chunk_delay_s = 1.0  # an answer to those early partials would take ~13 s
+    started, cancelled = llm_requests(), llm_cancelled()
     llm = make_llm(llm_server)
     pool = DecoderPool()
     rec = Recorder()
@@ -873,6 +878,10 @@ async def test_a_new_request_cancels_the_superseded_stream(tmp_path: Path, llm_s
     old_texts = [t for t, cid in rec.oracles if cid == first_id]
     assert old_texts[-1] not in {answer_for(r["messages"]) for r in llm_server.requests}  # cut short
     assert len(llm_server.requests) >= 2
+    # Each superseded request is counted as cancelled, not as an outcome: the error ratio's denominator is
+    # started - cancelled (else an outage while callers talk reads as a fraction of what fails).
+    assert llm_cancelled() - cancelled >= len(slow_ids)
+    assert llm_requests() - started - (llm_cancelled() - cancelled) >= 1  # the final's answer ended
     await backend.aclose()
     await llm.aclose()
 

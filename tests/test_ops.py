@@ -486,7 +486,13 @@ ALERT_SCENARIOS = [
     pytest.param(
         [
             # a: 6 errors per 60 requests (10 %, over two kinds). b: every request fails.
-            # c: requests and no errors. d: no requests at all (0/0 is no ratio, not an alert).
+            # c: requests and no errors. d: no requests at all (0/0 is no ratio, not an alert). e: an outage
+            # while callers talk: 50 of 60 requests superseded before their error came, the other 10 fail
+            # (10 of 60 started, but every request that ended failed: critical).
+            *(_series("kame_llm_requests_cancelled_total", {"instance": i}, "0+0x30") for i in "abcd"),
+            _series("kame_llm_requests_total", {"instance": "e"}, "0+60x30"),
+            _series("kame_llm_requests_cancelled_total", {"instance": "e"}, "0+50x30"),
+            _series("kame_llm_errors_total", {"instance": "e", "kind": "server_error"}, "0+10x30"),
             _series("kame_llm_requests_total", {"instance": "a"}, "0+60x30"),
             _series("kame_llm_errors_total", {"instance": "a", "kind": "timeout"}, "0+4x30"),
             _series("kame_llm_errors_total", {"instance": "a", "kind": "malformed"}, "0+2x30"),
@@ -502,8 +508,13 @@ ALERT_SCENARIOS = [
                 "KameLLMErrorRatioHigh",
                 {"instance": "a", "severity": "warning"},
                 {"instance": "b", "severity": "warning"},
+                {"instance": "e", "severity": "warning"},
             ),
-            _alerts("KameLLMErrorRatioCritical", {"instance": "b", "severity": "critical"}),
+            _alerts(
+                "KameLLMErrorRatioCritical",
+                {"instance": "b", "severity": "critical"},
+                {"instance": "e", "severity": "critical"},
+            ),
         ],
         id="llm-errors",
     ),
