@@ -5,6 +5,11 @@ Before its hello a peer is nobody: the hello is capped at a few KB and 2 s, and 
 held at once, so a flood of connections costs the engine nothing. Once welcomed, an edge's call ids are its
 own: the engine seats them as "<call id>@e<edge number>", so an edge holding the shared token still cannot
 open, close or hear another edge's call. Both sides name their PROTOCOL_VERSION and refuse a mismatch.
+
+Seats are a hard partition: an edge's grant is never given to another edge while it holds it. A draining edge
+(protocol 5, "D") gives back the seats its calls do not use at once, and each other one as its call ends, so a
+rollout's new edge is seated within seconds instead of after the old edge's longest call. Seats that come
+free go to a connected edge of protocol 5 that was granted less than it asked ("G"), else to the next hello.
 """
 
 from __future__ import annotations
@@ -62,8 +67,11 @@ MAX_UNAUTHENTICATED = 8  # peers between accept and welcome held at once; edges 
 class _Edge:
     name: str
     writer: asyncio.StreamWriter
-    seats: int
+    seats: int  # granted: the most calls it may hold (seated or being seated)
     number: int  # this connection's, on this engine: the namespace of its call ids
+    asked: int = 0  # in its hello: it is offered seats that come free up to this
+    version: int = PROTOCOL_VERSION  # the link's
+    draining: bool = False  # it said "D": it keeps only the seats its calls use
     calls: dict[str, CallSession] = field(default_factory=dict)
     pumps: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     # Seating a call can take a while (its back-end starts: an STT decoder, an LLM client), so it runs beside
@@ -74,6 +82,11 @@ class _Edge:
     def engine_id(self, call_id: str) -> str:
         """The call's id on the engine: the edge's own id can clash with (or be chosen as) another edge's."""
         return f"{call_id}@e{self.number}"
+
+    @property
+    def in_use(self) -> int:
+        """Seats its calls hold: seated, or being seated (a call opened again is in both: one seat)."""
+        return len(self.calls.keys() | self.opening.keys())
 
 
 class EngineServer:
@@ -193,6 +206,8 @@ class EngineServer:
                         raise LinkError(f"unknown call action {action!r}")
                     if (session := edge.calls.get(str(failed["call_id"]))) is not None:
                         session.action_failed(action, result)  # type: ignore[arg-type]
+                elif kind == b"D" and edge.version >= 5:  # the edge drains: what it does not use goes back
+                    self._edge_drains(edge)
                 elif kind == b"C":
                     call_id = str(json.loads(bytes(body))["call_id"])
                     closing = asyncio.create_task(self._close_when_seated(edge, call_id))
@@ -252,9 +267,12 @@ class EngineServer:
                 else f"no seats left ({free} free)"
             )  # fmt: skip
             log.warning("engine link from %s (%s): refused, %s", peer, name, reason)
-            writer.write(json_message(b"W", {"error": reason}))
+            # "full": the seats are held by other edges and come back as they leave or drain (the edge asks
+            # again soon); an older edge reads only the error.
+            full = free <= 0 and self.engine.ready and not self.draining
+            writer.write(json_message(b"W", {"error": reason, **({"full": True} if full else {})}))
             return None
-        edge = _Edge(name, writer, seats, next(self._edge_numbers))
+        edge = _Edge(name, writer, seats, next(self._edge_numbers), asked=asked, version=int(version))
         self._edges.add(edge)
         metrics.ENGINE_LINK_EDGES.set(len(self._edges))
         writer.write(json_message(b"W", {"version": version, "seats": seats}))  # the one this link speaks
@@ -285,13 +303,66 @@ class EngineServer:
             await self._seat(edge, call_id, setup)
         finally:
             edge.opening.pop(call_id, None)
+            self._give_back(edge)  # a draining edge's call that was not seated: its seat goes back
+
+    def _edge_drains(self, edge: _Edge) -> None:
+        if edge.draining:
+            return
+        edge.draining = True
+        log.info("edge %s (e%d) is draining with %d calls: it gives back the seats they do not use",
+                 edge.name, edge.number, edge.in_use)  # fmt: skip
+        self._give_back(edge)
+
+    def _give_back(self, edge: _Edge) -> None:
+        """A draining edge keeps the seats its calls use and no more: the others are free for another edge."""
+        spare = edge.seats - edge.in_use
+        if not edge.draining or spare <= 0 or edge not in self._edges:
+            return
+        edge.seats -= spare
+        self._tell_seats(edge)
+        log.info("edge %s (e%d, draining) gave back %d seat(s), keeps %d for its calls (%d of %d granted)",
+                 edge.name, edge.number, spare, edge.seats, self.seats_granted, self.engine.max_calls)  # fmt: skip
+        self._offer_free_seats()
+
+    def _offer_free_seats(self) -> None:
+        """Seats that came free go to connected edges granted less than they asked (oldest first), which
+        hear it ("G", protocol 5). What is left waits for the next hello."""
+        if self.draining or not self.engine.ready:
+            return
+        free = self.engine.max_calls - self.seats_granted
+        for edge in sorted(self._edges, key=lambda e: e.number):
+            if free <= 0:
+                break
+            if edge.draining or edge.version < 5 or edge.seats >= edge.asked or edge.writer.transport.is_closing():
+                continue
+            more = min(free, edge.asked - edge.seats)
+            edge.seats += more
+            free -= more
+            self._tell_seats(edge)
+            log.info("edge %s (e%d) granted %d more seat(s): %d of the %d it asked (%d of %d granted)",
+                     edge.name, edge.number, more, edge.seats, edge.asked, self.seats_granted,
+                     self.engine.max_calls)  # fmt: skip
+
+    def _regrant(self, edge: _Edge) -> bool:
+        """A draining edge opening a call beyond the seats it kept (a caller reserved on it before it began
+        to drain): it takes a free seat back if there is one."""
+        if not edge.draining or self.engine.max_calls - self.seats_granted <= 0:
+            return False
+        edge.seats += 1
+        self._tell_seats(edge)
+        log.info("edge %s (e%d, draining) took a free seat back for a call reserved on it", edge.name, edge.number)
+        return True
+
+    def _tell_seats(self, edge: _Edge) -> None:
+        if edge.version >= 5 and not edge.writer.transport.is_closing():
+            edge.writer.write(json_message(b"G", {"seats": edge.seats}))
 
     async def _seat(self, edge: _Edge, call_id: str, setup: CallSetup | None) -> None:
         error = None
         others = (set(edge.calls) | set(edge.opening)) - {call_id}  # seated, or being seated beside this one
         if self.draining:
             error = "closed: the engine is draining"
-        elif call_id not in edge.calls and len(others) >= edge.seats:
+        elif call_id not in edge.calls and len(others) >= edge.seats and not self._regrant(edge):
             error = "full"
         else:
             engine_id = edge.engine_id(call_id)
@@ -325,6 +396,7 @@ class EngineServer:
             edge.pumps.pop(call_id, None)
             if not edge.writer.transport.is_closing():
                 edge.writer.write(event_message(call_id, None, time.monotonic()))
+            self._give_back(edge)
 
     async def _close_call(self, edge: _Edge, call_id: str, last_words: bool = False) -> None:
         """`last_words`: the edge hung up and still listens: what the call says as it closes (the caller's
@@ -334,6 +406,7 @@ class EngineServer:
         self._disown(edge, call_id)
         if session is not None:
             await session.close()
+        self._give_back(edge)  # the engine's seat is free now (a call opened again keeps it: it is opening)
         if pump is not None:
             if last_words and not edge.writer.transport.is_closing():
                 await asyncio.wait({pump}, timeout=LAST_WORDS_WAIT_S)
@@ -350,7 +423,8 @@ class EngineServer:
             await asyncio.wait(set(edge.opening.values()))
         for call_id in list(edge.calls):
             await self._close_call(edge, call_id)
-        log.info("edge %s left; its seats are free", edge.name)
+        log.info("edge %s left; its %d seats are free", edge.name, edge.seats)
+        self._offer_free_seats()
 
     async def _fan_out_frames(self) -> None:
         async for frames in self.engine.bot_frames():

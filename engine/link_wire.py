@@ -9,7 +9,11 @@ line carries. Nothing is unpickled: a peer can send bad bytes, never code. Times
 
   edge -> engine   H hello {version, token, seats, name}   O open {call_id, setup}   C close {call_id}
                    A audio: u16 id length, call id, 1920 int16
-  engine -> edge   W welcome {version, seats} | {error, permanent}   R open result {call_id, ok, error}
+                   X a call action the edge could not carry out {call_id, action, result}
+                   D draining {}: the edge is going away; its seats no call uses go back to the engine now,
+                     each other one as its call ends (5)
+  engine -> edge   W welcome {version, seats} | {error, permanent, full}   R open result {call_id, ok, error}
+                   G seats {seats}: the edge's grant changed: given back (D), or more of what it asked for (5)
                    E call event {call_id, type: transcript|oracle|notice|end, ...}
                    F bot frames: u32 header length, header {call_ids, texts, voiced, indices, fresh, age}, pcm
                    S status {draining}: the engine is going away; seated calls go on, no new ones
@@ -55,10 +59,12 @@ MAX_MESSAGE_BYTES = 32 << 20  # a tick of 256 calls is 2 MB; anything far larger
 # 2: hello/welcome carry "version"; call ids are per edge. A v1 peer sends no version and is refused.
 # 3: a call's setup carries the actions the edge can carry out; "tool" events (the agent's tool calls).
 # 4: "X": a call action the edge could not carry out, for the call's back-end.
-PROTOCOL_VERSION = 4
+# 5: "D" (a draining edge gives back the seats it does not use) and "G" (an edge's grant changed).
+PROTOCOL_VERSION = 5
 # What either side still speaks, so a rolling upgrade does not cut edges off: a link at 3 is 4 without "X"
-# (the edge does not send it; the engine never needs it). The welcome names the version the link speaks.
-COMPATIBLE_VERSIONS = (3, 4)
+# (the edge does not send it; the engine never needs it), a link at 4 is 5 without "D" and "G" (a draining
+# edge holds its seats until it leaves, as before). The welcome names the version the link speaks.
+COMPATIBLE_VERSIONS = (3, 4, 5)
 _PCM = np.dtype("<i2")
 _FRAME_BYTES = FRAME_SAMPLES * _PCM.itemsize
 SOCKET_BUFFER_BYTES = 1 << 20  # a whole tick in one send where the kernel allows (it caps at wmem_max)
@@ -82,6 +88,11 @@ def pcm_from_wire(data: bytes | memoryview, rows: int | None = None, offset: int
 
 class LinkError(EngineError):
     """The engine link refused us (for now: not ready, no seats left) or broke."""
+
+
+class LinkFull(LinkError):
+    """The engine has no seat left for us now (other edges hold them all): they come back as edges leave or
+    drain, so ask again soon."""
 
 
 class LinkRefused(LinkError):

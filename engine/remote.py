@@ -6,7 +6,9 @@ holds ~100 calls within its latency budget (docs/benchmarks.md), so a node that 
 edge processes against one GPU engine, and the engine can sit on another node than its edges.
 
 Each edge asks for a number of seats in its hello and is granted at most what the engine has left; the
-seats are its `max_calls`, so cluster admission never books a seat another edge holds. Off loopback the
+seats are its `max_calls`, so cluster admission never books a seat another edge holds. A draining edge
+(`give_back_seats`, on SIGTERM) tells the engine, which grants the seats its calls do not use to another edge
+at once (a rollout's new edge) and each other one as its call ends. Off loopback the
 hello carries a shared token; `tls://host:port` wraps the link in TLS (the edge checks the engine's
 certificate), since it carries the callers' audio.
 
@@ -45,6 +47,7 @@ from .link_wire import (
     PROTOCOL_VERSION,
     Address,
     LinkError,
+    LinkFull,
     LinkRefused,
     audio_message,
     backlogged,
@@ -140,6 +143,7 @@ class RemoteEngine:
         self._failed = False
         self._stopping = False
         self.draining = False  # the engine said it is going away: its calls go on, no new ones
+        self.leaving = False  # this edge drains (give_back_seats): it takes no new calls
         self.audio_dropped = 0
 
     @classmethod
@@ -185,7 +189,9 @@ class RemoteEngine:
             writer.close()
             if welcome.get("permanent") and theirs != version and theirs in COMPATIBLE_VERSIONS:
                 raise _OlderEngine(theirs)
-            error = LinkRefused if welcome.get("permanent") else LinkError
+            # No seats left (other edges hold them): "full" from protocol 5, the words from an older engine.
+            full = welcome.get("full") or str(welcome["error"]).startswith("no seats left")
+            error = LinkRefused if welcome.get("permanent") else LinkFull if full else LinkError
             raise error(f"engine at {a} refused us: {welcome['error']}")
         if theirs not in COMPATIBLE_VERSIONS:
             writer.close()
@@ -218,7 +224,27 @@ class RemoteEngine:
 
     @property
     def free_slots(self) -> int:
-        return 0 if not self.ready else max(0, self._seats - len(self._calls) - len(self._opening))
+        if not self.ready or self.leaving:
+            return 0
+        return max(0, self._seats - len(self._calls) - len(self._opening))
+
+    def give_back_seats(self) -> None:
+        """This edge drains (it takes no new calls): the engine may give the seats its calls do not use to
+        another edge now, and each other one as its call ends. A call reserved here before the drain still
+        opens (the engine seats it if a seat is free). An engine of protocol < 5 is not told: the edge keeps
+        its seats until it leaves, as before."""
+        if self.leaving:
+            return
+        self.leaving = True
+        if self._writer is None or self._failed:
+            return
+        if self.link_version < 5:
+            log.info("draining: the engine at %s speaks link protocol %d and holds our %d seats until we leave",
+                     self.address, self.link_version, self._seats)  # fmt: skip
+            return
+        self._writer.write(json_message(b"D", {}))
+        log.info("draining: giving back to the engine at %s the seats our %d calls do not use (of %d)",
+                 self.address, len(self._calls) + len(self._opening), self._seats)  # fmt: skip
 
     @property
     def ready(self) -> bool:
@@ -331,6 +357,11 @@ class RemoteEngine:
                         session._end()
                     else:
                         session._put(output)
+                elif kind == b"G":  # our grant changed: seats given back (draining) or more of what we asked
+                    seats = int(json.loads(bytes(body))["seats"])
+                    if seats != self._seats:
+                        log.info("engine at %s: %d seats now (were %d)", self.address, seats, self._seats)
+                    self._seats = seats
                 elif kind == b"S":
                     self.draining = bool(json.loads(bytes(body)).get("draining"))
                     if self.draining:

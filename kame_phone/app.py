@@ -9,7 +9,7 @@ import os
 
 from engine.compiled_step import COMPILE_MODES
 from engine.kv_cache import KV_DTYPES
-from engine.link_wire import Address, LinkError, LinkRefused, edge_tls
+from engine.link_wire import Address, LinkError, LinkFull, LinkRefused, edge_tls
 from engine.remote import RemoteEngine
 from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
@@ -20,6 +20,10 @@ from knowledge.backend import BackendConfig, BackendServices
 from .env_flags import env_flag, parse_float, parse_int
 
 log = logging.getLogger(__name__)
+
+# An edge refused for seats (other edges hold them) asks again this often, not on the backoff: in a rollout the
+# old edge gives its seats back as it drains, and the new one must take them (and turn ready) within seconds.
+SEATS_RETRY_S = 1.0
 
 
 def _non_negative(text: str) -> float:
@@ -148,12 +152,17 @@ async def connect_engine(args: argparse.Namespace) -> RemoteEngine:
     token = os.environ.get("KAME_ENGINE_TOKEN") or None
     # tls://: the engine's certificate is checked against KAME_ENGINE_CA (a PEM file), else the system's CAs.
     tls = edge_tls(os.environ.get("KAME_ENGINE_CA") or None) if address.tls else None
-    delay = 0.5
+    delay, full = 0.5, 0
     while True:
         try:
             return await RemoteEngine.connect(address, token=token, seats=args.max_calls, tls=tls)
         except LinkRefused:
             raise
+        except LinkFull as e:
+            full += 1  # said once, then every 30 tries: a drain can last minutes
+            log.log(logging.WARNING if full % 30 == 1 else logging.DEBUG, "engine at %s: %s; asking again in %.1fs",
+                    address, e, SEATS_RETRY_S)  # fmt: skip
+            await asyncio.sleep(SEATS_RETRY_S)
         except (OSError, LinkError) as e:
             log.warning("engine at %s not available yet (%s); retrying in %.1fs", address, e, delay)
             await asyncio.sleep(delay)

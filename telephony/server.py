@@ -507,6 +507,11 @@ class ServiceHandle:
         SIGTERM/SIGINT: the operator will not wait) ends the calls still up at once, as the timeout does."""
         ctx = self.ctx
         ctx.draining = True
+        # An edge on a remote engine gives the seats it is not using back at once (engine link protocol 5):
+        # a rollout's new edge is seated without waiting out this one's longest call.
+        give_back_seats = getattr(ctx.engine, "give_back_seats", None)
+        if give_back_seats is not None:
+            give_back_seats()
         await ctx.cluster.drain()
         cut = cut or asyncio.Event()
         try:
