@@ -323,8 +323,13 @@ class RedisCluster:
         reservation_ttl_s: float = 8.0,
         bound_ttl_s: float = 12 * 3600.0,
         key_prefix: str = "kame:",
+        seats_fn: CapacityFn | None = None,
     ) -> None:
         assert 0 < heartbeat_s < node_ttl_s, (heartbeat_s, node_ttl_s)
+        # Engine seats free even while draining (`capacity_fn` says 0 then, to take no new reservation): a
+        # stream taken over from another node behind the same URL is a call already promised a seat, and in a
+        # rolling update the old, draining pod still receives streams until its endpoint is removed.
+        self._seats_fn = seats_fn or capacity_fn
         self._redis = client  # decode_responses=True (see open_cluster); closed by aclose
         self.node_id = node_id
         self.stream_url = stream_url
@@ -544,7 +549,7 @@ class RedisCluster:
             if node_id == self.node_id:
                 count = int(await self._claim_script(keys=keys, args=[call_sid, self.node_id, token,
                                                                      _ms(self.bound_ttl_s), self._held_ms]))
-            elif url == self.stream_url and self.capacity_fn() > 0:
+            elif url == self.stream_url and self._seats_fn() - self.reserved > 0:  # not a seat promised here
                 count = await self._take_over(call_sid, node_id, token)
             else:
                 return False  # another node's stream URL: the stream reached the wrong node
@@ -657,7 +662,9 @@ def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-def open_cluster(config: ServiceConfig, capacity_fn: CapacityFn, stream_url: str) -> Cluster:
+def open_cluster(
+    config: ServiceConfig, capacity_fn: CapacityFn, stream_url: str, seats_fn: CapacityFn | None = None
+) -> Cluster:
     """A `RedisCluster` when REDIS_URL is set, else a single-node `LocalCluster`. Never blocks."""
     if not config.redis_url:
         return LocalCluster(config.node_id, stream_url, capacity_fn, config.reservation_ttl_s)
@@ -679,4 +686,5 @@ def open_cluster(config: ServiceConfig, capacity_fn: CapacityFn, stream_url: str
         node_ttl_s=config.node_ttl_s,
         reservation_ttl_s=config.reservation_ttl_s,
         key_prefix=config.redis_prefix,
+        seats_fn=seats_fn,
     )

@@ -108,8 +108,12 @@ class ServerContext:
         """Engine seats no stream holds (reservations not subtracted); 0 while loading or draining.
 
         A stream counts from the moment its reservation is claimed, before the engine seat opens."""
+        return 0 if self.draining else self.engine_seats_free()
+
+    def engine_seats_free(self) -> int:
+        """`free_slots` while draining too: for a stream of a call already promised a seat elsewhere."""
         engine = self.engine
-        if engine is None or not engine.ready or self.draining:
+        if engine is None or not engine.ready:
             return 0
         return max(0, min(engine.free_slots, engine.max_calls - len(self.streams)))
 
@@ -507,17 +511,19 @@ class ServiceHandle:
         SIGTERM/SIGINT: the operator will not wait) ends the calls still up at once, as the timeout does."""
         ctx = self.ctx
         ctx.draining = True
-        # An edge on a remote engine gives the seats it is not using back at once (engine link protocol 5):
-        # a rollout's new edge is seated without waiting out this one's longest call.
-        give_back_seats = getattr(ctx.engine, "give_back_seats", None)
-        if give_back_seats is not None:
-            give_back_seats()
         await ctx.cluster.drain()
+        # An edge on a remote engine gives the seats it is not using back (engine link protocol 5), so a
+        # rollout's new edge is seated without waiting out this one's longest call: once the reservations
+        # promised to this node have started their stream or expired (their callers keep their seats).
+        give_back_seats = getattr(ctx.engine, "give_back_seats", None)
         cut = cut or asyncio.Event()
         try:
             async with asyncio.timeout(timeout_s):
                 # A reservation starts its stream or expires without an event (and maybe on Redis): poll.
                 while (ctx.streams or ctx.cluster.reserved > 0) and not cut.is_set():  # noqa: ASYNC110 - see above
+                    if give_back_seats is not None and ctx.cluster.reserved == 0:
+                        give_back_seats()
+                        give_back_seats = None
                     await asyncio.sleep(poll_s)
             if cut.is_set():
                 log.warning("stopped again during the drain: ending the %d calls still up now", len(ctx.streams))
@@ -580,7 +586,8 @@ async def run_service(
     if ctx.twilio_rest is None and any(a.dtmf_transfer for a in ctx.agents.agents.by_name.values()):
         log.warning("agents have dtmf_transfer but there are no Twilio REST credentials: those keys do nothing")
     handle = await ServiceHandle(ctx).start()
-    ctx.cluster = open_cluster(ctx.config, ctx.free_slots, ctx.config.ws_base_url + MEDIA_PATH)
+    ctx.cluster = open_cluster(ctx.config, ctx.free_slots, ctx.config.ws_base_url + MEDIA_PATH,
+                               seats_fn=ctx.engine_seats_free)
     await ctx.cluster.start()
     if config.insecure_dev:
         log.warning("!!! --insecure-dev: Twilio signatures are NOT checked; listening on %s only !!!", config.host)

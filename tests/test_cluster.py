@@ -646,12 +646,29 @@ async def test_nodes_behind_one_url_take_each_others_streams(prefix: str, raw: a
         await b.release(sid)
         assert await raw.hget(f"{prefix}resv:{sid}", "state") == "ended"
 
-        free["b"] = 0  # a node with no seat of its own does not take a stream over
+        free["b"] = 1  # b's one seat is promised to a call b reserved itself: not to be taken over
+        own = new_call_sid()
+        mine = await b.reserve(own)
+        assert mine is not None and mine.node_id == "b"
         sid = new_call_sid()
         r = await a.reserve(sid)
         assert r is not None and r.node_id == "a"
         assert not await b.claim(sid, r.token)
-        assert await a.claim(sid, r.token)
+        assert await b.claim(own, mine.token)  # the caller promised b's seat gets it
+        assert await a.claim(sid, r.token)  # and the other still reaches its own node
+
+        # A draining node (the old pod of a rolling update) takes no reservation but still takes over a
+        # stream the load balancer sends it, on a seat its engine really has free.
+        d = RedisCluster(client(), "d", shared, lambda: 0, key_prefix=prefix, heartbeat_s=0.1, node_ttl_s=0.6,
+                         seats_fn=lambda: 1)
+        await d.start()
+        try:
+            sid = new_call_sid()
+            r = await a.reserve(sid)
+            assert r is not None and r.node_id == "a"
+            assert await d.claim(sid, r.token)
+        finally:
+            await d.aclose()
     finally:
         for node in (a, b, c):
             await node.aclose()

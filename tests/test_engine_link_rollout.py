@@ -24,7 +24,9 @@ from engine.interface import FRAME_SAMPLES, EngineFull
 from engine.link_wire import LinkFull
 from engine.remote import RemoteEngine
 from kame_phone.app import connect_engine
-from telephony.server import MEDIA_PATH
+from telephony.call_store import MemoryCallStore
+from telephony.config import ServiceConfig
+from telephony.server import MEDIA_PATH, ServerContext, ServiceHandle
 from telephony.sim_caller import simulate_call
 
 from .link_fixtures import TOKEN, tone
@@ -228,3 +230,32 @@ async def test_an_edge_rollout_seats_the_new_edge_within_seconds_while_the_old_o
 
 async def _ready(http: aiohttp.ClientSession, base: str) -> bool:
     return await _status(http, base + "/readyz") == 200
+
+
+async def test_a_draining_edge_keeps_the_seats_its_reservations_were_promised(engine_server) -> None:
+    """A webhook answered just before the SIGTERM promised this edge's seat to a caller whose stream is on its
+    way: the unused seats go back once such reservations have started or expired, not before (else the
+    caller, promised a seat, gets busy)."""
+    server, address = await engine_server(2)
+    edge = await RemoteEngine.connect(address, token=None, seats=2, name="edge-a")
+    config = ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=TOKEN, reservation_ttl_s=1.5)
+    handle = await ServiceHandle(ServerContext(config, MemoryCallStore(), edge)).start()
+    url = handle.http_url.replace("http://", "ws://") + MEDIA_PATH
+    call = asyncio.create_task(simulate_call(url, tone(400.0, 4.0), auth_token=TOKEN, public_url=None,
+                                             hold_after=0.5))
+    try:
+        await until(lambda: len(handle.ctx.streams) == 1, "the call streaming on the edge")
+        assert await handle.ctx.cluster.reserve("CA" + "1" * 32) is not None  # a caller on the way
+        draining = asyncio.create_task(handle.drain(30.0))
+        await asyncio.sleep(0.8)
+        assert edge.max_calls == 2 and _held(server) == [(1, 2)]  # the promised seat is kept
+        await until(lambda: edge.max_calls == 1, "the unused seat given back once the reservation expired",
+                    within=5)
+        assert _held(server) == [(1, 1)]
+        report = await call
+        assert report.outcome == "completed", report.errors  # the draining edge's call went on to its end
+        await asyncio.wait_for(draining, 10)
+    finally:
+        call.cancel()
+        await handle.aclose()
+        await edge.stop()
