@@ -98,9 +98,13 @@ class Slot:
 # for the rest of the call (a 500 ms stall left every later frame 240 ms late). One frame queued beyond the
 # tick's own is the jitter cushion (arrival wobbles by milliseconds around the tick, so a steady one is
 # normal and dropping it would trade a gap for a splice every second); a deeper backlog that stands for
-# CATCHUP_AFTER_TICKS (about a second) loses its quietest queued frame, at most one a second.
+# CATCHUP_AFTER_TICKS (about a second) loses its quietest queued frame if that is a pause (below
+# CATCHUP_QUIET_DBFS), at most one a second; while the caller talks on without a pause, a word's frame is
+# dropped only once the backlog has stood CATCHUP_FORCE_AFTER_TICKS (late hearing is the worse harm by then).
 CATCHUP_BACKLOG = 2
 CATCHUP_AFTER_TICKS = 12
+CATCHUP_FORCE_AFTER_TICKS = 62  # ~5 s
+CATCHUP_QUIET_DBFS = -40.0
 
 # A node whose ticks miss their frame this often, over this window, is falling behind: every seated call
 # is getting less than real time, so it stops taking calls until it keeps time again.
@@ -319,14 +323,18 @@ class FrameLoop:
 
     def _catch_up(self, slot: Slot) -> None:
         """After the tick's take (under the lock): a backlog standing past the jitter cushion loses its
-        quietest queued frame (silence between words, where there is any, rather than a word)."""
+        quietest queued frame once that is a pause between words (or, after CATCHUP_FORCE_AFTER_TICKS, anyway)."""
         if len(slot.inbox) < CATCHUP_BACKLOG:
             slot.standing_backlog = 0
             return
         slot.standing_backlog += 1
         if slot.standing_backlog < CATCHUP_AFTER_TICKS:
             return
-        quietest = min(range(len(slot.inbox)), key=lambda i: float(np.square(slot.inbox[i]).mean()))
+        power = [float(np.square(frame).mean()) for frame in slot.inbox]
+        quietest = int(np.argmin(power))
+        quiet = 10 * math.log10(max(power[quietest], 1e-12)) < CATCHUP_QUIET_DBFS
+        if not quiet and slot.standing_backlog < CATCHUP_FORCE_AFTER_TICKS:
+            return  # the caller is talking: wait for a pause
         del slot.inbox[quietest]
         slot.standing_backlog = 0
         slot.catchups += 1

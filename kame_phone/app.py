@@ -76,8 +76,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     env_flag(b, "--llm", "KAME_LLM", default="openai", choices=("openai", "none"),
              help="'openai': any OpenAI-compatible endpoint (OPENAI_BASE_URL, OPENAI_API_KEY)")
     env_flag(b, "--llm-model", "KAME_LLM_MODEL", help="model name (default: gpt-4.1)")
+    env_flag(b, "--llm-idle-timeout", "KAME_LLM_IDLE_TIMEOUT", default=5.0, parse=_positive_seconds,
+             help="seconds an LLM reply may go without a token once it has begun, before it counts as a timeout "
+             "(raise it for a self-hosted server that pauses under load)")
     env_flag(b, "--agents", "KAME_AGENTS", help="agents file (TOML): instructions, greeting, numbers, busy "
              "policy per agent; SIGHUP reloads it (README, 'Configure your agents')")  # fmt: skip
+
+
+def _positive_seconds(raw: str) -> float:
+    value = parse_float(raw)
+    if value <= 0:
+        raise ValueError("not a positive number of seconds")
+    return value
 
 
 def agents_from_args(args: argparse.Namespace) -> AgentDirectory:
@@ -131,6 +141,7 @@ def backend_from_args(args: argparse.Namespace) -> BackendServices | None:
     overrides: dict[str, object] = {"stt": args.stt, "llm_enabled": args.llm != "none", "stt_rows": args.max_calls}
     if args.llm_model:
         overrides["llm_model"] = args.llm_model
+    overrides["llm_idle_timeout_s"] = args.llm_idle_timeout
     return BackendServices(BackendConfig.from_env(**overrides), agents_from_args(args))
 
 

@@ -87,6 +87,7 @@ class BackendConfig:
     llm_api_key: str = field(default="", repr=False)
     llm_model: str = "gpt-4.1"  # what the official server uses
     llm_timeout_s: float = 10.0
+    llm_idle_timeout_s: float = 5.0  # after the first token (LlmConfig.idle_timeout_s)
     llm_max_tokens: int | None = 96
     # Threads for all calls' STT work. pocketsphinx holds the GIL while decoding, so more threads add no
     # throughput, only contention with the event loop (4 calls on 2 cores: loop stalls to ~75 ms with 1
@@ -116,6 +117,7 @@ class BackendConfig:
             base_url=self.llm_base_url,
             api_key=self.llm_api_key,
             timeout_s=self.llm_timeout_s,
+            idle_timeout_s=self.llm_idle_timeout_s,
             max_tokens=self.llm_max_tokens,
         )
 

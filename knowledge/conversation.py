@@ -183,8 +183,8 @@ class Conversation:
     def messages(self) -> list[dict[str, Any]]:
         """System prompt + the transcript as chat turns; the pending partial is the last user text. Only the
         newest turns that fit `max_history_chars` are sent, no turn longer than a TURN_SHARE of it (its newest
-        words kept), a tool exchange whole or not at all (the newest always: the LLM must see the result it
-        asked for; its size is bounded by the tools' own caps)."""
+        words kept), a tool exchange whole or not at all (the newest always, even behind newer words: the LLM
+        must see the result it asked for; its size is bounded by the tools' own caps)."""
         groups: list[list[dict[str, Any]]] = []
         for turn in self.turns:
             if isinstance(turn, ToolExchange):
@@ -196,12 +196,17 @@ class Conversation:
             if text:
                 groups.append([{"role": turn.role, "content": text}])
         budget, per_turn = self.max_history_chars, max(1, self.max_history_chars // TURN_SHARE)
+        exchanges = [i for i, group in enumerate(groups) if group[0].get("tool_calls") is not None]
+        newest_exchange = exchanges[-1] if exchanges else -1
         chosen: list[list[dict[str, Any]]] = []
-        for group in reversed(groups):
-            if budget <= 0:
+        for i in range(len(groups) - 1, -1, -1):
+            group = groups[i]
+            if budget <= 0 and i != newest_exchange:
                 break
-            if group[0].get("tool_calls") is not None:
-                if _size(group) <= budget or not chosen:
+            if i == newest_exchange or group[0].get("tool_calls") is not None:
+                # The newest exchange is sent whole whatever its size, even after the caller's next words:
+                # without its result the LLM would call the tool again.
+                if _size(group) <= budget or i == newest_exchange:
                     chosen.append(group)
                     budget -= _size(group)
                 continue  # an older exchange that does not fit is left out; older words may still fit

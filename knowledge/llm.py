@@ -72,7 +72,9 @@ class LlmConfig:
     timeout_s: float = 10.0  # connect / read / write: a stream that stalls this long is a timeout
     # After the first token: keep-alives and empty deltas are reads that succeed, so the per-read timeout never
     # fires on them; a stream without a text piece or tool-call delta for this long is a timeout.
-    idle_timeout_s: float = 2.5
+    # Long enough for a self-hosted server's pauses under load (vLLM preempting a sequence for seconds): a
+    # healthy reply cut here is delivered as it stands and not asked again.
+    idle_timeout_s: float = 5.0
     max_request_s: float = 30.0  # the whole request, however it trickles
     # A reply past this is cut at a word and ends there (a server ignoring max_tokens would stream forever, and
     # each update is re-tokenized whole by the engine).

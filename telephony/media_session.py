@@ -38,7 +38,7 @@ from knowledge.agents import Agent
 from . import metrics
 from .framing import InboundFramer
 from .logs import call_id_var
-from .playout_clock import CLEAR_ON_BARGE_IN_ABOVE_S, DRAIN_ABOVE_S, PlayoutClock
+from .playout_clock import BARGE_IN_AFTER_S, CLEAR_ON_BARGE_IN_ABOVE_S, DRAIN_ABOVE_S, DRAIN_SILENT_DBFS, PlayoutClock
 from .stream_limits import StreamLimits
 from .turns import SILENCE_DBFS, TurnTracker, Unanswered
 from .twilio_messages import (
@@ -143,6 +143,7 @@ class MediaStreamSession:
         self._awaited_played = False  # its echo said played (not emptied by a `clear`)
         self.playout = PlayoutClock()
         self._clear_due = False  # the caller talked over a stale queue: clear it (from the receive loop)
+        self._talking_since: float | None = None  # the caller's utterance began (for a barge-in's clear)
         self._bot_word_starts = 0  # words the bot has begun (its text pieces starting with '▁')
         self._bot_words_flushed_at = 0  # `_bot_word_starts` when the bot's words last went to the record
         self.limits = StreamLimits()
@@ -394,8 +395,12 @@ class MediaStreamSession:
             metrics.MEDIA_INBOUND_SECONDS.observe(time.monotonic() - frame.last_arrival)
             was_speaking = self.turns.caller_speaking
             ended = self.turns.caller_frame(frame.pcm, frame.last_arrival)
-            if (self.turns.caller_speaking and not was_speaking
+            if self.turns.caller_speaking and not was_speaking:
+                self._talking_since = frame.last_arrival
+            elif (self.turns.caller_speaking and self._talking_since is not None
+                    and self.turns.last_caller_voice - self._talking_since >= BARGE_IN_AFTER_S
                     and self.playout.backlog(now) > CLEAR_ON_BARGE_IN_ABOVE_S):
+                self._talking_since = None  # once per utterance
                 self._clear_due = True  # the bot's queued speech is older than what the model now hears
             if isinstance(ended, Unanswered):
                 metrics.TURNS_UNANSWERED_SECONDS.observe(ended.waited_s)
@@ -544,14 +549,14 @@ class MediaStreamSession:
         """Send one engine frame (80 ms of μ-law) as one media message; when it left, or None if it did not.
 
         Never waits for the peer: a peer that stops reading gets its frames dropped (and, after
-        `silent_socket_s` of that, its stream closed) instead of stalling every other call's audio. A quiet
+        `silent_socket_s` of that, its stream closed) instead of stalling every other call's audio. A silent
         frame is not sent while Twilio's queue is deeper than DRAIN_ABOVE_S: a pause skipped, so a stall's
         backlog drains instead of delaying the bot's every later word."""
         assert self._media is not None
         if self._peer_backlogged():
             return None
         now = time.monotonic()
-        if level_dbfs <= self.turns.threshold_dbfs and self.playout.backlog(now) > DRAIN_ABOVE_S:
+        if level_dbfs <= DRAIN_SILENT_DBFS and self.playout.backlog(now) > DRAIN_ABOVE_S:
             metrics.MEDIA_PLAYOUT_DRAINED.inc()
             self.bot_silent(now)
             return None

@@ -159,12 +159,13 @@ MEDIA_PLAYOUT_DELAY_SECONDS = Histogram(
 )
 MEDIA_PLAYOUT_DRAINED = Counter(
     "kame_media_playout_drained_frames_total",
-    "Quiet bot frames (pauses) not sent because Twilio's queue was deeper than two frames: a stall's backlog "
-    "drained without losing a word.",
+    "Silent bot frames (pauses, under -50 dBFS) not sent because Twilio's queue was deeper than two frames: a "
+    "stall's backlog drained through the bot's pauses.",
 )
 MEDIA_PLAYOUT_CLEARS = Counter(
     "kame_media_playout_clears_total",
-    "Twilio playout queues cleared because the caller started talking over more than 250 ms of queued bot speech.",
+    "Twilio playout queues cleared because the caller talked (half a second of voice) over more than 250 ms of "
+    "queued bot speech.",
 )
 # Twilio's call status callback (the number's StatusCallback, set by `kame-phone twilio setup`).
 CALL_STATUSES = ("queued", "initiated", "ringing", "in-progress", "completed", "busy", "failed", "no-answer",

@@ -16,12 +16,17 @@ from dataclasses import dataclass, field
 
 from engine.interface import FRAME_SECONDS
 
-# Above this much queued, the bot's quiet frames are not sent: they are pauses, and skipping them brings
+# Above this much queued, the bot's silent frames are not sent: they are pauses, and skipping them brings
 # the queue back without losing a word. Two frames: one for the tick's own jitter, one for the network's.
 DRAIN_ABOVE_S = 2 * FRAME_SECONDS
-# The caller starts talking while more than this is queued: the queue is stale speech (the model already
-# hears the caller, its answer to them is behind it), so it is cleared.
+# Silent, not merely quiet: well under the turn threshold (-38 dBFS), so a soft consonant or a word's
+# fading end is never taken for a pause.
+DRAIN_SILENT_DBFS = -50.0
+# The caller talks over more than this much queued: the queue is stale speech (the model already hears the
+# caller, its answer to them is behind it), so it is cleared; once they have talked for BARGE_IN_AFTER_S
+# of voice, so a backchannel ("mm-hm") or a cough does not cut the bot's sentence.
 CLEAR_ON_BARGE_IN_ABOVE_S = 0.25
+BARGE_IN_AFTER_S = 0.5
 # An echo this much later than the estimate says the queue is deeper than what was sent shows (the part
 # beyond it is added). Below it, the echo's own way back and Twilio's jitter would bias the estimate up.
 ECHO_SLACK_S = 0.1

@@ -397,9 +397,18 @@ def test_an_old_oversized_tool_exchange_is_left_out_not_the_history_before_it() 
     assert history[-2]["role"] == "assistant" and history[-1]["role"] == "tool"  # the newest is sent whole
     conv.caller_final("thanks and when does it arrive")
     history = conv.messages()[1:]
+    # Still the newest exchange, behind the caller's next words: whole (else the LLM calls the tool again).
     assert history[-1] == {"role": "user", "content": "thanks and when does it arrive"}
-    assert not any(m["role"] == "tool" or m.get("tool_calls") for m in history)  # whole or not at all
+    assert history[-2]["role"] == "tool" and history[-3].get("tool_calls") == [call]
+    conv.bot_piece("\u2581tomorrow")
+    again = {"id": "c2", "type": "function", "function": {"name": "track", "arguments": "{}"}}
+    conv.tool_exchange(ToolExchange(calls=[again], results=[("c2", "in transit")]))
+    conv.caller_final("great thank you")
+    history = conv.messages()[1:]
+    assert not any(m.get("tool_calls") == [call] for m in history)  # the old oversized one: left out, whole
+    assert all(m.get("tool_call_id") != "c1" for m in history)
     assert history[0] == {"role": "user", "content": "my order number is 12345"}  # older words still fit
+    assert [m["role"] for m in history[-4:]] == ["assistant", "assistant", "tool", "user"]
 
 
 # --- LLM client against the real server -------------------------------------------------------------

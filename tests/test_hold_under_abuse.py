@@ -330,3 +330,31 @@ async def test_the_real_metrics_of_serve_and_engine_serve_pass_promtool(tiny_che
             assert samples.get((metric_name, tuple(sorted(labels.items())))) == 0.0, (name, metric_name, labels)
         assert samples[("kame_engine_slots", ())] == 1.0, name
         assert not any(n == "kame_engine_slots_total" for n, _ in samples), name
+
+
+async def test_the_llm_idle_timeout_is_an_operators_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A self-hosted server that pauses for seconds under load (vLLM preempting) cut healthy replies at a
+    fixed 2.5 s: it is a flag and a variable now, 5 s by default, a bad value refused at start."""
+    from kame_phone.app import backend_from_args
+    from kame_phone.cli import build_parser
+    from kame_phone.env_flags import EnvError, resolve_env_defaults
+
+    for argv, env, want in ((["--stt", "none"], None, 5.0), (["--stt", "none", "--llm-idle-timeout", "8"], None, 8.0),
+                            (["--stt", "none"], "12.5", 12.5)):  # fmt: skip
+        if env is None:
+            monkeypatch.delenv("KAME_LLM_IDLE_TIMEOUT", raising=False)
+        else:
+            monkeypatch.setenv("KAME_LLM_IDLE_TIMEOUT", env)
+        args = build_parser().parse_args(["serve", "--insecure-dev", *argv])
+        resolve_env_defaults(args)
+        services = backend_from_args(args)
+        assert services is not None
+        try:
+            assert services.config.llm_config().idle_timeout_s == want
+        finally:
+            await services.aclose()
+    for bad in ("0", "-1", "nan", "soon"):
+        monkeypatch.setenv("KAME_LLM_IDLE_TIMEOUT", bad)
+        args = build_parser().parse_args(["serve", "--insecure-dev"])
+        with pytest.raises(EnvError, match="KAME_LLM_IDLE_TIMEOUT"):
+            resolve_env_defaults(args)

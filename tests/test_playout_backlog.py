@@ -15,7 +15,13 @@ import numpy as np
 from engine.interface import FRAME_SECONDS
 from telephony import twilio_messages as tm
 from telephony.mulaw import float_to_ulaw
-from telephony.playout_clock import DRAIN_ABOVE_S, ECHO_SLACK_S, PlayoutClock
+from telephony.playout_clock import (
+    BARGE_IN_AFTER_S,
+    CLEAR_ON_BARGE_IN_ABOVE_S,
+    DRAIN_ABOVE_S,
+    ECHO_SLACK_S,
+    PlayoutClock,
+)
 
 from .phone_fixtures import metric, running_phone
 
@@ -56,10 +62,10 @@ def _tone(samples: int) -> bytes:
 
 
 async def _call_with_a_stall(
-    checkpoint: Path, *, barge_in: bool
+    checkpoint: Path, *, talk_s: float
 ) -> tuple[list[tuple[float, str]], float, float, float]:
     """A call on loopback whose edge stalls 0.8 s (the event loop blocked: the engine thread keeps making
-    frames, the fan-out sends them as a burst after). The caller is silent, or after the stall talks.
+    frames, the fan-out sends them as a burst after). After the stall the caller talks for `talk_s`.
     Returns the events received (time, kind), the stall's end, the deepest estimated queue after it and
     the estimate 4 s later."""
     async with running_phone(checkpoint) as phone, aiohttp.ClientSession() as http:
@@ -95,9 +101,10 @@ async def _call_with_a_stall(
             for _ in range(10):  # the burst goes out within a few loop turns
                 await asyncio.sleep(0.02)
                 deepest = max(deepest, session.playout.backlog(time.monotonic()))
-            if barge_in:
-                talking.set()
-            await asyncio.sleep(4.0)
+            talking.set()
+            await asyncio.sleep(talk_s)
+            talking.clear()
+            await asyncio.sleep(4.0 - talk_s)
             backlog_after = session.playout.backlog(time.monotonic())
         finally:
             sender.cancel()
@@ -164,13 +171,24 @@ async def test_a_stalls_backlog_at_twilio_drains_through_the_bots_pauses(tiny_ch
 
 async def test_talking_over_a_stale_queue_clears_it(tiny_checkpoint: Path) -> None:
     clears_before = metric("kame_media_playout_clears_total")
-    events, stalled_until, deepest, later = await _call_with_a_stall(tiny_checkpoint, barge_in=True)
+    events, stalled_until, deepest, later = await _call_with_a_stall(tiny_checkpoint, talk_s=3.0)
     assert deepest > DRAIN_ABOVE_S
     kinds_after = [kind for t, kind in events if t > stalled_until]
     assert "clear" in kinds_after
-    assert metric("kame_media_playout_clears_total") - clears_before >= 1
+    cleared_at = next(t for t, kind in events if t > stalled_until and kind == "clear")
+    assert cleared_at - stalled_until >= BARGE_IN_AFTER_S  # after half a second of the caller's voice
+    assert metric("kame_media_playout_clears_total") - clears_before == 1  # once per utterance
     assert kinds_after[kinds_after.index("clear") + 1 :].count("media") > 0  # and the bot goes on
     assert later <= DRAIN_ABOVE_S + FRAME_SECONDS
+
+
+async def test_a_backchannel_over_a_stale_queue_does_not_cut_the_bot(tiny_checkpoint: Path) -> None:
+    """'Mm-hm' while the bot talks is not a barge-in: the bot's sentence is not cut."""
+    clears_before = metric("kame_media_playout_clears_total")
+    events, stalled_until, deepest, _ = await _call_with_a_stall(tiny_checkpoint, talk_s=0.3)
+    assert deepest > CLEAR_ON_BARGE_IN_ABOVE_S
+    assert "clear" not in [kind for t, kind in events if t > stalled_until]
+    assert metric("kame_media_playout_clears_total") == clears_before
 
 
 async def test_an_action_line_cleared_before_it_played_is_waited_for_again(tiny_checkpoint: Path) -> None:
