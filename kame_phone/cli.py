@@ -47,6 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
             start_timeout_s=args.start_timeout,
             max_idle_connections=args.max_idle_connections,
             drain_timeout_s=args.drain_timeout,
+            max_call_s=args.max_call_minutes * 60,
         )
     except ConfigError as e:
         print(f"kame-phone serve: {e}", file=sys.stderr)
@@ -267,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--drain-timeout", "KAME_DRAIN_TIMEOUT", default=600.0, parse=parse_float,
              help="on SIGTERM, wait this long (s) for the calls in progress to end; those still up then are "
                   "ended (keep the orchestrator's grace period above it)")  # fmt: skip
+    env_flag(serve, "--max-call-minutes", "KAME_MAX_CALL_MINUTES", default=240.0, parse=parse_float,
+             help="end a call this long (a stuck line must not hold a seat for good): hung up through Twilio's "
+                  "REST API when its credentials are set, else the agent's fallback; 0: no limit")  # fmt: skip
     serve.add_argument("--engine", default=EnvDefault("KAME_ENGINE_ADDRESS", None), metavar="ADDRESS",
                        help="use the engine of a `kame-phone engine-serve` at unix:/path, tcp://host:port or "
                             "tls://host:port (token in $KAME_ENGINE_TOKEN; for tls://, the CA in $KAME_ENGINE_CA) "

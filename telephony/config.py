@@ -97,6 +97,9 @@ class ServiceConfig:
     # minutes of audio at 11 KB/s, so a peer that stopped reading would go unnoticed that long. 0: kernel's.
     media_send_buffer_bytes: int = 64 * 1024
     drain_timeout_s: float = 600.0  # serve --drain-timeout (KAME_DRAIN_TIMEOUT)
+    # serve --max-call-minutes (KAME_MAX_CALL_MINUTES); 0: no limit. A stuck call (a robocaller looping, a line
+    # left open) would hold a GPU seat for good; 4 h is Twilio's own default limit for a dialled call.
+    max_call_s: float = 4 * 3600.0
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServiceConfig:
@@ -157,6 +160,9 @@ class ServiceConfig:
         for name, value in positive.items():
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be above 0, got {value:g}")
+        if not (math.isfinite(self.max_call_s) and self.max_call_s >= 0):  # 0: no limit
+            raise ConfigError(f"--max-call-minutes (KAME_MAX_CALL_MINUTES) must be 0 (no limit) or more, "
+                              f"got {self.max_call_s / 60:g}")  # fmt: skip
         if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):  # 0: end the calls at once
             raise ConfigError(f"--drain-timeout (KAME_DRAIN_TIMEOUT) must be 0 or more seconds, "
                               f"got {self.drain_timeout_s:g}")  # fmt: skip

@@ -223,6 +223,25 @@ class MediaStreamSession:
                 self._end_reason = "silent_socket"
                 await self.ws.close()
                 return
+            if self._past_max_length():
+                await self._end_at_max_length()
+                return
+
+    def _past_max_length(self) -> bool:
+        started, cap = self.state.started_at, self.ctx.config.max_call_s
+        return bool(cap) and started is not None and not self._ended and time.monotonic() - started > cap
+
+    async def _end_at_max_length(self) -> None:
+        """A call past --max-call-minutes (a line left open, a robocaller looping) gives its seat back: hung up
+        through the REST API when it can be (the call ends there), else the stream is closed and Twilio asks
+        the connect action (the agent's fallback: a person, or the apology)."""
+        log.warning("call past its maximum length (%.0f min): ending it", self.ctx.config.max_call_s / 60)
+        self._end_reason = "max_duration"
+        if self.ctx.twilio_rest is not None and not self._acting:
+            self._acting = True
+            await self._act("end", "max_duration")
+            self._end_reason = "max_duration"  # not the hang-up's own outcome
+        await self.ws.close()
 
     async def _on_text(self, raw: str) -> None:
         try:

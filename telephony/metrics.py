@@ -39,7 +39,7 @@ CALLS_ACTIVE = Gauge("kame_calls_active", "Calls with an open media stream.")
 CALL_OUTCOMES = (
     "completed", "busy", "misconfigured", "rejected", "engine_full", "oversize", "socket_error", "silent_socket",
     "stalled_peer", "engine_lost", "flooding", "no_start", "drain_timeout", "transferred", "ended_by_agent",
-    "no_stream", "node_lost",
+    "no_stream", "node_lost", "max_duration",
 )  # fmt: skip
 CALLS_TOTAL = zero_series(
     Counter("kame_calls_total", "Calls by outcome and by the agent that answered.", ["outcome", "agent"]),
@@ -97,11 +97,11 @@ CALL_ACTIONS = zero_series(
     Counter(
         "kame_call_actions_total",
         "Call actions carried out through Twilio's REST API: transfer (to a person) or end (hang up), by trigger "
-        "(dtmf: the agent's dtmf_transfer key; tool: the agent's LLM called transfer_call or end_call) and result "
-        "(ok, error, unavailable: no REST credentials).",
+        "(dtmf: the agent's dtmf_transfer key; tool: the agent's LLM called transfer_call or end_call; "
+        "max_duration: the call reached --max-call-minutes) and result (ok, error, unavailable: no REST credentials).",
         ["action", "trigger", "result"],
     ),
-    action=("transfer", "end"), trigger=("dtmf", "tool"), result=("ok", "error", "unavailable"),
+    action=("transfer", "end"), trigger=("dtmf", "tool", "max_duration"), result=("ok", "error", "unavailable"),
 )  # fmt: skip
 HTTP_CONNECTIONS_REFUSED = Counter(
     "kame_http_connections_refused_total",

@@ -17,9 +17,11 @@ from telephony.config import ConfigError, ServiceConfig
 from telephony.media_session import BOT_TURN_FLUSH_WORDS
 from telephony.server import STATUS_PATH, VOICE_PATH
 from telephony.sim_caller import simulate_call
+from telephony.twilio_rest import TwilioCredentials, TwilioRest
 from telephony.twiml import parse_connect_stream
 
 from .phone_fixtures import flite_wav, metric, new_call_sid, running_phone
+from .twilio_rest_server import serve_twilio_rest
 
 
 @pytest.fixture(scope="module")
@@ -442,3 +444,38 @@ async def test_the_bots_words_reach_the_live_record_while_the_caller_is_silent(t
         await ws.send_str(tm.stop_msg("MZ1", 999, call_sid, "AC1"))
         await ws.close()
         await phone.settled()
+
+
+async def test_a_call_past_its_maximum_length_gives_its_seat_back(tiny_checkpoint: Path, question_wav: Path) -> None:
+    """A line left open (a robocaller looping, a phone off the hook) held its GPU seat for good: past
+    --max-call-minutes the call ends, through Twilio's REST API when there are credentials (the call ends
+    there: no fallback played), else by closing the stream (Twilio then plays the agent's fallback)."""
+    before = metric("kame_calls_total", outcome="max_duration", agent="default")
+    async with running_phone(tiny_checkpoint, max_call_s=2.0) as phone:
+        started = time.monotonic()
+        report = await simulate_call(phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base,
+                                     hold_after=20.0)  # fmt: skip
+        await phone.settled()
+        record = await phone.store.get(report.call_sid)
+        assert phone.engine.free_slots == 2  # the seat is back
+    assert report.server_hung_up and time.monotonic() - started < 8.0
+    assert record is not None and record.end_reason == "max_duration"
+    assert metric("kame_calls_total", outcome="max_duration", agent="default") - before == 1
+
+    account = "AC" + "3" * 32
+    hung_up = metric("kame_call_actions_total", action="end", trigger="max_duration", result="ok")
+    async with serve_twilio_rest(account, account, "rest-secret") as twilio:
+        rest = TwilioRest(TwilioCredentials(account, account, "rest-secret", twilio.base_url))
+        try:
+            async with running_phone(tiny_checkpoint, max_call_s=2.0, twilio_rest=rest) as phone:
+                report = await simulate_call(phone.ws_url, question_wav, auth_token=phone.token,
+                                             public_url=phone.base, hold_after=20.0)  # fmt: skip
+                await phone.settled()
+                record = await phone.store.get(report.call_sid)
+        finally:
+            await rest.aclose()
+    assert [(sid, form.get("Status")) for sid, form in twilio.updates] == [(report.call_sid, "completed")]
+    assert record is not None and record.end_reason == "max_duration"
+    assert metric("kame_call_actions_total", action="end", trigger="max_duration", result="ok") - hung_up == 1
+    with pytest.raises(ConfigError, match="KAME_MAX_CALL_MINUTES"):
+        ServiceConfig(host="127.0.0.1", twilio_auth_token="t", max_call_s=-60.0).check()
