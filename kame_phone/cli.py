@@ -72,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
             store_transcripts=config.store_transcripts,
         )
         return await run_service(config, store, lambda: connect_engine(args) if args.engine else load_engine(args),
-                                 agents=agents, exit_when_engine_fails=not args.engine)  # fmt: skip
+                                 agents=agents, remote_engine=bool(args.engine))  # fmt: skip
 
     return asyncio.run(main())
 

@@ -86,6 +86,7 @@ class ServerContext:
         self.no_streams = asyncio.Event()  # set whenever no call is streaming (drain waits on it)
         self.no_streams.set()
         self.draining = False
+        self.remote_engine = False  # an edge on an engine-serve (run_service says)
         self.unstarted_sockets = 0  # media sockets upgraded, no `start` yet (MediaStreamSession counts them)
         # Those of them that have sent no `start` at all, oldest first: the ones a full cap closes (insertion
         # order of a dict; MediaStreamSession adds and removes itself).
@@ -387,7 +388,12 @@ async def handle_readyz(request: web.Request) -> web.Response:
         "model_loaded": bool(ctx.engine is not None and ctx.engine.ready),
         "not_draining": not ctx.draining,
     }
-    ready = all(checks.values())
+    # An edge on the engine every edge shares, with a cluster to route through, stays in rotation while its
+    # link is down: every edge loses the engine at once, and out of rotation every webhook and connect action
+    # got the load balancer's 503 (Twilio's "application error") instead of the agent's busy or fallback
+    # answer; the seats other nodes publish in Redis still take what calls they can.
+    shared = ctx.remote_engine and bool(ctx.config.redis_url)
+    ready = checks["not_draining"] and (checks["model_loaded"] or shared)
     # Reported, not required: every node shares the one Redis, so gating on it would take every node out of
     # rotation at once in an outage, failing every new call, which the write-behind store and this node's own
     # admission are built to ride out. kame_redis_errors_total and its alert say the store is down.
@@ -573,16 +579,17 @@ async def run_service(
     load_engine: Callable[[], Awaitable[Any]],
     *,
     agents: AgentDirectory | None = None,
-    exit_when_engine_fails: bool = True,
+    remote_engine: bool = False,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain: no new calls, finish the current ones, exit (0).
 
     HTTP comes up first so /healthz answers while the model loads; /readyz turns 200 once it has.
     Returns 1 once the engine has failed for good (its process died, or it hung), after ending its calls:
     only a restart brings it back, and Docker restarts a container that exits, never one merely unhealthy.
-    `exit_when_engine_fails` False (an edge on a remote engine): a lost link only fails /healthz.
+    `remote_engine` (an edge on an engine-serve shared by every edge): a lost link only fails /healthz.
     """
     ctx = ServerContext(config, store, agents=agents, twilio_rest=TwilioRest.from_env())
+    ctx.remote_engine = remote_engine
     if ctx.twilio_rest is None and any(a.dtmf_transfer for a in ctx.agents.agents.by_name.values()):
         log.warning("agents have dtmf_transfer but there are no Twilio REST credentials: those keys do nothing")
     handle = await ServiceHandle(ctx).start()
@@ -613,7 +620,7 @@ async def run_service(
             while not stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), ENGINE_WATCH_S)
-                if engine.failed and exit_when_engine_fails:
+                if engine.failed and not remote_engine:
                     log.error("the engine failed (its process died or hung): ending its calls and exiting, "
                               "so the container or pod is restarted")  # fmt: skip
                     await handle.engine_lost()

@@ -718,3 +718,39 @@ async def test_the_final_call_status_ends_a_call_left_streaming_by_a_node_that_i
     got = {sid: (r.state, r.end_reason) for sid, r in records.items() if r is not None}
     assert got == {lost: ("ended", "node_lost"), live: ("streaming", None), ours: ("streaming", None)}
     assert metric("kame_calls_total", outcome="node_lost") == before + 1
+
+
+async def test_an_edge_whose_shared_engine_is_down_stays_in_rotation_to_answer_busy(prefix: str) -> None:
+    """The split layout: every edge shares one engine-serve, so all lose it at once (a drain, a crash, a
+    restart). Not ready, each left the load balancer without endpoints, and Twilio got its 503 for every
+    webhook ("an application error has occurred") instead of the agent's busy answer. With a cluster to route
+    through, an edge whose link is down stays ready (the model's state is still reported) and answers."""
+    token = "t" * 32
+    config = ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token, redis_url=REDIS_URL, redis_prefix=prefix,
+                           node_id="edge", heartbeat_s=0.1, node_ttl_s=0.6)  # fmt: skip
+    store = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")
+    ctx = ServerContext(config, store)  # no engine: its link is down
+    ctx.remote_engine = True
+    ctx.cluster = open_cluster(config, ctx.free_slots, "ws://127.0.0.1/edge" + MEDIA_PATH)
+    handle = await ServiceHandle(ctx).start()
+    await ctx.cluster.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(handle.http_url + "/readyz") as r:
+                body = await r.json()
+                assert r.status == 200 and body["checks"]["model_loaded"] is False, body
+            url = handle.http_url + VOICE_PATH
+            form = {"CallSid": new_call_sid(), "AccountSid": "AC" + "0" * 32, "From": "+15550001", "To": "+15550002"}
+            signed = {"X-Twilio-Signature": RequestValidator(token).compute_signature(url, form)}
+            async with http.post(url, data=form, headers=signed) as r:
+                assert r.status == 200 and 'reason="busy"' in await r.text()  # the agent's busy answer
+            ctx.remote_engine = False  # a node with its own engine (or no cluster): out of rotation, as before
+            async with http.get(handle.http_url + "/readyz") as r:
+                assert r.status == 503
+            ctx.remote_engine, ctx.draining = True, True  # a draining edge leaves rotation all the same
+            async with http.get(handle.http_url + "/readyz") as r:
+                assert r.status == 503
+    finally:
+        await ctx.cluster.aclose()
+        await handle.aclose()
+        await store.aclose()
