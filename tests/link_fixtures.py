@@ -3,10 +3,14 @@ and a test-only TLS certificate."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 
 from engine.link_server import EngineServer
@@ -59,3 +63,27 @@ async def engine_servers(tmp_path: Path) -> AsyncIterator[StartEngineServer]:
     for engine, server in started:
         await server.aclose()
         await engine.stop()
+
+
+# Real processes (`kame-phone engine-serve`, `kame-phone serve --engine`): their environment, start and health.
+
+
+def process_env(**extra: str) -> dict[str, str]:
+    """This environment without the service's own settings (a developer's KAME_*, TWILIO_*, REDIS_URL), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAME_", "TWILIO_", "PUBLIC_URL", "REDIS_"))}
+    return env | extra
+
+
+def start_cli(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "kame_phone.cli", *args], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+
+
+async def http_status(http: aiohttp.ClientSession, url: str) -> int:
+    """The status of a GET, 0 when nothing answers."""
+    try:
+        async with http.get(url) as r:
+            return r.status
+    except aiohttp.ClientError:
+        return 0

@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from telephony.config import ServiceConfig
 from telephony.server import MEDIA_PATH, ServerContext, ServiceHandle
 from telephony.sim_caller import simulate_call
 
-from .link_fixtures import TOKEN, tone
+from .link_fixtures import TOKEN, http_status, process_env, start_cli, tone
 from .polling import until
 from .redis_support import free_port
 
@@ -149,42 +148,21 @@ async def test_an_engine_of_protocol_4_is_not_sent_a_drain(engine_server, monkey
 # Real processes: `kame-phone engine-serve` (tiny model, 2 seats) and two `kame-phone serve --engine` edges
 
 
-def _env(**extra: str) -> dict[str, str]:
-    import os
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAME_", "TWILIO_", "PUBLIC_URL", "REDIS_"))}
-    return env | extra
-
-
-def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "kame_phone.cli", *args], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
-
-
-async def _status(http: aiohttp.ClientSession, url: str) -> int:
-    try:
-        async with http.get(url) as r:
-            return r.status
-    except aiohttp.ClientError:
-        return 0
-
-
 async def test_an_edge_rollout_seats_the_new_edge_within_seconds_while_the_old_ones_call_goes_on(
     tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
     sock, engine_http = tmp_path / "engine.sock", free_port()
     model = ["--checkpoint", str(tiny_checkpoint), "--device", "cpu", "--stt", "none", "--llm", "none", "--greedy"]
-    engine_proc = _start(
+    engine_proc = start_cli(
         ["engine-serve", "--listen", f"unix:{sock}", "--http-port", str(engine_http), "--max-calls", "2", *model],
-        _env(), tmp_path / "engine.log",
+        process_env(), tmp_path / "engine.log",
     )
     procs = [engine_proc]
 
     def edge(name: str) -> tuple[subprocess.Popen[bytes], str]:
         port = free_port()
-        env = _env(TWILIO_AUTH_TOKEN=TOKEN, PUBLIC_URL=f"http://127.0.0.1:{port}", KAME_METRICS_PORT="0")
-        proc = _start(["serve", "--port", str(port), "--engine", f"unix:{sock}", "--max-calls", "2"], env,
+        env = process_env(TWILIO_AUTH_TOKEN=TOKEN, PUBLIC_URL=f"http://127.0.0.1:{port}", KAME_METRICS_PORT="0")
+        proc = start_cli(["serve", "--port", str(port), "--engine", f"unix:{sock}", "--max-calls", "2"], env,
                       tmp_path / f"{name}.log")  # fmt: skip
         procs.append(proc)
         return proc, f"http://127.0.0.1:{port}"
@@ -199,7 +177,7 @@ async def test_an_edge_rollout_seats_the_new_edge_within_seconds_while_the_old_o
                               public_url=None, hold_after=0.5)
             )  # fmt: skip
             await asyncio.sleep(6.0)  # the call is up; the new edge has been refused for seats meanwhile
-            assert await _status(http, new + "/readyz") != 200 and not call.done()
+            assert await http_status(http, new + "/readyz") != 200 and not call.done()
             old_proc.send_signal(signal.SIGTERM)  # the rollout drains the old edge
             drained_at = time.monotonic()
             await until(lambda: _ready(http, new), "the new edge ready", 15, every=0.1)
@@ -229,7 +207,7 @@ async def test_an_edge_rollout_seats_the_new_edge_within_seconds_while_the_old_o
 
 
 async def _ready(http: aiohttp.ClientSession, base: str) -> bool:
-    return await _status(http, base + "/readyz") == 200
+    return await http_status(http, base + "/readyz") == 200
 
 
 async def test_a_draining_edge_keeps_the_seats_its_reservations_were_promised(engine_server) -> None:

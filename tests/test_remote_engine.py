@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -44,7 +42,7 @@ from engine.remote import EDGE_EVENTS_QUEUE, RemoteEngine
 from telephony.server import MEDIA_PATH
 from telephony.sim_caller import simulate_call
 
-from .link_fixtures import TLS_CERT, TOKEN, edge_service, tone
+from .link_fixtures import TLS_CERT, TOKEN, edge_service, http_status, process_env, start_cli, tone
 from .phone_fixtures import dominant_hz, metric
 from .polling import until
 from .redis_support import free_port
@@ -543,45 +541,26 @@ async def test_a_draining_engine_keeps_its_calls_and_takes_no_new_ones(tmp_path:
 # Real processes: `kame-phone engine-serve` with the tiny model, `kame-phone serve --engine` in front of it
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAME_", "TWILIO_", "PUBLIC_URL", "REDIS_"))}
-    return env | extra
-
-
-def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "kame_phone.cli", *args], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
-
-
-async def _status(http: aiohttp.ClientSession, url: str) -> int:
-    try:
-        async with http.get(url) as r:
-            return r.status
-    except aiohttp.ClientError:
-        return 0
-
-
 async def test_engine_serve_and_an_edge_process_answer_calls_drain_and_notice_a_dead_engine(
     tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
     sock, engine_http, edge_port = tmp_path / "engine.sock", free_port(), free_port()
     model = ["--checkpoint", str(tiny_checkpoint), "--device", "cpu", "--stt", "none", "--llm", "none", "--greedy"]
-    engine_proc = _start(
+    engine_proc = start_cli(
         ["engine-serve", "--listen", f"unix:{sock}", "--http-port", str(engine_http), "--max-calls", "2", *model],
-        _env(), tmp_path / "engine.log",
+        process_env(), tmp_path / "engine.log",
     )
-    edge_proc = _start(  # it does not wait for the engine: it retries until the engine listens
+    edge_proc = start_cli(  # it does not wait for the engine: it retries until the engine listens
         ["serve", "--port", str(edge_port), "--engine", f"unix:{sock}", "--max-calls", "2"],
-        _env(TWILIO_AUTH_TOKEN=TOKEN, PUBLIC_URL=f"http://127.0.0.1:{edge_port}", KAME_METRICS_PORT="0"),
+        process_env(TWILIO_AUTH_TOKEN=TOKEN, PUBLIC_URL=f"http://127.0.0.1:{edge_port}", KAME_METRICS_PORT="0"),
         tmp_path / "edge.log",
     )
     edge = f"http://127.0.0.1:{edge_port}"
     try:
         async with aiohttp.ClientSession() as http:
             async def both_ready() -> bool:
-                engine_ready = await _status(http, f"http://127.0.0.1:{engine_http}/readyz")
-                return (engine_ready, await _status(http, edge + "/readyz")) == (200, 200)
+                engine_ready = await http_status(http, f"http://127.0.0.1:{engine_http}/readyz")
+                return (engine_ready, await http_status(http, edge + "/readyz")) == (200, 200)
 
             await until(both_ready, "engine and edge ready", 90, every=0.1)
             report = await simulate_call(edge.replace("http://", "ws://") + MEDIA_PATH, tone(300, 2.0),
@@ -601,9 +580,9 @@ async def test_engine_serve_and_an_edge_process_answer_calls_drain_and_notice_a_
                 engine_proc.send_signal(signal.SIGTERM)  # a drain: the call goes on, the edge stops admitting
                 await asyncio.sleep(1.5)
                 during_drain["engine_alive"] = engine_proc.poll() is None
-                during_drain["edge_ready"] = await _status(http, edge + "/readyz")
-                during_drain["edge_health"] = await _status(http, edge + "/healthz")
-                during_drain["engine_ready"] = await _status(http, f"http://127.0.0.1:{engine_http}/readyz")
+                during_drain["edge_ready"] = await http_status(http, edge + "/readyz")
+                during_drain["edge_health"] = await http_status(http, edge + "/healthz")
+                during_drain["engine_ready"] = await http_status(http, f"http://127.0.0.1:{engine_http}/readyz")
                 engine_proc.send_signal(signal.SIGKILL)  # then it dies under the call
 
             killer = asyncio.create_task(drain_then_kill_engine())
@@ -618,8 +597,8 @@ async def test_engine_serve_and_an_edge_process_answer_calls_drain_and_notice_a_
             assert during_drain == {"engine_alive": True, "edge_ready": 503, "edge_health": 200, "engine_ready": 503}
             assert report.server_hung_up and 3.0 < ended_after < 10  # up through the drain, ended with the engine
             assert report.bot_seconds_received > 2.0
-            assert await _status(http, edge + "/healthz") == 503  # the edge asks to be restarted
-            assert await _status(http, edge + "/readyz") == 503
+            assert await http_status(http, edge + "/healthz") == 503  # the edge asks to be restarted
+            assert await http_status(http, edge + "/readyz") == 503
     finally:
         for proc in (edge_proc, engine_proc):
             if proc.poll() is None:
