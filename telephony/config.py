@@ -20,6 +20,9 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 DEFAULT_METRICS_PORT = 9092
 
 
+MIN_ADMIN_TOKEN_CHARS = 16
+
+
 def is_loopback(host: str | None) -> bool:
     """`localhost` or a loopback IP address (127.0.0.0/8, ::1); an empty host binds every interface."""
     if not host:
@@ -145,6 +148,10 @@ class ServiceConfig:
             if url and parts.scheme == "http" and not is_loopback(parts.hostname):
                 # Twilio only calls https:// and only opens wss:// streams; http:// is for local tests.
                 raise ConfigError(f"{name} must be https:// (http:// only for a loopback host), got {url!r}")
+        if self.admin_token and len(self.admin_token) < MIN_ADMIN_TOKEN_CHARS and not is_loopback(self.host):
+            # The admin API reads every call's transcript; a short bearer token on a public port is guessable.
+            raise ConfigError(f"ADMIN_TOKEN must be at least {MIN_ADMIN_TOKEN_CHARS} characters on a port that is not "
+                              "loopback-only (e.g. `openssl rand -hex 32`)")  # fmt: skip
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"KAME_METRICS_PORT must be 0-65535 (0: any free port), got {self.metrics_port}")
         if not 0 < self.heartbeat_s < self.node_ttl_s:

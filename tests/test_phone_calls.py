@@ -290,6 +290,16 @@ def test_refuses_to_serve_without_a_token_unless_insecure_dev() -> None:
     ServiceConfig(host="127.0.0.1", insecure_dev=True).check()
 
 
+def test_a_short_admin_token_is_refused_on_a_public_port() -> None:
+    """The admin API reads every call's transcript: a short bearer token on a port others reach is guessable."""
+    public = {"host": "0.0.0.0", "twilio_auth_token": "t" * 32, "public_url": "https://phone.example.com"}
+    with pytest.raises(ConfigError, match="ADMIN_TOKEN must be at least 16 characters"):
+        ServiceConfig(**public, admin_token="admin-secret").check()  # type: ignore[arg-type]
+    ServiceConfig(**public, admin_token="f" * 32).check()  # type: ignore[arg-type]
+    ServiceConfig(**public).check()  # type: ignore[arg-type]  # none: the admin API is off
+    ServiceConfig(host="127.0.0.1", twilio_auth_token="t" * 32, admin_token="admin").check()  # loopback: a test rig
+
+
 
 
 async def test_an_engine_reset_clears_the_audio_queued_at_twilio(tiny_checkpoint: Path) -> None:
