@@ -460,6 +460,7 @@ class FrameLoop:
 
     def _break(self, why: str) -> None:
         self.broken = why
+        metrics.ENGINE_SLOTS.set(0)  # no seats on a loop that gave up: capacity alerts must not count them
         log.critical("engine broken: %s; not ready, liveness failing, its calls ended: restart the process", why)
         if self.on_broken is not None:
             self.on_broken()

@@ -144,6 +144,7 @@ async def test_an_engine_whose_every_tick_fails_is_broken_its_calls_told_and_liv
         await _engine_lost_told(call, within=10)
         assert engine.failed and not engine.ready
         assert engine.frame_loop.broken is not None and "IndexError" in engine.frame_loop.broken
+        assert metric("kame_engine_slots") == 0  # its seats are not capacity any more (--no-engine-process)
     finally:
         if feeding is not None:
             feeding.cancel()
