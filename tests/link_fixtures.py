@@ -4,6 +4,7 @@ and a test-only TLS certificate."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -87,3 +88,15 @@ async def http_status(http: aiohttp.ClientSession, url: str) -> int:
             return r.status
     except aiohttp.ClientError:
         return 0
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM (a drain) to each still running, then each waited for, killed after 20 s."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

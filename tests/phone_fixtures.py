@@ -22,6 +22,7 @@ import knowledge.metrics  # noqa: F401 - serve's wiring (kame_phone/app.py) alwa
 from engine.sampling import SamplingOverrides
 from engine.service import BackendProvider, EngineConfig, LocalEngine
 from knowledge.agents import AgentDirectory
+from telephony import twilio_messages as tm
 from telephony.call_store import CallStore, MemoryCallStore
 from telephony.config import ServiceConfig
 from telephony.server import MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
@@ -121,6 +122,22 @@ class Phone:
     async def open_stream(self, http: aiohttp.ClientSession) -> aiohttp.ClientWebSocketResponse:
         sig = self.sign(self.ws_url, {})
         return await http.ws_connect(self.ws_url, headers={"X-Twilio-Signature": sig})
+
+    @contextlib.asynccontextmanager
+    async def started_call(
+        self, http: aiohttp.ClientSession
+    ) -> AsyncIterator[tuple[str, aiohttp.ClientWebSocketResponse]]:
+        """A call answered and its stream started as Twilio does (stream MZ1); (CallSid, socket). After: the
+        stream stopped, the socket closed, the call settled on the server side."""
+        call_sid, params = await self.answer(http)
+        ws = await self.open_stream(http)
+        await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))
+        try:
+            yield call_sid, ws
+        finally:
+            await ws.send_str(tm.stop_msg("MZ1", 10**6, call_sid, "AC1"))
+            await ws.close()
+            await self.settled()
 
 
 @contextlib.asynccontextmanager

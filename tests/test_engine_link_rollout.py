@@ -28,7 +28,7 @@ from telephony.config import ServiceConfig
 from telephony.server import MEDIA_PATH, ServerContext, ServiceHandle
 from telephony.sim_caller import simulate_call
 
-from .link_fixtures import TOKEN, http_status, process_env, start_cli, tone
+from .link_fixtures import TOKEN, http_status, process_env, start_cli, stop_processes, tone
 from .polling import until
 from .redis_support import free_port
 
@@ -195,14 +195,7 @@ async def test_an_edge_rollout_seats_the_new_edge_within_seconds_while_the_old_o
             ))  # fmt: skip
             assert [r.outcome for r in reports] == ["completed", "completed"], [r.errors for r in reports]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs)
     assert "gave back 1 seat(s)" in (tmp_path / "engine.log").read_text()
 
 

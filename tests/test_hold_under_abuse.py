@@ -8,7 +8,6 @@ import asyncio
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ from telephony.server import VOICE_PATH
 from telephony.sim_caller import simulate_call
 from telephony.twilio_messages import PROTOCOL_ERROR_KINDS
 
+from .link_fixtures import stop_processes
 from .phone_fixtures import metric, new_call_sid, running_phone
 from .polling import until
 from .redis_support import REDIS_URL, free_port
@@ -304,13 +304,7 @@ async def test_the_real_metrics_of_serve_and_engine_serve_pass_promtool(tiny_che
                 status, texts[name] = await get(url)
                 assert status == 200, name
     finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs)
 
     for name, text in texts.items():
         assert promtool_check_metrics(text) == "", name

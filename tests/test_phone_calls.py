@@ -431,10 +431,8 @@ async def test_a_caller_who_hangs_up_on_their_last_word_still_has_it_recorded(ti
 async def test_the_bots_words_reach_the_live_record_while_the_caller_is_silent(tiny_checkpoint: Path) -> None:
     """The bot's words went to the record only when the caller's next utterance ended: a caller on hold
     left the live record without the bot's side for as long, and a node lost meanwhile lost it."""
-    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
-        call_sid, params = await phone.answer(http)
-        ws = await phone.open_stream(http)
-        await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http, \
+            phone.started_call(http) as (call_sid, ws):
         async with asyncio.timeout(10):
             while call_sid not in phone.ctx.streams:  # noqa: ASYNC110 - the server side's seat
                 await ws.send_str(tm.media_msg("MZ1", 2, 1, 20, b"\xff" * 160))
@@ -451,9 +449,6 @@ async def test_the_bots_words_reach_the_live_record_while_the_caller_is_silent(t
                 assert record is not None and record.state == "streaming"
                 bot = " ".join(t.text or "" for t in record.turns if t.role == "bot")
         assert "word0 " in bot + " " and "word140" in bot
-        await ws.send_str(tm.stop_msg("MZ1", 999, call_sid, "AC1"))
-        await ws.close()
-        await phone.settled()
 
 
 async def test_a_call_past_its_maximum_length_gives_its_seat_back(tiny_checkpoint: Path, question_wav: Path) -> None:

@@ -68,10 +68,8 @@ async def _call_with_a_stall(
     frames, the fan-out sends them as a burst after). After the stall the caller talks for `talk_s`.
     Returns the events received (time, kind), the stall's end, the deepest estimated queue after it and
     the estimate 4 s later."""
-    async with running_phone(checkpoint) as phone, aiohttp.ClientSession() as http:
-        call_sid, params = await phone.answer(http)
-        ws = await phone.open_stream(http)
-        await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))
+    async with running_phone(checkpoint) as phone, aiohttp.ClientSession() as http, \
+            phone.started_call(http) as (call_sid, ws):
         events: list[tuple[float, str]] = []
         loud = _tone(160)
         talking = asyncio.Event()
@@ -108,21 +106,15 @@ async def _call_with_a_stall(
             backlog_after = session.playout.backlog(time.monotonic())
         finally:
             sender.cancel()
-            await ws.send_str(tm.stop_msg("MZ1", 10**6, call_sid, "AC1"))
-            await ws.close()
             reader.cancel()
-            await phone.settled()
-        print(f'deepest {deepest:.3f} s, 4 s later {backlog_after:.3f} s')
-        return events, stalled_until, deepest, backlog_after
+    return events, stalled_until, deepest, backlog_after
 
 
 async def test_a_stalls_backlog_at_twilio_drains_through_the_bots_pauses(tiny_checkpoint: Path) -> None:
     """The tiny model's random voice is never quiet, so this test plays the bot itself through the real
     stream (the fan-out stopped): a stall's burst of speech, then a pause at real time."""
-    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
-        call_sid, params = await phone.answer(http)
-        ws = await phone.open_stream(http)
-        await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http, \
+            phone.started_call(http) as (call_sid, ws):
         media = 0
 
         async def read() -> None:
@@ -163,10 +155,7 @@ async def test_a_stalls_backlog_at_twilio_drains_through_the_bots_pauses(tiny_ch
             await asyncio.sleep(0.2)
             assert media == before + 8 + sent.count(True) + 6
         finally:
-            await ws.send_str(tm.stop_msg("MZ1", 10**6, call_sid, "AC1"))
-            await ws.close()
             reader.cancel()
-            await phone.settled()
 
 
 async def test_talking_over_a_stale_queue_clears_it(tiny_checkpoint: Path) -> None:
@@ -194,10 +183,8 @@ async def test_a_backchannel_over_a_stale_queue_does_not_cut_the_bot(tiny_checkp
 async def test_an_action_line_cleared_before_it_played_is_waited_for_again(tiny_checkpoint: Path) -> None:
     """Twilio echoes every pending mark at once when a `clear` empties its queue: such an echo is not the
     line heard, so a transfer or hang-up does not cut in over a line the caller never got."""
-    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
-        call_sid, params = await phone.answer(http)
-        ws = await phone.open_stream(http)
-        await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http, \
+            phone.started_call(http) as (call_sid, ws):
         marks: asyncio.Queue[str] = asyncio.Queue()
 
         async def read() -> None:
@@ -231,7 +218,4 @@ async def test_an_action_line_cleared_before_it_played_is_waited_for_again(tiny_
             assert session.state.marks_played == played_before + 1  # the cleared echo was not "played"
         finally:
             sender.cancel()
-            await ws.send_str(tm.stop_msg("MZ1", 10**6, call_sid, "AC1"))
-            await ws.close()
             reader.cancel()
-            await phone.settled()

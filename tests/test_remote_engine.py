@@ -8,7 +8,6 @@ import json
 import signal
 import socket
 import struct
-import subprocess
 import time
 from pathlib import Path
 
@@ -42,7 +41,16 @@ from engine.remote import EDGE_EVENTS_QUEUE, RemoteEngine
 from telephony.server import MEDIA_PATH
 from telephony.sim_caller import simulate_call
 
-from .link_fixtures import TLS_CERT, TOKEN, edge_service, http_status, process_env, start_cli, tone
+from .link_fixtures import (
+    TLS_CERT,
+    TOKEN,
+    edge_service,
+    http_status,
+    process_env,
+    start_cli,
+    stop_processes,
+    tone,
+)
 from .phone_fixtures import dominant_hz, metric
 from .polling import until
 from .redis_support import free_port
@@ -600,14 +608,7 @@ async def test_engine_serve_and_an_edge_process_answer_calls_drain_and_notice_a_
             assert await http_status(http, edge + "/healthz") == 503  # the edge asks to be restarted
             assert await http_status(http, edge + "/readyz") == 503
     finally:
-        for proc in (edge_proc, engine_proc):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in (edge_proc, engine_proc):
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes([edge_proc, engine_proc])
     assert "engine link to unix:" in (tmp_path / "edge.log").read_text()  # it said which engine it lost
 
 
