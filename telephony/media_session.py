@@ -574,8 +574,8 @@ class MediaStreamSession:
         assert self._media is not None
         if self._peer_backlogged():
             return None
-        now = time.monotonic()
-        if level_dbfs <= DRAIN_SILENT_DBFS and self.playout.backlog(now) > DRAIN_ABOVE_S:
+        # The level first: the clock is read only for a silent frame (this runs for every call every tick).
+        if level_dbfs <= DRAIN_SILENT_DBFS and self.playout.backlog(now := time.monotonic()) > DRAIN_ABOVE_S:
             metrics.MEDIA_PLAYOUT_DRAINED.inc()
             self.bot_silent(now)
             return None
