@@ -355,8 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     twilio = sub.add_parser("twilio", help="set up a Twilio number to call this service")
     twilio_sub = twilio.add_subparsers(dest="twilio_command", required=True)
-    setup = twilio_sub.add_parser("setup", help="point one of the account's numbers at PUBLIC_URL/twilio/voice")
-    setup.add_argument("--number", required=True, help="the Twilio number, E.164 (+15551234567)")
+    setup = twilio_sub.add_parser("setup", help="point one of the account's numbers (or SIP Domains) at "
+                                                "PUBLIC_URL/twilio/voice")
+    target = setup.add_mutually_exclusive_group(required=True)
+    target.add_argument("--number", help="the Twilio number, E.164 (+15551234567)")
+    target.add_argument("--sip-domain", help="a Twilio SIP Domain (acme.sip.twilio.com) a PBX's SIP trunk sends "
+                                             "calls to")
     setup.add_argument("--dry-run", action="store_true", help="print what would change, change nothing")
     env_flag(setup, "--public-url", "PUBLIC_URL", help="the https:// URL Twilio reaches this service at")
     setup.set_defaults(func=_twilio)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import statistics
 import sys
 import time
@@ -44,6 +45,13 @@ def _number(value: str, what: str) -> str:
     return value
 
 
+def _sip_domain(value: str) -> str:
+    # Twilio's rule for a SIP Domain's name; a typo is said here, not as "not a SIP Domain of account".
+    if not re.fullmatch(r"[A-Za-z0-9-]+\.sip\.twilio\.com", value):
+        raise CliError(f"--sip-domain must be a Twilio SIP Domain like acme.sip.twilio.com, got {value!r}")
+    return value
+
+
 def _rest() -> TwilioRest:
     if placeholders := unfilled_placeholders(os.environ):
         raise CliError(unfilled_message(placeholders))
@@ -55,21 +63,25 @@ def _rest() -> TwilioRest:
 
 
 async def twilio_setup(args: argparse.Namespace) -> None:
-    number = _number(args.number, "--number")
+    number = _number(args.number, "--number") if args.number else None
+    domain = _sip_domain(args.sip_domain) if args.sip_domain else None
     public = _public_url(args)
     voice_url, status_url = public + VOICE_PATH, public + CALL_STATUS_PATH
     rest = _rest()
     try:
-        before = await rest.find_number(number)
-        print(f"{number} ({before.sid}):")
+        before = await rest.find_number(number) if number else await rest.find_sip_domain(domain or "")
+        print(f"{before.name} ({before.sid}):")
         print(f"  voice URL:       {before.voice_url or '(none)'} [{before.voice_method or '-'}] -> {voice_url} [POST]")
         print(f"  status callback: {before.status_callback or '(none)'} [{before.status_callback_method or '-'}]"
               f" -> {status_url} [POST]")  # fmt: skip
         if args.dry_run:
             print("--dry-run: nothing changed")
             return
-        after = await rest.point_number(before, voice_url, status_url)
-        print(f"done: calls to {number} now reach {after.voice_url}")
+        after = await rest.point(before, voice_url, status_url)
+        print(f"done: calls to {before.name} now reach {after.voice_url}")
+        if domain:
+            print(f"agents answer its addresses by name: numbers = [\"sip:USER@{before.name}\"] in the agents file "
+                  "(a call to sip:+NUMBER@... goes to that number's agent)")  # fmt: skip
     except TwilioRestError as e:
         raise CliError(str(e), code=1) from None
     finally:

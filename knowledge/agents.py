@@ -5,7 +5,7 @@
     greeting = "Thanks for calling Acme Dental, how can I help?"
 
     [agents.sales]
-    numbers = ["+15550002222"]        # Twilio `To` numbers, E.164
+    numbers = ["+15550002222", "sip:sales@acme.sip.twilio.com"]  # Twilio `To`: E.164, or SIP addresses
     instructions = "..."
     transfer_to = "+15550009999"      # E.164 or sip:
     busy = "reject"                   # reject | say | dial | enqueue:NAME
@@ -28,7 +28,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from jsonschema import Draft202012Validator, SchemaError
 from prometheus_client import Counter
@@ -40,6 +40,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_AGENT = "default"
 E164 = re.compile(r"\+[1-9]\d{6,14}")
+# A SIP URI as Twilio's `To` carries it for a call through a SIP Domain or a BYOC trunk (the INVITE's
+# Request-URI): scheme, user@host, then any port, parameters or headers (`;transport=tls`, `?X-Foo=1`).
+_SIP_URI = re.compile(r"<?(sips?):([^@;?>\s]+)@([^;?>\s]+)(?:[;?][^\s>]*)?>?", re.IGNORECASE)
+# Twilio's regional and edge forms of a SIP Domain (acme.sip.us1.twilio.com, acme.sip.ashburn.twilio.com) are
+# the same domain as acme.sip.twilio.com: a PBX may send to any of them.
+_TWILIO_SIP_HOST = re.compile(r"([a-z0-9-]+)\.sip\.[a-z0-9-]+\.twilio\.com")
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 BUSY_POLICIES = ("reject", "say", "dial")  # or enqueue:NAME
 _KEYS = {"numbers", "instructions", "greeting", "transfer_to", "dtmf_transfer", "busy", "llm_model", "tools",
@@ -97,10 +103,14 @@ class Agents:
 
     def for_call(self, to_number: str | None, requested: str | None = None) -> Agent:
         """The agent a call gets: one named on the webhook URL (`?agent=`, outbound calls), else the one
-        claiming the called number, else `default`."""
+        claiming the called number or SIP address, else `default`. A SIP call to a number
+        (sip:+15550002222@acme.sip.twilio.com) that no agent claims as an address goes to that number's agent:
+        a PBX's trunk dials the number it means."""
         if requested and requested in self.by_name:
             return self.by_name[requested]
-        name = self.by_number.get(to_number or "", DEFAULT_AGENT)
+        address = sip_address(to_number or "")
+        keys = [to_number or ""] if address is None else [address, _sip_user(address)]
+        name = next((self.by_number[k] for k in keys if k in self.by_number), DEFAULT_AGENT)
         return self.by_name.get(name) or self.by_name[DEFAULT_AGENT]
 
     def get(self, name: str | None) -> Agent:
@@ -138,11 +148,13 @@ class Agents:
                 by_number[number] = name
             by_name[name] = agent
         for name, agent in by_name.items():
-            # A transfer (or a busy dial) to a number this service answers rings the bot again: the caller
-            # goes round, every leg billed.
-            if agent.transfer_to in by_number:
+            # A transfer (or a busy dial) to a number or SIP address this service answers rings the bot again:
+            # the caller goes round, every leg billed. (Not a SIP address whose user is one of our numbers: the
+            # PBX at that host is not us.)
+            target = agent.transfer_to and (sip_address(agent.transfer_to) or agent.transfer_to)
+            if target in by_number:
                 raise AgentsError(f"agents file {path}: agent {name!r}: key 'transfer_to': {agent.transfer_to} is "
-                                  f"answered by this service (agent {by_number[agent.transfer_to]!r}): a transfer "
+                                  f"answered by this service (agent {by_number[target]!r}): a transfer "
                                   "there would loop back to the bot")  # fmt: skip
         by_name.setdefault(DEFAULT_AGENT, Agent(DEFAULT_AGENT))  # numbers no agent claims
         return cls(by_name, by_number, path)
@@ -165,8 +177,11 @@ def _agent(path: Path, name: str, table: Any) -> Agent:
         raise bad("instructions", f"{len(instructions)} characters, at most {_MAX_TEXT}")
     greeting = _optional_text(table, "greeting", bad, limit=500)
     numbers = table.get("numbers", [])
-    if not isinstance(numbers, list) or not all(isinstance(n, str) and E164.fullmatch(n) for n in numbers):
-        raise bad("numbers", "a list of E.164 numbers like \"+15550002222\"")
+    if not isinstance(numbers, list) or not all(isinstance(n, str) and _routable(n) for n in numbers):
+        raise bad("numbers", "a list of E.164 numbers like \"+15550002222\" or SIP addresses like "
+                             "\"sip:support@acme.sip.twilio.com\"")  # fmt: skip
+    # SIP addresses as `for_call` compares them (host lower case, no port or parameters).
+    numbers = [n if E164.fullmatch(n) else sip_address(n) for n in numbers]
     transfer_to = _optional_text(table, "transfer_to", bad, limit=200)
     if transfer_to is not None and not (E164.fullmatch(transfer_to) or _sip_uri(transfer_to)):
         raise bad("transfer_to", f"{transfer_to!r} is neither an E.164 number nor a sip: URI")
@@ -208,6 +223,28 @@ def _optional_text(table: dict[str, Any], key: str, bad: Any, *, limit: int) -> 
 
 def _sip_uri(value: str) -> bool:
     return re.fullmatch(r"sips?:[^\s@]+@[^\s@]+", value) is not None
+
+
+def _routable(value: str) -> bool:
+    """An entry of `numbers`: an E.164 number, or a plain SIP address (no parameters: routing ignores them)."""
+    return E164.fullmatch(value) is not None or re.fullmatch(r"sips?:[^\s@;?<>]+@[^\s@;?<>]+", value, re.I) is not None
+
+
+def sip_address(uri: str) -> str | None:
+    """`sip:user@host` as routing compares a SIP URI: the scheme sip (sips too), the user as sent
+    (percent-escapes decoded: users are case-sensitive), the host in lower case without its port, a Twilio
+    SIP Domain's regional or edge host as the domain itself; parameters and headers dropped. None for
+    anything else (a phone number, a client name)."""
+    m = _SIP_URI.fullmatch(uri.strip())
+    if m is None:
+        return None
+    user, host = unquote(m.group(2)), re.sub(r":\d+$", "", m.group(3).lower())
+    host = _TWILIO_SIP_HOST.sub(r"\1.sip.twilio.com", host) if _TWILIO_SIP_HOST.fullmatch(host) else host
+    return f"sip:{user}@{host}"
+
+
+def _sip_user(address: str) -> str:
+    return address[len("sip:"):].rsplit("@", 1)[0]
 
 
 def _tool(bad: Any, table: Any) -> HttpTool:

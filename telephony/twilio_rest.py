@@ -56,15 +56,20 @@ class TwilioCredentials:
 
 
 @dataclass(frozen=True)
-class NumberSettings:
-    """An IncomingPhoneNumber's voice settings (what `twilio setup` changes)."""
+class VoiceSettings:
+    """Where Twilio sends the calls of one of the account's numbers or SIP Domains (what `twilio setup`
+    changes). `name`: the number (E.164) or the domain (acme.sip.twilio.com)."""
 
     sid: str
-    number: str
+    name: str
     voice_url: str | None
     voice_method: str | None
     status_callback: str | None
     status_callback_method: str | None
+
+    @property
+    def is_sip_domain(self) -> bool:
+        return self.sid.startswith("SD")
 
 
 # What a request to Twilio can fail with. RestException is a TwilioException; the HTTP client's own errors
@@ -118,7 +123,7 @@ class TwilioRest:
         """Hang the call up."""
         await self._update(call_sid, status="completed")
 
-    async def find_number(self, number: str) -> NumberSettings:
+    async def find_number(self, number: str) -> VoiceSettings:
         """The account's IncomingPhoneNumber for `number` (E.164), with its voice settings."""
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -129,21 +134,46 @@ class TwilioRest:
         if not found:
             raise TwilioRestError(f"{number} is not a phone number of account {self.credentials.account_sid}")
         n = found[0]
-        return NumberSettings(n.sid or "", number, n.voice_url, n.voice_method, n.status_callback,
-                              n.status_callback_method)  # fmt: skip
+        return VoiceSettings(n.sid or "", number, n.voice_url, n.voice_method, n.status_callback,
+                             n.status_callback_method)  # fmt: skip
 
-    async def point_number(self, number: NumberSettings, voice_url: str, status_callback: str) -> NumberSettings:
-        """Send the number's calls to `voice_url` (POST), its call status events to `status_callback`."""
+    async def find_sip_domain(self, domain: str) -> VoiceSettings:
+        """The account's SIP Domain named `domain` (acme.sip.twilio.com): where a PBX's SIP trunk sends
+        calls; Twilio asks its voice URL for TwiML as for a number's call."""
         try:
             async with asyncio.timeout(self.timeout_s):
-                n = await self._client.incoming_phone_numbers(number.sid).update_async(
+                # No filter by name in the API; an account has a handful of domains (1000 is Twilio's page cap).
+                found = await self._client.api.v2010.account.sip.domains.list_async(limit=1000)
+        except _FAILURES as e:
+            raise TwilioRestError(_why(e, f"looking up SIP Domain {domain}")) from e
+        found = [d for d in found if (d.domain_name or "").lower() == domain.lower()]
+        if not found:
+            raise TwilioRestError(f"{domain} is not a SIP Domain of account {self.credentials.account_sid} "
+                                  "(create it in the console: Voice > Manage > SIP domains)")  # fmt: skip
+        d = found[0]
+        return VoiceSettings(d.sid or "", d.domain_name or domain, d.voice_url, d.voice_method,
+                             d.voice_status_callback_url, d.voice_status_callback_method)  # fmt: skip
+
+    async def point(self, target: VoiceSettings, voice_url: str, status_callback: str) -> VoiceSettings:
+        """Send the number's or SIP Domain's calls to `voice_url` (POST), its call status events to
+        `status_callback`."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                if target.is_sip_domain:
+                    n = await self._client.api.v2010.account.sip.domains(target.sid).update_async(
+                        voice_url=voice_url, voice_method="POST", voice_status_callback_url=status_callback,
+                        voice_status_callback_method="POST",
+                    )  # fmt: skip
+                    return VoiceSettings(n.sid or target.sid, target.name, n.voice_url, n.voice_method,
+                                         n.voice_status_callback_url, n.voice_status_callback_method)  # fmt: skip
+                n = await self._client.incoming_phone_numbers(target.sid).update_async(
                     voice_url=voice_url, voice_method="POST", status_callback=status_callback,
                     status_callback_method="POST",
                 )  # fmt: skip
         except _FAILURES as e:
-            raise TwilioRestError(_why(e, f"updating {number.number}")) from e
-        return NumberSettings(n.sid or number.sid, number.number, n.voice_url, n.voice_method, n.status_callback,
-                              n.status_callback_method)  # fmt: skip
+            raise TwilioRestError(_why(e, f"updating {target.name}")) from e
+        return VoiceSettings(n.sid or target.sid, target.name, n.voice_url, n.voice_method, n.status_callback,
+                             n.status_callback_method)  # fmt: skip
 
     async def dial(self, to: str, from_: str, voice_url: str, status_callback: str) -> str:
         """Place an outbound call that Twilio connects to `voice_url` once answered; returns its CallSid."""

@@ -21,14 +21,17 @@ from engine.service import EngineConfig, LocalEngine
 from knowledge.agents import AgentDirectory, Agents, AgentsError
 from knowledge.backend import BackendConfig, BackendServices
 from knowledge.conversation import DEFAULT_SYSTEM_PROMPT
+from telephony import twilio_messages as tm
 from telephony.call_store import MemoryCallStore
 from telephony.config import ServiceConfig
 from telephony.server import MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
 from telephony.sim_caller import simulate_call
 from telephony.twilio_rest import TwilioCredentials, TwilioRest, TwilioRestError
+from telephony.twiml import parse_connect_stream
 
 from .llm_server import FakeLlm
 from .phone_fixtures import metric, new_call_sid, running_phone, write_agents
+from .polling import until
 from .redis_support import free_port
 from .twilio_rest_server import serve_twilio_rest
 
@@ -69,6 +72,78 @@ def test_a_good_file_loads_and_routes_numbers(tmp_path: Path) -> None:
     assert Agents.builtin().get(None).system_prompt(DEFAULT_SYSTEM_PROMPT) == DEFAULT_SYSTEM_PROMPT
 
 
+SIP_AGENTS = f"""
+[agents.default]
+instructions = "You answer the phone for Acme Dental."
+
+[agents.sales]
+numbers = ["{SALES}"]
+instructions = "You sell Acme widgets."
+greeting = "Acme sales, how can I help?"
+
+[agents.support]
+numbers = ["sip:support@acme.sip.twilio.com"]
+instructions = "You answer Acme's support line."
+greeting = "Acme support, go ahead."
+transfer_to = "sip:{SALES}@pbx.acme.example"
+"""
+
+
+@pytest.mark.parametrize(
+    ("to", "agent"),
+    [
+        # A PBX's trunk into a Twilio SIP Domain: `To` is the INVITE's Request-URI, in any of its forms.
+        ("sip:support@acme.sip.twilio.com", "support"),
+        ("sip:support@ACME.sip.us1.twilio.com:5061;transport=tls", "support"),
+        ("<sips:support@acme.sip.ashburn.twilio.com>", "support"),
+        ("sip:Support@acme.sip.twilio.com", "default"),  # SIP users are case-sensitive
+        ("sip:support@other.sip.twilio.com", "default"),
+        # A SIP call to a number no agent claims as an address goes to that number's agent.
+        (f"sip:{SALES}@acme.sip.twilio.com;user=phone", "sales"),
+        ("sip:%2B15550002222@acme.sip.twilio.com", "sales"),
+        (SALES, "sales"),
+        ("client:alice", "default"),
+    ],
+)
+def test_sip_calls_route_by_address_or_by_the_number_they_dial(tmp_path: Path, to: str, agent: str) -> None:
+    agents = Agents.load(write_agents(tmp_path, SIP_AGENTS))
+    assert agents.for_call(to).name == agent
+    # A transfer to the PBX at a SIP address whose user is one of our numbers is not a loop (the PBX is not us).
+    assert agents.get("support").transfer_to == f"sip:{SALES}@pbx.acme.example"
+
+
+async def test_a_sip_domain_call_gets_its_agent_through_the_real_webhook_and_stream(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Twilio's webhook for a SIP Domain call, signed, on loopback: the TwiML names the agent claiming the
+    address, the record keeps it, and once the stream starts its greeting is the call's first oracle."""
+    directory = AgentDirectory.from_file(write_agents(tmp_path, SIP_AGENTS))
+    backend = BackendServices(BackendConfig(stt="none", llm_enabled=False), directory)  # says the greeting
+    sip_to = "sip:support@acme.sip.us1.twilio.com;transport=tls"
+    async with running_phone(tiny_checkpoint, max_calls=1, backend=backend, agents=directory) as phone, \
+            aiohttp.ClientSession() as http:
+        await phone.keeping_time()
+        call_sid = new_call_sid()
+        params = {"CallSid": call_sid, "AccountSid": "AC" + "0" * 32, "From": "sip:alice@pbx.acme.example",
+                  "To": sip_to, "Direction": "inbound", "SipDomain": "acme.sip.twilio.com"}  # fmt: skip
+        url = phone.base + VOICE_PATH
+        async with http.post(url, data=params, headers={"X-Twilio-Signature": phone.sign(url, params)}) as r:
+            assert r.status == 200
+            stream = parse_connect_stream(await r.text())
+        parameters = dict(stream.parameters)
+        assert parameters["agent"] == "support" and parameters["to"] == sip_to
+        ws = await phone.open_stream(http)
+        await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", parameters))
+        await until(lambda: metric("kame_calls_active") >= 1, "the SIP call seated")
+        await asyncio.sleep(0.5)  # a few frames: the greeting goes in as the call's first candidate
+        await ws.send_str(tm.stop_msg("MZ1", 10**6, call_sid, "AC1"))
+        await ws.close()
+        await phone.settled()
+        record = await phone.store.get(call_sid)
+    assert record is not None and record.agent == "support" and record.to_number == sip_to
+    assert record.oracle and record.oracle[0].text == "Acme support, go ahead."
+
+
 @pytest.mark.parametrize(
     ("text", "says"),
     [
@@ -98,6 +173,17 @@ def test_a_good_file_loads_and_routes_numbers(tmp_path: Path) -> None:
         # Transferring to a number this service answers rings the bot again, round and round.
         (f'[agents.a]\ninstructions = "x"\nnumbers = ["{SALES}"]\n[agents.b]\ninstructions = "y"\n'
          f'transfer_to = "{SALES}"\n', f"agent 'b': key 'transfer_to': {SALES} is answered by this service"),
+        # The same SIP address claimed twice, in two forms (scheme, host case, a Twilio regional host).
+        ('[agents.a]\ninstructions = "x"\nnumbers = ["sip:help@acme.sip.twilio.com"]\n[agents.b]\n'
+         'instructions = "y"\nnumbers = ["sips:help@ACME.sip.us1.twilio.com"]\n',
+         "agent 'b': key 'numbers': sip:help@acme.sip.twilio.com is also claimed by agent 'a'"),
+        # A SIP address with parameters says more than routing compares: refused, not silently cut.
+        ('[agents.a]\ninstructions = "x"\nnumbers = ["sip:help@acme.sip.twilio.com;transport=tls"]\n',
+         "agent 'a': key 'numbers': a list of E.164 numbers like \"+15550002222\" or SIP addresses"),
+        # A transfer to our own SIP Domain, through its regional host, would ring the bot again.
+        ('[agents.a]\ninstructions = "x"\nnumbers = ["sip:help@acme.sip.twilio.com"]\n[agents.b]\n'
+         'instructions = "y"\ntransfer_to = "sip:help@acme.sip.ie1.twilio.com"\n',
+         "agent 'b': key 'transfer_to': sip:help@acme.sip.ie1.twilio.com is answered by this service (agent 'a')"),
     ],
 )  # fmt: skip
 def test_a_bad_file_is_refused_in_one_line_naming_file_agent_and_key(tmp_path: Path, text: str, says: str) -> None:

@@ -61,6 +61,32 @@ async def test_twilio_setup_points_the_number_at_the_service(tmp_path: Path) -> 
         assert "https://demo.twilio.com/welcome/voice/" in out and "done: calls to" in out  # before, and after
 
 
+async def test_twilio_setup_points_a_sip_domain_at_the_service() -> None:
+    """A contact center's PBX trunks calls into a Twilio SIP Domain: setup points the domain's voice URL and
+    its status callback at the service, as for a number."""
+    async with serve_twilio_rest(ACCOUNT, ACCOUNT, SECRET) as twilio:
+        twilio.add_sip_domain("other.sip.twilio.com")
+        sid = twilio.add_sip_domain("acme.sip.twilio.com", voice_url="https://old.example.com/voice")
+        env = {**_rest_env(twilio), "PUBLIC_URL": "https://voice.example.com"}
+        rc, out, err = await _kame(["twilio", "setup", "--sip-domain", "ACME.sip.twilio.com"], env)
+        assert rc == 0, err
+        assert f"acme.sip.twilio.com ({sid}):" in out and "https://old.example.com/voice [POST]" in out
+        assert twilio.sip_domain_updates == [{
+            "VoiceUrl": "https://voice.example.com/twilio/voice", "VoiceMethod": "POST",
+            "VoiceStatusCallbackUrl": "https://voice.example.com" + CALL_STATUS_PATH,
+            "VoiceStatusCallbackMethod": "POST",
+        }]  # fmt: skip
+        assert twilio.sip_domains[sid]["voice_url"] == "https://voice.example.com/twilio/voice"
+        assert not twilio.number_updates and 'numbers = ["sip:USER@acme.sip.twilio.com"]' in out
+        rc, _, err = await _kame(["twilio", "setup", "--sip-domain", "nope.sip.twilio.com"], env)
+        assert rc == 1 and "nope.sip.twilio.com is not a SIP Domain of account" in err
+        rc, _, err = await _kame(["twilio", "setup", "--sip-domain", "acme.example.com"], env)
+        assert rc == 2 and "--sip-domain must be a Twilio SIP Domain like acme.sip.twilio.com" in err
+        rc, _, err = await _kame(["twilio", "setup", "--sip-domain", "acme.sip.twilio.com", "--number", NUMBER], env)
+        assert rc == 2 and "not allowed with argument" in err
+        assert len(twilio.sip_domain_updates) == 1
+
+
 async def test_env_file_values_are_read_and_the_environment_overrides_them(tmp_path: Path) -> None:
     async with serve_twilio_rest(ACCOUNT, ACCOUNT, SECRET) as twilio:
         twilio.add_number(NUMBER)

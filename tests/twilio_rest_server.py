@@ -1,6 +1,6 @@
 """A local stand-in for Twilio's REST API (the paid external API), with HTTP Basic auth checked against the
 account's credentials: the Calls updates our service makes (recorded), the account's IncomingPhoneNumbers
-(`twilio setup`), and Calls created (`dial`): once "answered", the stand-in drives the call through the
+and SIP Domains (`twilio setup`), and Calls created (`dial`): once "answered", the stand-in drives the call through the
 service's real webhook and media stream with the simulated caller, as Twilio would."""
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ class TwilioRestStandIn:
     update_delay_s: float = 0.0  # answer call updates this late
     numbers: dict[str, dict[str, str | None]] = field(default_factory=dict)  # PN sid -> the number's settings
     number_updates: list[dict[str, str]] = field(default_factory=list)
+    sip_domains: dict[str, dict[str, str | None]] = field(default_factory=dict)  # SD sid -> the domain's settings
+    sip_domain_updates: list[dict[str, str]] = field(default_factory=list)
     created: list[dict[str, str]] = field(default_factory=list)  # Calls.create forms
     # Dialed calls are answered with this audio by the simulated caller, its media socket at `media_ws_url`;
     # the webhook is signed with `auth_token` (the account's, which the service checks).
@@ -48,6 +50,12 @@ class TwilioRestStandIn:
         sid = "PN" + secrets.token_hex(16)
         self.numbers[sid] = {"sid": sid, "phone_number": number, "voice_url": voice_url, "voice_method": "POST",
                              "status_callback": None, "status_callback_method": None}  # fmt: skip
+        return sid
+
+    def add_sip_domain(self, domain: str, voice_url: str | None = None) -> str:
+        sid = "SD" + secrets.token_hex(16)
+        self.sip_domains[sid] = {"sid": sid, "domain_name": domain, "voice_url": voice_url, "voice_method": "POST",
+                                 "voice_status_callback_url": None, "voice_status_callback_method": None}  # fmt: skip
         return sid
 
     def _authorized(self, request: web.Request) -> bool:
@@ -101,6 +109,29 @@ class TwilioRestStandIn:
                 number[field_name] = form[key]
         return web.json_response(number)
 
+    async def list_sip_domains(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._refused()
+        found = list(self.sip_domains.values())
+        return web.json_response({"domains": found, "next_page_uri": None, "page": 0, "page_size": 1000,
+                                  "start": 0, "end": len(found), "uri": request.path,
+                                  "first_page_uri": request.path, "previous_page_uri": None})  # fmt: skip
+
+    async def update_sip_domain(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._refused()
+        domain = self.sip_domains.get(request.match_info["domain"])
+        if domain is None:
+            return web.json_response({"code": 20404, "message": "not found", "status": 404}, status=404)
+        form = {k: str(v) for k, v in (await request.post()).items()}
+        self.sip_domain_updates.append(form)
+        for key, field_name in (("VoiceUrl", "voice_url"), ("VoiceMethod", "voice_method"),
+                                ("VoiceStatusCallbackUrl", "voice_status_callback_url"),
+                                ("VoiceStatusCallbackMethod", "voice_status_callback_method")):  # fmt: skip
+            if key in form:
+                domain[field_name] = form[key]
+        return web.json_response(domain)
+
     async def create_call(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
             return self._refused()
@@ -128,6 +159,8 @@ async def serve_twilio_rest(account_sid: str, username: str, password: str) -> A
     app.router.add_post(api + "/Calls.json", stand_in.create_call)
     app.router.add_get(api + "/IncomingPhoneNumbers.json", stand_in.list_numbers)
     app.router.add_post(api + "/IncomingPhoneNumbers/{number}.json", stand_in.update_number)
+    app.router.add_get(api + "/SIP/Domains.json", stand_in.list_sip_domains)
+    app.router.add_post(api + "/SIP/Domains/{domain}.json", stand_in.update_sip_domain)
     async with serve_on_loopback(app) as base_url:
         stand_in.base_url = base_url
         try:
