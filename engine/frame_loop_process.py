@@ -49,6 +49,10 @@ from .sampling import SamplingConfig, SamplingOverrides
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # loading a 7B checkpoint from a cold disk takes minutes
+# Fetching it first (an empty Hugging Face cache: ~16 GB) is timed apart: under START_TIMEOUT_S a first start
+# needed >= 27 MB/s, else it was killed and restarted, downloading again. A stalled download fails on its own
+# (the hub client's read timeout); this only bounds one that crawls (16 GB at ~2 MB/s).
+FETCH_TIMEOUT_S = 7200.0
 COMPILE_TIMEOUT_S = 1800.0  # and with --compile, compiling the tick in the warm-up (autotuning: many minutes)
 EXIT_BROKEN = 70  # the child's exit code when every tick fails (EX_SOFTWARE)
 
@@ -123,18 +127,7 @@ class FrameLoopProcess:
         theirs.close()
         self._conn = ours
         timeout = START_TIMEOUT_S + (COMPILE_TIMEOUT_S if self.spec.compile_mode != "off" else 0.0)
-        deadline = time.monotonic() + timeout
-        while not ours.poll(0.25):  # in slices: a stop while loading must not wait out a 7B load
-            aborted = self._abort_start.is_set()
-            if aborted or time.monotonic() > deadline:
-                self._process.kill()
-                self._process.join()
-                raise EngineError("the engine process was stopped while starting" if aborted
-                                  else f"the engine process did not come up in {timeout:.0f}s")  # fmt: skip
-        try:
-            kind, *rest = ours.recv()
-        except EOFError:
-            raise EngineError(f"the engine process died while starting (exit code {self._process.exitcode})") from None
+        kind, rest = self._await_start(ours, timeout)
         if kind == "failed" and rest[1]:  # a bad checkpoint: the same one clear line as in process
             from .checkpoint import CheckpointError
 
@@ -150,6 +143,32 @@ class FrameLoopProcess:
         self._sender = threading.Thread(target=self._send_forever, name="kame-engine-sender", daemon=True)
         self._sender.start()
         log.info("engine process %d ready: %d slots; %s", self._process.pid, self.max_calls, self.memory.describe())
+
+    def _await_start(self, conn: Connection, timeout: float) -> tuple[str, list[Any]]:
+        """The child's first answer after its checkpoint is fetched ("ready" or "failed"): the fetch has its
+        own deadline, the load and warm-up `timeout`. Polled in slices: a stop while loading must not wait
+        out a 7B load."""
+        assert self._process is not None
+        what, deadline = "fetch its checkpoint", time.monotonic() + FETCH_TIMEOUT_S
+        while True:
+            if conn.poll(0.25):
+                try:
+                    kind, *rest = conn.recv()
+                except EOFError:
+                    raise EngineError(f"the engine process died while starting (exit code {self._process.exitcode})"
+                                      ) from None  # fmt: skip
+                if kind != "fetched":
+                    return kind, rest
+                log.info("engine process: checkpoint %s is on disk; loading it", self.spec.checkpoint)
+                what, deadline = "come up", time.monotonic() + timeout
+                continue
+            aborted = self._abort_start.is_set()
+            if aborted or time.monotonic() > deadline:
+                self._process.kill()
+                self._process.join()
+                limit = FETCH_TIMEOUT_S if what.startswith("fetch") else timeout
+                raise EngineError("the engine process was stopped while starting" if aborted
+                                  else f"the engine process did not {what} in {limit:.0f}s")  # fmt: skip
 
     def abort_start(self) -> None:
         """From any thread: a `start` still waiting for the child kills it and raises EngineError."""
@@ -337,7 +356,7 @@ def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     from .batch import KameBatch
-    from .checkpoint import load_kame
+    from .checkpoint import RANDOM_PREFIX, load_kame, resolve_checkpoint
     from .heap import freeze_startup_heap
 
     if spec.torch_threads > 0:
@@ -349,6 +368,9 @@ def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
             conn.send(message)
 
     try:
+        if not spec.checkpoint.startswith(RANDOM_PREFIX):
+            resolve_checkpoint(spec.checkpoint)  # a first start downloads it here, apart from the load's deadline
+        send(("fetched",))
         bundle = load_kame(spec.checkpoint, spec.device, None, spec.context, weights_dtype=spec.weights_dtype)
         loop = _ChildFrameLoop(
             send,

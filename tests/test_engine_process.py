@@ -17,6 +17,7 @@ import aiohttp
 import numpy as np
 import pytest
 
+from engine import frame_loop_process
 from engine.interface import FRAME_SAMPLES, EngineNotice
 from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
@@ -25,6 +26,7 @@ from telephony.config import ServiceConfig
 from telephony.server import MEDIA_PATH, ServerContext, ServiceHandle
 from telephony.sim_caller import simulate_call
 
+from .hf_hub_server import serve_hub
 from .phone_fixtures import metric
 from .polling import until
 from .redis_support import free_port
@@ -33,8 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 async def _engine(checkpoint: Path, slots: int = 2) -> LocalEngine:
+    return await _engine_from(str(checkpoint), slots)
+
+
+async def _engine_from(checkpoint: str, slots: int = 2) -> LocalEngine:
     config = EngineConfig(
-        checkpoint=str(checkpoint), device="cpu", max_calls=slots, warmup_ticks=2, engine_process=True,
+        checkpoint=checkpoint, device="cpu", max_calls=slots, warmup_ticks=2, engine_process=True,
         sampling=SamplingOverrides(greedy=True),
     )
     engine = await LocalEngine.load(config)
@@ -199,6 +205,31 @@ async def test_an_engine_process_whose_every_tick_fails_exits_and_its_calls_are_
         await engine.stop()
     said = [r.getMessage() for r in caplog.records if "the engine process is broken" in r.getMessage()]
     assert len(said) == 1 and "IndexError" in said[0], said  # the child's reason, logged here once
+
+
+async def test_a_first_start_downloads_the_checkpoint_apart_from_the_load_deadline(
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With an empty cache the engine process first downloads the checkpoint (~16 GB for 7B). That counted
+    against the 600 s start deadline: a first start below ~27 MB/s was killed and restarted, downloading
+    again, for good. Here the download (a slow Hub stand-in, 2 x 8 s) outlasts a 12 s load deadline, and the
+    engine still comes up, having fetched each file once."""
+    monkeypatch.setattr(frame_loop_process, "START_TIMEOUT_S", 12.0)
+    async with serve_hub(tiny_checkpoint, "acme/kame-test", trickle_s=8.0) as (hub, endpoint):
+        # The spawned engine process reads these at import: a fresh cache, the stand-in as the Hub.
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        started = time.monotonic()
+        engine = await _engine_from("acme/kame-test")
+        took = time.monotonic() - started
+        try:
+            assert engine.ready or engine.frame_loop.alive
+        finally:
+            await engine.stop()
+    assert took > 16.0  # the download really was longer than the load deadline
+    files = sorted(p.name for p in os.scandir(tiny_checkpoint))
+    assert sorted(hub.downloads) == files, hub.downloads
 
 
 async def test_sigterm_while_the_engine_process_loads_gives_up_the_load(tiny_checkpoint: Path, tmp_path: Path) -> None:
