@@ -95,7 +95,6 @@ class StreamState:
     agent: str = "default"
     started_at: float | None = None  # monotonic, at the `start` event
     start_received_at: float | None = None  # monotonic, when `start` was read (before the seat was claimed)
-    first_media_at: float | None = None
     inbound_packets: int = 0
     inbound_audio_s: float = 0.0  # the caller's audio taken (µ-law bytes / 8000)
     frames_sent: int = 0
@@ -396,12 +395,13 @@ class MediaStreamSession:
             return None
         now = time.monotonic()
         st = self.state
-        if st.first_media_at is None:
-            st.first_media_at = now
         # Audio seconds, not packets: Twilio sends 20 ms a packet, but a packet may hold up to a second.
         seconds = len(message.media.payload) / LINE_RATE
-        since = st.start_received_at if st.start_received_at is not None else st.first_media_at
-        allowed = now - since + self.ctx.config.flood_burst_packets * 0.02
+        # Real time counts from the upgrade: Twilio opens the socket and sends `start` and audio on it at once,
+        # so a network stall that held up `start` held up its audio too and delivered both in one burst (from
+        # `start` as read, a 1.5 s stall lost the caller's first half second as a "flood"). A socket that waits
+        # before it starts is closed after --start-timeout, so that is all the extra burst it can save up.
+        allowed = now - self.opened_at + self.ctx.config.flood_burst_packets * 0.02
         if st.inbound_audio_s + seconds > allowed:
             # Faster than real time: drop rather than let the caller push the engine behind.
             self._protocol_error(FLOODING, "inbound audio faster than real time")

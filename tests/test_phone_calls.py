@@ -222,6 +222,28 @@ async def test_audio_queued_behind_a_slow_call_start_is_not_taken_for_a_flood(ti
         assert record is not None and record.end_reason == "completed"
 
 
+async def test_a_stall_that_held_up_the_start_and_its_audio_is_not_taken_for_a_flood(tiny_checkpoint: Path) -> None:
+    """Twilio sends `start` and the first packets on the socket it just opened; a network stall there holds
+    them all up, then delivers them at once. Counted from `start` as read, 1.5 s of it was half a second
+    "faster than real time": the caller's first words dropped as a flood. Real time counts from the upgrade."""
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
+        flooding = metric("kame_twilio_protocol_errors_total", kind="flooding")
+        call_sid, params = await phone.answer(http)
+        ws = await phone.open_stream(http)
+        await asyncio.sleep(1.6)  # the stall: nothing arrives, not even `start`
+        await ws.send_str(tm.start_msg("MZheld", call_sid, "AC1", params))
+        for i in range(80):  # the 1.6 s of packets Twilio sent meanwhile, all at once
+            await ws.send_str(tm.media_msg("MZheld", 2 + i, 1 + i, 20 * i, b"\x7f" * 160))
+        await ws.send_str(tm.stop_msg("MZheld", 82, call_sid, "AC1"))
+        async with asyncio.timeout(10):
+            while not ws.closed:
+                await ws.receive()
+        await phone.settled()
+        assert metric("kame_twilio_protocol_errors_total", kind="flooding") == flooding
+        record = await phone.store.get(call_sid)
+        assert record is not None and record.end_reason == "completed"
+
+
 async def test_a_second_stream_for_a_live_call_is_refused_and_the_first_plays_on(tiny_checkpoint: Path) -> None:
     """The stream token is single-use: a second socket presenting it (a replayed webhook's answer, a second
     Twilio socket) is refused, never swapped in, and never hears the call. Before, it took the call over."""
