@@ -1,6 +1,6 @@
 """`kame-phone engine-serve`: the engine alone (model, frame loop, STT + LLM back-end), serving edges.
 
-SIGTERM drains: edges are told (they turn not-ready, so no new calls are routed to them), seated calls go
+SIGTERM drains: edges are told (they get no more seats: new calls go busy or to a node with room), seated calls go
 on until they end or `--drain-timeout` passes, then the process exits.
 
 Edges (`kame-phone serve --engine ADDRESS`) connect over `engine/remote.py`'s link. A small HTTP side
