@@ -86,6 +86,8 @@ class Slot:
     underruns: int = 0
     overruns: int = 0
     standing_backlog: int = 0  # ticks in a row that left >= CATCHUP_BACKLOG caller frames queued
+    # Mean power of the caller's last CATCHUP_FLOOR_FRAMES frames taken: its minimum is the line's noise floor.
+    levels: deque[float] = field(default_factory=lambda: deque(maxlen=CATCHUP_FLOOR_FRAMES))
     catchups: int = 0
     # Forced response delay: muted while the caller speaks and until `release_at` ticks.
     caller_speaking: bool = False
@@ -105,6 +107,19 @@ CATCHUP_BACKLOG = 2
 CATCHUP_AFTER_TICKS = 12
 CATCHUP_FORCE_AFTER_TICKS = 62  # ~5 s
 CATCHUP_QUIET_DBFS = -40.0
+# A pause is quiet relative to the caller's own line: on a noisy one (a speakerphone, a street) the pauses sit
+# at the noise, above CATCHUP_QUIET_DBFS, so only the forced drop ran. Measured (flite speech through the real
+# framer and loop, 500/1000 ms stalls at 100 positions, white noise under it): at -35 dBFS noise 1.5 of the 2
+# frames dropped were a word's and the backlog took ~10 s to clear; at -40 dBFS 0.35 and ~6 s. So a queued
+# frame is also a pause below the caller's noise floor (the quietest frame taken in the last
+# CATCHUP_FLOOR_FRAMES) plus CATCHUP_FLOOR_MARGIN_DB, never looser than CATCHUP_QUIET_MAX_DBFS. With it:
+# -35 dBFS 0.7-1.1 word frames, ~2.5 s; -40 dBFS none, ~3 s; clean speech and -45 dBFS noise unchanged.
+CATCHUP_FLOOR_FRAMES = 75  # ~6 s, used once that much is heard: at ~3 s dense speech had no pause in the window
+# and the floor rose into words (clean speech lost word frames).
+CATCHUP_FLOOR_MARGIN_DB = 4.0  # 5-6 dB took faint word frames under -40 dBFS noise (0.5-0.7 per stall, more than
+# before); 2-3 dB missed the pauses of noise whose level wanders (+-3 dB around -35 dBFS), where 4 dB cut the
+# word frames dropped 1.3 -> 0.13 and the clearing time ~10 s -> ~4 s.
+CATCHUP_QUIET_MAX_DBFS = -25.0  # however loud the floor, a frame this loud is never taken for a pause
 
 # A node whose ticks miss their frame this often, over this window, is falling behind: every seated call
 # is getting less than real time, so it stops taking calls until it keeps time again.
@@ -332,7 +347,11 @@ class FrameLoop:
             return
         power = [float(np.square(frame).mean()) for frame in slot.inbox]
         quietest = int(np.argmin(power))
-        quiet = 10 * math.log10(max(power[quietest], 1e-12)) < CATCHUP_QUIET_DBFS
+        threshold = CATCHUP_QUIET_DBFS
+        if len(slot.levels) == CATCHUP_FLOOR_FRAMES:
+            floor = 10 * math.log10(max(min(slot.levels), 1e-12))
+            threshold = min(CATCHUP_QUIET_MAX_DBFS, max(threshold, floor + CATCHUP_FLOOR_MARGIN_DB))
+        quiet = 10 * math.log10(max(power[quietest], 1e-12)) < threshold
         if not quiet and slot.standing_backlog < CATCHUP_FORCE_AFTER_TICKS:
             return  # the caller is talking: wait for a pause
         del slot.inbox[quietest]
@@ -366,7 +385,9 @@ class FrameLoop:
                     reset[row] = True
                     slot.needs_reset = False
                 if slot.inbox:
-                    pcm[row] = slot.inbox.popleft()
+                    frame = slot.inbox.popleft()
+                    pcm[row] = frame
+                    slot.levels.append(float(np.dot(frame, frame)) / FRAME_SAMPLES)
                     self._catch_up(slot)
                     backlog = max(backlog, len(slot.inbox))
                 elif slot.got_audio:

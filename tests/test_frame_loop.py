@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from engine.batch import UNGENERATED, KameBatch
-from engine.frame_loop import CATCHUP_AFTER_TICKS, CATCHUP_FORCE_AFTER_TICKS, FrameLoop, SlotOutput
+from engine.frame_loop import (
+    CATCHUP_AFTER_TICKS,
+    CATCHUP_FLOOR_FRAMES,
+    CATCHUP_FORCE_AFTER_TICKS,
+    FrameLoop,
+    SlotOutput,
+)
 from engine.interface import FRAME_SAMPLES, EngineFull
 from engine.oracle_buffer import DraftTokens
 from engine.sampling import SamplingConfig
@@ -214,6 +220,63 @@ def test_a_standing_input_backlog_is_worked_off_but_the_jitter_cushion_is_kept(t
     assert slot.catchups == 2 and loop.stats.catchups == 2 and slot.overruns == 0
     assert metric("kame_engine_input_catchups_total") - before == 2
     assert metric("kame_engine_input_backlog_frames") == loop.stats.input_backlog == 1
+
+
+def _noisy_caller(seed: int, frames: int) -> list[tuple[np.ndarray, bool]]:
+    """(frame, is_pause): a line with white noise at -35 dBFS under it (a speakerphone, a street), and words
+    at -15 dBFS over it: eight frames talking, three pausing, over and over."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(FRAME_SAMPLES) / 24_000
+    out = []
+    for i in range(frames):
+        noise = 10 ** (-35 / 20) * rng.standard_normal(FRAME_SAMPLES)
+        pause = i % 11 >= 8
+        word = 0.0 if pause else 0.25 * np.sin(2 * np.pi * (220 + 20 * (i % 11)) * t)
+        out.append(((noise + word).astype(np.float32), pause))
+    return out
+
+
+def test_on_a_noisy_line_the_catch_up_finds_the_callers_pauses(tiny_bundle) -> None:
+    """A pause on a noisy line is as loud as the noise (-35 dBFS here, above the -40 dBFS that is quiet on a
+    clean one): the catch-up takes it relative to the caller's own noise floor, within a few seconds, and
+    no word's frame; without that it waited ~5 s for the forced drop and then took a word."""
+    loop = _loop(tiny_bundle, slots=2)
+    row = loop.join("A", Recorder())
+    slot = loop._slots[row]
+    audio = iter(_noisy_caller(7, 400))
+    pauses = set()
+
+    def push() -> None:
+        frame, pause = next(audio)
+        if pause:
+            pauses.add(id(frame))
+        loop.push_audio(row, "A", frame)
+
+    push()
+    push()  # the jitter cushion
+    for _ in range(CATCHUP_FLOOR_FRAMES + 10):  # the caller talks a while: its noise floor is heard
+        loop.tick()
+        push()
+    assert slot.catchups == 0 and loop.stats.input_backlog == 1
+    push()  # a stall's burst: two frames more, 4 queued (the bound)
+    push()
+    taken = []
+    ticks = 0
+    while slot.catchups < 2 and ticks < CATCHUP_FORCE_AFTER_TICKS:
+        queued = list(slot.inbox)
+        loop.tick()
+        ticks += 1
+        left = {id(f) for f in slot.inbox}
+        taken += [id(f) for f in queued[1:] if id(f) not in left]  # the head is the tick's own frame
+        push()
+    # Both frames over the cushion went within ~3 s (each after the backlog stood CATCHUP_AFTER_TICKS), and
+    # both were the caller's pauses: no word was cut.
+    assert slot.catchups == 2 and ticks <= 3 * CATCHUP_AFTER_TICKS
+    assert len(taken) == 2 and all(f in pauses for f in taken)
+    for _ in range(CATCHUP_AFTER_TICKS):
+        loop.tick()
+        push()
+    assert loop.stats.input_backlog == 1 and slot.catchups == 2
 
 
 def test_capacity_and_bad_frames(tiny_bundle) -> None:
