@@ -917,6 +917,11 @@ def test_k8s_deployment() -> None:
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model load takes minutes"
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    # A node drain evicts one pod at a time (each drains its calls while the others take new ones).
+    budget = docs[("PodDisruptionBudget", "kame-phone")]["spec"]
+    assert budget["maxUnavailable"] == 1
+    pods = docs[("Deployment", "kame-phone")]["spec"]["template"]["metadata"]["labels"]
+    assert _selects(budget["selector"]["matchLabels"], pods)
 
     # Every variable the service reads comes from the ConfigMap or the Secret the pod uses.
     config = docs[("ConfigMap", "kame-phone-config")]["data"]
@@ -1128,7 +1133,8 @@ def kustomize_build(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
 def test_k8s_split_renders_with_kustomize() -> None:
     base = kustomize_build(K8S)
     split = kustomize_build(K8S_SPLIT)
-    assert set(split) == set(base) | {("Deployment", "kame-engine"), ("Service", "kame-engine")}
+    assert set(split) == set(base) | {("Deployment", "kame-engine"), ("Service", "kame-engine"),
+                                      ("PodDisruptionBudget", "kame-engine")}  # fmt: skip
     for (kind, name), doc in split.items():
         if kind != "Namespace":
             assert doc["metadata"]["namespace"] == "kame-phone", f"{kind}/{name}"
@@ -1155,6 +1161,13 @@ def test_k8s_split_renders_with_kustomize() -> None:
     selector = split[("Service", "kame-phone")]["spec"]["selector"]
     assert _selects(selector, split[("Deployment", "kame-phone")]["spec"]["template"]["metadata"]["labels"])
     assert not _selects(selector, split[("Deployment", "kame-engine")]["spec"]["template"]["metadata"]["labels"])
+    # A node drain evicts one edge and one engine at a time, each budget over its own pods only.
+    for name, other in (("kame-phone", "kame-engine"), ("kame-engine", "kame-phone")):
+        budget = split[("PodDisruptionBudget", name)]["spec"]
+        pods = {n: split[("Deployment", n)]["spec"]["template"]["metadata"]["labels"] for n in (name, other)}
+        assert budget["maxUnavailable"] == 1
+        assert _selects(budget["selector"]["matchLabels"], pods[name])
+        assert not _selects(budget["selector"]["matchLabels"], pods[other])
 
 
 @needs_kubectl
