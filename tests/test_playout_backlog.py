@@ -20,6 +20,7 @@ from telephony.playout_clock import (
     CLEAR_ON_BARGE_IN_ABOVE_S,
     DRAIN_ABOVE_S,
     ECHO_SLACK_S,
+    MAX_PENDING_MARKS,
     PlayoutClock,
 )
 
@@ -55,6 +56,23 @@ def test_the_clock_follows_sends_corrects_by_echoes_and_forgets_cleared_marks() 
     for k in range(100):  # a peer that never echoes: bounded
         clock.mark_sent(f"m{k}", 4.0)
     assert len(clock._pending) <= 64
+
+
+def test_the_clock_forgets_the_oldest_mark_and_counts_an_echo_once() -> None:
+    clock = PlayoutClock()
+    for k in range(MAX_PENDING_MARKS + 6):  # a peer that never echoes: the newest marks are the ones kept
+        clock.sent(1.0 + k * FRAME_SECONDS)
+        clock.mark_sent(f"m{k}", 1.0 + k * FRAME_SECONDS)
+    newest = f"m{MAX_PENDING_MARKS + 5}"
+    assert "m0" not in clock._pending and newest in clock._pending
+    assert clock.echoed(newest, 7.0).waited_s is not None  # still timed: the delay figure and the correction
+    # An echo repeated (or late, after its first) corrects the estimate once, not twice.
+    clock = PlayoutClock()
+    clock.sent(2.0)
+    clock.mark_sent("b", 2.0)
+    clock.echoed("b", 2.6)
+    until = clock.until
+    assert clock.echoed("b", 2.6).waited_s is None and clock.until == until
 
 
 def _tone(samples: int) -> bytes:
@@ -149,11 +167,13 @@ async def test_a_stalls_backlog_at_twilio_drains_through_the_bots_pauses(tiny_ch
             assert session.playout.backlog(time.monotonic()) <= DRAIN_ABOVE_S + FRAME_SECONDS
             for _ in range(6):  # speech is never skipped, however deep the queue
                 assert await session.send_bot_audio(speech, -10.0) is not None
+            for level in (-40.0, -48.0):  # nor quiet speech (a soft consonant, a word's fading end)
+                assert await session.send_bot_audio(speech, level) is not None, level
             async with asyncio.timeout(5):  # what was sent arrived, and nothing else
-                while media < before + 8 + sent.count(True) + 6:  # noqa: ASYNC110 - polls what the reader saw
+                while media < before + 8 + sent.count(True) + 8:  # noqa: ASYNC110 - polls what the reader saw
                     await asyncio.sleep(0.02)
             await asyncio.sleep(0.2)
-            assert media == before + 8 + sent.count(True) + 6
+            assert media == before + 8 + sent.count(True) + 8
         finally:
             reader.cancel()
 
@@ -169,6 +189,47 @@ async def test_talking_over_a_stale_queue_clears_it(tiny_checkpoint: Path) -> No
     assert metric("kame_media_playout_clears_total") - clears_before == 1  # once per utterance
     assert kinds_after[kinds_after.index("clear") + 1 :].count("media") > 0  # and the bot goes on
     assert later <= DRAIN_ABOVE_S + FRAME_SECONDS
+
+
+async def test_talking_over_a_short_stale_queue_clears_it_too(tiny_checkpoint: Path) -> None:
+    """A queue of ~0.4 s (a stall of a few frames) is stale speech too: the caller who talks over it for half
+    a second gets it cleared. The test is the bot (the fan-out stopped), keeping ~0.4 s queued at real time."""
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http, \
+            phone.started_call(http) as (call_sid, ws):
+        events: list[str] = []
+
+        async def read() -> None:
+            async for m in ws:
+                if m.type == aiohttp.WSMsgType.TEXT:
+                    events.append(json.loads(m.data)["event"])
+
+        reader = asyncio.create_task(read())
+        try:
+            async with asyncio.timeout(10):
+                while events.count("media") < 3:
+                    await ws.send_str(tm.media_msg("MZ1", 2, 1, 20, b"\xff" * 160))
+                    await asyncio.sleep(0.02)
+            await phone.ctx.fanout.aclose()
+            session = phone.ctx.streams[call_sid]
+            clears_before = metric("kame_media_playout_clears_total")
+            await asyncio.sleep(0.3)  # Twilio's queue runs dry
+            speech, loud = bytes(_tone(640)), _tone(160)
+            for _ in range(5):  # 0.4 s queued
+                await session.send_bot_audio(speech, -10.0)
+            t0 = time.monotonic()
+            for k in range(60):  # 1.2 s: the caller talks (20 ms packets), the bot goes on at real time
+                if k % 4 == 0:
+                    await session.send_bot_audio(speech, -10.0)
+                    if metric("kame_media_playout_clears_total") == clears_before:  # until cleared: 0.3-0.6 s
+                        assert 0.3 < session.playout.backlog(time.monotonic()) + 0.08 < 0.6
+                await ws.send_str(tm.media_msg("MZ1", 3 + k, 2 + k, 40 + 20 * k, loud))
+                await asyncio.sleep(max(0.0, t0 + (k + 1) * 0.02 - time.monotonic()))
+            async with asyncio.timeout(3):
+                while "clear" not in events:  # noqa: ASYNC110 - polls what the reader saw
+                    await asyncio.sleep(0.02)
+            assert metric("kame_media_playout_clears_total") - clears_before == 1
+        finally:
+            reader.cancel()
 
 
 async def test_a_backchannel_over_a_stale_queue_does_not_cut_the_bot(tiny_checkpoint: Path) -> None:
