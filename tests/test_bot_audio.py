@@ -9,6 +9,7 @@ import json
 import os
 import secrets
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from telephony import twilio_messages as tm
 from telephony.call_store import MemoryCallStore
 from telephony.config import ServiceConfig
 from telephony.metrics import FANOUT_PHASES
+from telephony.mulaw import float_to_ulaw
 from telephony.resample import Downsampler24to8, DownsamplerBank
 from telephony.server import MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
 from telephony.signatures import SIGNATURE_HEADER, websocket_signature_url
@@ -33,7 +35,7 @@ from telephony.turns import level_dbfs, levels_dbfs
 from telephony.twilio_messages import MediaMessageTemplate, media_message
 from telephony.twiml import parse_connect_stream
 
-from .phone_fixtures import dominant_hz, metric
+from .phone_fixtures import dominant_hz, metric, running_phone
 from .polling import until
 
 
@@ -273,3 +275,58 @@ def test_a_ticks_levels_are_each_rows_level() -> None:
     rows = np.stack([np.zeros(640, np.float32), np.full(640, 0.1, np.float32), np.full(640, -1.0, np.float32)])
     np.testing.assert_allclose(levels_dbfs(rows), [level_dbfs(row) for row in rows], atol=1e-4)
     assert levels_dbfs(rows)[0] == -180.0 and abs(levels_dbfs(rows)[1] + 20.0) < 1e-3
+
+
+async def test_each_call_drains_and_filters_by_its_own_row(tiny_checkpoint: Path) -> None:
+    """The fan-out's decisions per call follow that call's own row: a backed-up call's speech is sent and its
+    silence drained whatever its neighbour's row holds; and after a gap a call's next words start from a
+    clean filter (the speech before the gap, kept, began them with a click of it)."""
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http, \
+            phone.started_call(http) as (sid_a, _):
+        sid_b, params = await phone.answer(http)
+        ws_b = await phone.open_stream(http)
+        await ws_b.send_str(tm.start_msg("MZ2", sid_b, "AC1", params))
+        await until(lambda: sid_b in phone.ctx.streams and phone.ctx.streams[sid_b].playing, "b streaming")
+        fanout = phone.ctx.fanout
+        await fanout.aclose()  # from here the test is the engine
+        a, b = phone.ctx.streams[sid_a], phone.ctx.streams[sid_b]
+        payloads: list[bytes] = []
+
+        async def read_b() -> None:
+            async for m in ws_b:
+                if m.type == aiohttp.WSMsgType.TEXT and (event := json.loads(m.data))["event"] == "media":
+                    payloads.append(base64.b64decode(event["media"]["payload"]))
+
+        reader = asyncio.create_task(read_b())
+        t = np.arange(FRAME_SAMPLES) / 24000
+        speech = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+        silence = np.zeros(FRAME_SAMPLES, np.float32)
+
+        async def tick(row_a: np.ndarray, row_b: np.ndarray, voiced_b: bool = True) -> None:
+            await fanout.deliver(BotFrames((sid_a, sid_b), np.stack([row_a, row_b]), ("", ""), (True, voiced_b),
+                                           (0, 0), (False, False), time.monotonic()))  # fmt: skip
+
+        try:
+            b.playout.until = time.monotonic() + 1.0  # b's Twilio queue is a second deep (a stall)
+            sent_a, sent_b = a.state.frames_sent, b.state.frames_sent
+            drained = metric("kame_media_playout_drained_frames_total")
+            await tick(speech, silence)  # b's pause beside a talking a: b's pause is drained
+            assert (a.state.frames_sent, b.state.frames_sent) == (sent_a + 1, sent_b)
+            assert metric("kame_media_playout_drained_frames_total") == drained + 1
+            await tick(silence, speech)  # b talks beside a silent a: b's speech goes out
+            assert (a.state.frames_sent, b.state.frames_sent) == (sent_a + 2, sent_b + 1)
+
+            b.playout.until = 0.0
+            await tick(silence, speech)
+            await tick(silence, silence, voiced_b=False)  # b's line goes quiet (a held reply)
+            tone = (0.3 * np.sin(2 * np.pi * 1500 * t)).astype(np.float32)
+            await tick(silence, tone)
+            async with asyncio.timeout(5):
+                while len(payloads) < 3:  # noqa: ASYNC110 - polls what the reader saw
+                    await asyncio.sleep(0.02)
+        finally:
+            reader.cancel()
+            await ws_b.send_str(tm.stop_msg("MZ2", 10**6, sid_b, "AC1"))
+            await ws_b.close()
+    fresh = float_to_ulaw(Downsampler24to8().process(tone))
+    assert payloads[-1] == bytes(fresh)  # as from a filter that never heard the speech before the gap
