@@ -326,6 +326,15 @@ def test_a_caller_talking_over_the_greeting_does_not_repeat_it() -> None:
     ]
 
 
+def test_the_bots_words_after_a_barge_in_on_the_greeting_reach_the_llm() -> None:
+    """Once the caller starts talking (a partial is enough) the bot's new words are its own, not the greeting."""
+    conv = Conversation(system_prompt="S")
+    conv.greet("Hello, how can I help?")
+    conv.caller_partial("I need")
+    conv.bot_piece("▁Sure")
+    assert any(m["role"] == "assistant" and "Sure" in m["content"] for m in conv.messages()), conv.messages()
+
+
 def test_a_long_calls_requests_carry_only_the_newest_turns_that_fit() -> None:
     """Every request carries the history, several a second: a long call's must not grow without end (past a
     self-hosted model's context every request would fail). The newest turns within the bound are sent, the

@@ -22,6 +22,7 @@ import pytest
 import redis.asyncio as aioredis
 from twilio.request_validator import RequestValidator
 
+from telephony import admission
 from telephony.admission import CallSidUsed
 from telephony.call_store import CallRecord, open_call_store
 from telephony.cluster import LocalCluster, RedisCluster, Reservation, open_cluster
@@ -254,6 +255,42 @@ async def test_local_cluster() -> None:
     assert await c.claim(sid, r.token) and c.reserved == 0
     await c.drain()
     assert await c.reserve(new_call_sid()) is None
+
+
+def _one_seat() -> LocalCluster:
+    return LocalCluster("here", "ws://127.0.0.1:1" + MEDIA_PATH, lambda: 1, reservation_ttl_s=0.3)
+
+
+async def test_a_local_reservation_that_expires_unstreamed_is_used_up() -> None:
+    """A webhook replayed after its reservation expired gets no second token (a captured one, every few s)."""
+    c = _one_seat()
+    sid = new_call_sid()
+    assert await c.reserve(sid) is not None
+    await asyncio.sleep(0.5)
+    with pytest.raises(CallSidUsed):
+        await c.reserve(sid)
+    assert await c.streamed(sid) is False  # expired, not streamed: the status callback ends its record
+
+
+async def test_a_local_token_is_claimed_once() -> None:
+    """A second socket presenting the same token (a replayed webhook's answer) never gets the call."""
+    c = _one_seat()
+    sid = new_call_sid()
+    r = await c.reserve(sid)
+    assert r is not None and await c.claim(sid, r.token)
+    assert not await c.claim(sid, r.token)
+
+
+async def test_the_oldest_used_up_call_sids_are_forgotten_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the memory cap the oldest CallSid goes, never the newest: a fresh call's replay is still refused."""
+    monkeypatch.setattr(admission, "REMEMBERED_CALLS", 2)
+    c = _one_seat()
+    for sid in ("a", "b", "c"):
+        r = await c.reserve(sid)
+        assert r is not None and await c.claim(sid, r.token)
+    assert await c.streamed("c") and not await c.streamed("a")
+    with pytest.raises(CallSidUsed):
+        await c.reserve("c")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from telephony.call_store import CallRecord
 from telephony.server import VOICE_PATH
 from telephony.sim_caller import simulate_call
 from telephony.sim_playout import CallReport
-from telephony.stream_limits import END_AFTER_DROPS, StreamLimits
+from telephony.stream_limits import END_AFTER_DROPS, LIMITS, StreamLimits
 from telephony.twiml import parse_connect_stream
 
 from .phone_fixtures import Phone, metric, new_call_sid, running_phone
@@ -327,3 +327,31 @@ def test_drops_end_a_stream_only_when_they_come_fast() -> None:
     for i in range(END_AFTER_DROPS + 200):  # marks past their bucket (100 pass) count the same way
         kept.allow("mark", now=0.0 + i * 1e-4)
     assert kept.flooding
+
+
+def test_mark_echoes_at_twice_our_mark_rate_are_never_dropped() -> None:
+    """We send a mark per 480 ms of bot audio and Twilio echoes each: a long call's echoes (here at twice
+    that rate, for 40 minutes) must never count as drops, or an honest call is ended as flooding."""
+    limits = StreamLimits()
+    assert all(limits.allow("mark", now=i * 0.24) for i in range(10_000))
+    assert limits.dropped == 0
+
+
+def test_an_idle_bucket_refills_only_to_its_burst() -> None:
+    """An hour without keys does not bank an hour of tokens: a flood after a quiet spell is still cut at the burst."""
+    limits = StreamLimits()
+    assert limits.allow("dtmf", now=0.0)
+    passed = 0
+    while passed < 100_000 and limits.allow("dtmf", now=3600.0):
+        passed += 1
+    assert passed == LIMITS["dtmf"][1]
+
+
+def test_drops_from_over_a_minute_ago_do_not_count_towards_flooding() -> None:
+    """The flood window is a minute: 999 drops, then two more 61 s later, is not a flood (the call goes on)."""
+    limits = StreamLimits()
+    for i in range(END_AFTER_DROPS - 1):
+        limits.drop("media", now=i * 1e-3)
+    limits.drop("media", now=61.0)
+    limits.drop("media", now=61.0)
+    assert limits.dropped == END_AFTER_DROPS + 1 and not limits.flooding

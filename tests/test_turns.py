@@ -5,6 +5,7 @@ the caller barges in (a forced response delay)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -14,7 +15,7 @@ from telephony.call_store import MemoryCallStore
 from telephony.config import ServiceConfig
 from telephony.server import MEDIA_PATH, ServerContext, ServiceHandle
 from telephony.sim_caller import simulate_call
-from telephony.turns import SILENCE_DBFS, TurnTracker, Unanswered
+from telephony.turns import SILENCE_DBFS, TurnEnd, TurnTracker, Unanswered
 
 from .link_fixtures import TOKEN, tone
 from .phone_fixtures import metric
@@ -157,3 +158,49 @@ def test_a_turn_the_bot_never_answers_is_counted_when_the_caller_speaks_again_or
         if t >= 1.8:
             answered.bot_level(-10.0, t)
     assert answered.hang_up(2.4) is None  # answered: a turn latency, not dead air
+
+
+def _caller_over_the_bot(
+    turns: TurnTracker, bot_level_at: Callable[[int], float] = lambda k: -10.0
+) -> tuple[TurnEnd, int]:
+    """The bot talks 0-3 s, the caller talks over it 0.5-1.5 s: (the caller's TurnEnd, the frame index)."""
+    for k in range(60):
+        t = k * FRAME_S
+        if t < 3.0:
+            turns.bot_level(bot_level_at(k), t)
+        ended = turns.caller_frame(LOUD if 0.5 <= t < 1.5 else QUIET, t)
+        if isinstance(ended, TurnEnd):
+            return ended, k
+    raise AssertionError("the caller's turn never ended")
+
+
+def test_a_caller_turn_ending_while_the_bot_talks_is_an_overlap_not_a_reply() -> None:
+    """The bot was talking before and after the caller's words: an overlap, not a (negative) reply latency."""
+    ended, _ = _caller_over_the_bot(TurnTracker())
+    assert ended.overlap and ended.reply_latency_s is None, ended
+
+
+def test_an_overlapped_turn_waits_for_no_reply() -> None:
+    """After an overlap the bot's speech goes on: it is no reply to book, nor dead air at the hang-up."""
+    talking_on, hanging_up = TurnTracker(), TurnTracker()
+    ended, k = _caller_over_the_bot(talking_on)
+    assert ended.overlap and talking_on.bot_level(-10.0, (k + 1) * FRAME_S) is None
+    _caller_over_the_bot(hanging_up)
+    assert hanging_up.hang_up((k + 1) * FRAME_S) is None
+
+
+def test_one_quiet_bot_frame_mid_sentence_does_not_end_the_bots_speech() -> None:
+    """A single quiet frame (a pause between words) is not the bot falling silent: still an overlap."""
+    ended, _ = _caller_over_the_bot(TurnTracker(), lambda k: -60.0 if k % 5 == 4 else -10.0)
+    assert ended.overlap and ended.reply_latency_s is None, ended
+
+
+def test_a_caller_turn_ends_after_0_6_s_of_silence() -> None:
+    """The turn-end wait is counted into every reply's dead air: 0.6 s, so the stop at 0.96 ends at ~1.6 s."""
+    turns = TurnTracker()
+    for k in range(40):
+        t = k * FRAME_S
+        ended = turns.caller_frame(LOUD if t < 1.0 else QUIET, t)
+        if ended is not None:
+            break
+    assert isinstance(ended, TurnEnd) and abs(ended.at - 0.96) < 1e-6 and abs(t - 1.6) < 0.01, (ended, t)
