@@ -222,6 +222,22 @@ def test_a_standing_input_backlog_is_worked_off_but_the_jitter_cushion_is_kept(t
     assert metric("kame_engine_input_backlog_frames") == loop.stats.input_backlog == 1
 
 
+def test_a_soft_spoken_callers_words_are_not_taken_for_pauses(tiny_bundle) -> None:
+    """A caller talking softly (about -30 dBFS, a quiet voice or a far-off handset) behind a stall's backlog:
+    their frames are words, so none goes before the backlog has stood the forced ~5 s."""
+    loop = _loop(tiny_bundle, slots=1)
+    row = loop.join("A", Recorder())
+    slot = loop._slots[row]
+    audio = iter(0.08 * f for f in _caller_audio(7, 100))
+    assert -33 < 10 * np.log10(float(np.square(next(audio)).mean())) < -27
+    for _ in range(4):  # the burst: the inbox at its bound
+        loop.push_audio(row, "A", next(audio))
+    for _ in range(CATCHUP_FORCE_AFTER_TICKS - 2):
+        loop.tick()
+        loop.push_audio(row, "A", next(audio))
+    assert slot.standing_backlog > CATCHUP_AFTER_TICKS and slot.catchups == 0
+
+
 def _noisy_caller(seed: int, frames: int) -> list[tuple[np.ndarray, bool]]:
     """(frame, is_pause): a line with white noise at -35 dBFS under it (a speakerphone, a street), and words
     at -15 dBFS over it: eight frames talking, three pausing, over and over."""
