@@ -288,6 +288,7 @@ def load_kame(
     context: int | None = None,
     revision: str | None = None,
     weights_dtype: str = "auto",
+    files: CheckpointFiles | None = None,
 ) -> KameBundle:
     """Load LM, Mimi and tokenizer from a directory, a Hugging Face repo id or `random:SIZE` (see
     load_random). `context` caps the KV cache in frames (the call-length window); `weights_dtype` int8
@@ -297,7 +298,7 @@ def load_kame(
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if source.startswith(RANDOM_PREFIX):
         return load_random(source.removeprefix(RANDOM_PREFIX), device, dtype, context, weights_dtype)
-    files = resolve_checkpoint(source, revision)
+    files = files or resolve_checkpoint(source, revision)  # `files`: resolved (fetched) already
     lm = load_lm(files, device, dtype, {"context": context} if context else None)
     _quantize(lm, weights_dtype)
     return KameBundle(

@@ -101,8 +101,9 @@ class Slot:
 # tick's own is the jitter cushion (arrival wobbles by milliseconds around the tick, so a steady one is
 # normal and dropping it would trade a gap for a splice every second); a deeper backlog that stands for
 # CATCHUP_AFTER_TICKS (about a second) loses its quietest queued frame if that is a pause (below
-# CATCHUP_QUIET_DBFS), at most one a second; while the caller talks on without a pause, a word's frame is
-# dropped only once the backlog has stood CATCHUP_FORCE_AFTER_TICKS (late hearing is the worse harm by then).
+# CATCHUP_QUIET_DBFS, or near the caller's own noise floor: below), at most one a second; while the caller
+# talks on without a pause, a word's frame is dropped only once the backlog has stood
+# CATCHUP_FORCE_AFTER_TICKS (late hearing is the worse harm by then).
 CATCHUP_BACKLOG = 2
 CATCHUP_AFTER_TICKS = 12
 CATCHUP_FORCE_AFTER_TICKS = 62  # ~5 s

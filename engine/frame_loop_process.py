@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -145,28 +146,35 @@ class FrameLoopProcess:
         log.info("engine process %d ready: %d slots; %s", self._process.pid, self.max_calls, self.memory.describe())
 
     def _await_start(self, conn: Connection, timeout: float) -> tuple[str, list[Any]]:
-        """The child's first answer after its checkpoint is fetched ("ready" or "failed"): the fetch has its
-        own deadline, the load and warm-up `timeout`. Polled in slices: a stop while loading must not wait
-        out a 7B load."""
-        assert self._process is not None
-        what, deadline = "fetch its checkpoint", time.monotonic() + FETCH_TIMEOUT_S
+        """The child's first answer after its checkpoint is fetched ("ready" or "failed"): a download from
+        the Hugging Face Hub has its own deadline, the load and warm-up `timeout`. Polled in slices: a stop
+        while loading must not wait out a 7B load."""
+        process = self._process
+        assert process is not None
+        fetching = True
+        # A local directory or random weights: nothing to download, the load's deadline from the spawn on.
+        limit = FETCH_TIMEOUT_S if _downloads(self.spec.checkpoint) else timeout
+        deadline = time.monotonic() + limit
         while True:
             if conn.poll(0.25):
                 try:
                     kind, *rest = conn.recv()
                 except EOFError:
-                    raise EngineError(f"the engine process died while starting (exit code {self._process.exitcode})"
+                    process.join(5)
+                    raise EngineError(f"the engine process died while starting (exit code {process.exitcode})"
                                       ) from None  # fmt: skip
                 if kind != "fetched":
                     return kind, rest
-                log.info("engine process: checkpoint %s is on disk; loading it", self.spec.checkpoint)
-                what, deadline = "come up", time.monotonic() + timeout
+                if _downloads(self.spec.checkpoint):
+                    log.info("engine process: checkpoint %s is on disk; loading it", self.spec.checkpoint)
+                fetching, limit = False, timeout
+                deadline = time.monotonic() + timeout
                 continue
             aborted = self._abort_start.is_set()
             if aborted or time.monotonic() > deadline:
-                self._process.kill()
-                self._process.join()
-                limit = FETCH_TIMEOUT_S if what.startswith("fetch") else timeout
+                process.kill()
+                process.join()
+                what = "fetch its checkpoint" if fetching else "come up"
                 raise EngineError("the engine process was stopped while starting" if aborted
                                   else f"the engine process did not {what} in {limit:.0f}s")  # fmt: skip
 
@@ -343,6 +351,13 @@ class FrameLoopProcess:
         self.stats.input_backlog = backlog
 
 
+def _downloads(checkpoint: str) -> bool:
+    """Whether starting on `checkpoint` may download it: a Hugging Face repo id, not a directory or random."""
+    from .checkpoint import RANDOM_PREFIX
+
+    return not checkpoint.startswith(RANDOM_PREFIX) and not Path(checkpoint).expanduser().is_dir()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The child
 
@@ -368,10 +383,12 @@ def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
             conn.send(message)
 
     try:
-        if not spec.checkpoint.startswith(RANDOM_PREFIX):
-            resolve_checkpoint(spec.checkpoint)  # a first start downloads it here, apart from the load's deadline
+        # A first start downloads it here, apart from the load's deadline; the load then reads these files (not
+        # the Hub again: a revision moved meanwhile would download inside the load's deadline).
+        files = None if spec.checkpoint.startswith(RANDOM_PREFIX) else resolve_checkpoint(spec.checkpoint)
         send(("fetched",))
-        bundle = load_kame(spec.checkpoint, spec.device, None, spec.context, weights_dtype=spec.weights_dtype)
+        bundle = load_kame(spec.checkpoint, spec.device, None, spec.context, weights_dtype=spec.weights_dtype,
+                           files=files)  # fmt: skip
         loop = _ChildFrameLoop(
             send,
             KameBatch(bundle.lm, bundle.mimi, spec.max_calls, spec.sampling.resolve(bundle.lm_gen_config),

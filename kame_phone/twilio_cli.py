@@ -63,8 +63,8 @@ def _rest() -> TwilioRest:
 
 
 async def twilio_setup(args: argparse.Namespace) -> None:
-    number = _number(args.number, "--number") if args.number else None
-    domain = _sip_domain(args.sip_domain) if args.sip_domain else None
+    number = _number(args.number, "--number") if args.number is not None else None
+    domain = _sip_domain(args.sip_domain) if args.sip_domain is not None else None
     public = _public_url(args)
     voice_url, status_url = public + VOICE_PATH, public + CALL_STATUS_PATH
     rest = _rest()

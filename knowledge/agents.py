@@ -42,7 +42,9 @@ DEFAULT_AGENT = "default"
 E164 = re.compile(r"\+[1-9]\d{6,14}")
 # A SIP URI as Twilio's `To` carries it for a call through a SIP Domain or a BYOC trunk (the INVITE's
 # Request-URI): scheme, user@host, then any port, parameters or headers (`;transport=tls`, `?X-Foo=1`).
-_SIP_URI = re.compile(r"<?(sips?):([^@;?>\s]+)@([^;?>\s]+)(?:[;?][^\s>]*)?>?", re.IGNORECASE)
+# The user may carry parameters of its own (sip:+15550002222;npdi;rn=+15550009999@host: a carrier's number
+# portability data); they are not part of the address routing compares.
+_SIP_URI = re.compile(r"<?(sips?):([^@?>\s]+)@([^@;?>\s]+)(?:[;?][^\s>]*)?>?", re.IGNORECASE)
 # Twilio's regional and edge forms of a SIP Domain (acme.sip.us1.twilio.com, acme.sip.ashburn.twilio.com) are
 # the same domain as acme.sip.twilio.com: a PBX may send to any of them.
 _TWILIO_SIP_HOST = re.compile(r"([a-z0-9-]+)\.sip\.[a-z0-9-]+\.twilio\.com")
@@ -108,10 +110,22 @@ class Agents:
         a PBX's trunk dials the number it means."""
         if requested and requested in self.by_name:
             return self.by_name[requested]
-        address = sip_address(to_number or "")
-        keys = [to_number or ""] if address is None else [address, _sip_user(address)]
-        name = next((self.by_number[k] for k in keys if k in self.by_number), DEFAULT_AGENT)
+        name = self._claimant(to_number or "", any_host=True) or DEFAULT_AGENT
         return self.by_name.get(name) or self.by_name[DEFAULT_AGENT]
+
+    def _claimant(self, target: str, *, any_host: bool) -> str | None:
+        """The agent claiming `target` (a number, or a SIP URI by its address, else by the E.164 number that is
+        its user: on any host for a call that reached us, only on a Twilio SIP Domain for a transfer, which
+        a PBX elsewhere would answer itself)."""
+        address = sip_address(target)
+        if address is None:
+            return self.by_number.get(target)
+        if address in self.by_number:
+            return self.by_number[address]
+        user, host = address[len("sip:"):].rsplit("@", 1)
+        if E164.fullmatch(user) and (any_host or host.endswith(".sip.twilio.com")):
+            return self.by_number.get(user)
+        return None
 
     def get(self, name: str | None) -> Agent:
         return self.by_name.get(name or DEFAULT_AGENT) or self.by_name[DEFAULT_AGENT]
@@ -147,17 +161,17 @@ class Agents:
                                       f"claimed by agent {by_number[number]!r}")  # fmt: skip
                 by_number[number] = name
             by_name[name] = agent
+        agents = cls(by_name, by_number, path)
         for name, agent in by_name.items():
             # A transfer (or a busy dial) to a number or SIP address this service answers rings the bot again:
-            # the caller goes round, every leg billed. (Not a SIP address whose user is one of our numbers: the
-            # PBX at that host is not us.)
-            target = agent.transfer_to and (sip_address(agent.transfer_to) or agent.transfer_to)
-            if target in by_number:
+            # the caller goes round, every leg billed.
+            claimant = agent.transfer_to and agents._claimant(agent.transfer_to, any_host=False)
+            if claimant:
                 raise AgentsError(f"agents file {path}: agent {name!r}: key 'transfer_to': {agent.transfer_to} is "
-                                  f"answered by this service (agent {by_number[target]!r}): a transfer "
+                                  f"answered by this service (agent {claimant!r}): a transfer "
                                   "there would loop back to the bot")  # fmt: skip
         by_name.setdefault(DEFAULT_AGENT, Agent(DEFAULT_AGENT))  # numbers no agent claims
-        return cls(by_name, by_number, path)
+        return agents
 
 
 def _agent(path: Path, name: str, table: Any) -> Agent:
@@ -222,7 +236,8 @@ def _optional_text(table: dict[str, Any], key: str, bad: Any, *, limit: int) -> 
 
 
 def _sip_uri(value: str) -> bool:
-    return re.fullmatch(r"sips?:[^\s@]+@[^\s@]+", value) is not None
+    """A `transfer_to` SIP URI: a dial target, so its parameters (;transport=tls) are kept and sent."""
+    return re.fullmatch(r"sips?:[^\s@]+@[^\s@]+", value, re.IGNORECASE) is not None
 
 
 def _routable(value: str) -> bool:
@@ -238,13 +253,12 @@ def sip_address(uri: str) -> str | None:
     m = _SIP_URI.fullmatch(uri.strip())
     if m is None:
         return None
-    user, host = unquote(m.group(2)), re.sub(r":\d+$", "", m.group(3).lower())
+    user, host = unquote(m.group(2).split(";", 1)[0]), re.sub(r":\d+$", "", m.group(3).lower())
+    if not user or "@" in user:  # an escaped '@' would make a user that names another domain's address
+        return None
     host = _TWILIO_SIP_HOST.sub(r"\1.sip.twilio.com", host) if _TWILIO_SIP_HOST.fullmatch(host) else host
     return f"sip:{user}@{host}"
 
-
-def _sip_user(address: str) -> str:
-    return address[len("sip:"):].rsplit("@", 1)[0]
 
 
 def _tool(bad: Any, table: Any) -> HttpTool:

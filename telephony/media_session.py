@@ -314,8 +314,7 @@ class MediaStreamSession:
         if self._evicted:
             return
         self.ctx.awaiting_start.pop(self, None)  # starting: no longer the one a full cap closes
-        # Twilio's media clock starts here. Claiming the seat and opening it may take seconds on a slow
-        # Redis, while the caller's packets queue up in real time: they are no flood.
+        # First audio is timed from here (the real-time guard counts from the upgrade: see `_on_media`).
         self.state.start_received_at = time.monotonic()
         start = message.start
         call_sid = start.call_sid

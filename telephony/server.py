@@ -171,6 +171,10 @@ def _counted(request: web.Request, endpoint: str, ok: bool) -> bool:
     return ok
 
 
+# A `To` longer than this is no number or SIP address an agent could claim (an agent's entry is at most a few
+# hundred characters); the cap bounds the matching's work on a 32 KB form field.
+MAX_ROUTED_TEXT = 1024
+
 # An unstarted media socket at least this old may be closed to make room for a newer upgrade.
 EVICT_UNSTARTED_AFTER_S = 1.0
 # A webhook's body arrives within this, or the request is over (408). aiohttp's keep-alive timer runs only
@@ -222,8 +226,9 @@ async def handle_voice(request: web.Request) -> web.Response:
     to_number, from_number = _caller_id(form.get("To")), _caller_id(form.get("From"))
     # `?agent=NAME` on the webhook URL (signed with it) picks the agent of an outbound call.
     # Our number is `To` on an inbound call, `From` on an outbound one (`kame-phone dial`).
-    ours = from_number if str(form.get("Direction", "")).startswith("outbound") else to_number
-    agent = ctx.agents.agents.for_call(ours, request.query.get("agent"))
+    # Routed on the number as sent, not as cut for the record (a long SIP URI's host must stay whole).
+    ours = form.get("From" if str(form.get("Direction", "")).startswith("outbound") else "To")
+    agent = ctx.agents.agents.for_call(str(ours or "")[:MAX_ROUTED_TEXT], request.query.get("agent"))
     record = CallRecord(call_sid=call_sid, from_number=from_number, to_number=to_number, node=ctx.config.node_id,
                         agent=agent.name)  # fmt: skip
     try:

@@ -101,14 +101,23 @@ transfer_to = "sip:{SALES}@pbx.acme.example"
         # A SIP call to a number no agent claims as an address goes to that number's agent.
         (f"sip:{SALES}@acme.sip.twilio.com;user=phone", "sales"),
         ("sip:%2B15550002222@acme.sip.twilio.com", "sales"),
+        (f"sip:{SALES};npdi;rn=+15550009999@carrier.example;user=phone", "sales"),  # number portability data
         (SALES, "sales"),
         ("client:alice", "default"),
+        # A user that names another domain's address is no way into that domain's agent.
+        ("sip:sip:support%40acme.sip.twilio.com@beta.sip.twilio.com", "default"),
+        ("sip:sip:support@acme.sip.twilio.com@beta.sip.twilio.com", "default"),
+        ("sip:support@acme.sip.twilio.com" + "x" * 2000, "default"),
     ],
 )
 def test_sip_calls_route_by_address_or_by_the_number_they_dial(tmp_path: Path, to: str, agent: str) -> None:
     agents = Agents.load(write_agents(tmp_path, SIP_AGENTS))
     assert agents.for_call(to).name == agent
-    # A transfer to the PBX at a SIP address whose user is one of our numbers is not a loop (the PBX is not us).
+
+
+def test_a_transfer_to_a_pbx_at_one_of_our_numbers_is_no_loop(tmp_path: Path) -> None:
+    """sip:+NUMBER@pbx.acme.example rings the PBX, not us (the same number on our SIP Domain would loop)."""
+    agents = Agents.load(write_agents(tmp_path, SIP_AGENTS))
     assert agents.get("support").transfer_to == f"sip:{SALES}@pbx.acme.example"
 
 
@@ -184,6 +193,9 @@ async def test_a_sip_domain_call_gets_its_agent_through_the_real_webhook_and_str
         ('[agents.a]\ninstructions = "x"\nnumbers = ["sip:help@acme.sip.twilio.com"]\n[agents.b]\n'
          'instructions = "y"\ntransfer_to = "sip:help@acme.sip.ie1.twilio.com"\n',
          "agent 'b': key 'transfer_to': sip:help@acme.sip.ie1.twilio.com is answered by this service (agent 'a')"),
+        # A transfer to one of our numbers through a Twilio SIP Domain comes back to us as that number's call.
+        (f'[agents.a]\ninstructions = "x"\nnumbers = ["{SALES}"]\n[agents.b]\ninstructions = "y"\n'
+         f'transfer_to = "sip:{SALES}@acme.sip.twilio.com"\n', "key 'transfer_to': sip:+15550002222@acme.sip.twilio"),
     ],
 )  # fmt: skip
 def test_a_bad_file_is_refused_in_one_line_naming_file_agent_and_key(tmp_path: Path, text: str, says: str) -> None:

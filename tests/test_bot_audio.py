@@ -298,6 +298,8 @@ async def test_each_call_drains_and_filters_by_its_own_row(tiny_checkpoint: Path
                     payloads.append(base64.b64decode(event["media"]["payload"]))
 
         reader = asyncio.create_task(read_b())
+        await asyncio.sleep(0.3)  # what the engine's fan-out sent b before it stopped has arrived
+        base = len(payloads)
         t = np.arange(FRAME_SAMPLES) / 24000
         speech = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
         silence = np.zeros(FRAME_SAMPLES, np.float32)
@@ -321,12 +323,13 @@ async def test_each_call_drains_and_filters_by_its_own_row(tiny_checkpoint: Path
             await tick(silence, silence, voiced_b=False)  # b's line goes quiet (a held reply)
             tone = (0.3 * np.sin(2 * np.pi * 1500 * t)).astype(np.float32)
             await tick(silence, tone)
-            async with asyncio.timeout(5):
-                while len(payloads) < 3:  # noqa: ASYNC110 - polls what the reader saw
+            async with asyncio.timeout(5):  # b's three frames: speech, speech, then after the gap the tone
+                while len(payloads) < base + 3:  # noqa: ASYNC110 - polls what the reader saw
                     await asyncio.sleep(0.02)
         finally:
             reader.cancel()
             await ws_b.send_str(tm.stop_msg("MZ2", 10**6, sid_b, "AC1"))
             await ws_b.close()
     fresh = float_to_ulaw(Downsampler24to8().process(tone))
+    assert len(payloads) == base + 3
     assert payloads[-1] == bytes(fresh)  # as from a filter that never heard the speech before the gap

@@ -4,6 +4,7 @@ resets cross the pipe, the parent's metrics see the child's ticks, and a dead en
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import re
 import signal
@@ -18,7 +19,8 @@ import numpy as np
 import pytest
 
 from engine import frame_loop_process
-from engine.interface import FRAME_SAMPLES, EngineNotice
+from engine.frame_loop_process import ChildSpec, FrameLoopProcess
+from engine.interface import FRAME_SAMPLES, EngineError, EngineNotice
 from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
 from telephony.call_store import MemoryCallStore
@@ -162,7 +164,6 @@ async def test_an_engine_whose_every_tick_fails_is_broken_its_calls_told_and_liv
 def _child_that_breaks_after_warmup(conn: Any, spec: Any, warmup_ticks: int) -> None:
     """The real engine child, with a fault that sticks once it is up (as the in-process test above: a text
     weight cut short, so every tick with a call fails). Runs in the spawned child: module-level, importable."""
-    from engine import frame_loop_process
 
     start = frame_loop_process._ChildFrameLoop.start
 
@@ -180,7 +181,6 @@ async def test_an_engine_process_whose_every_tick_fails_exits_and_its_calls_are_
 ) -> None:
     """In its own process, a broken engine says why and exits (code 70), so the parent's death path ends its
     calls, fails health, and the device's memory is freed for the restart."""
-    from engine import frame_loop_process
 
     monkeypatch.setattr(frame_loop_process, "_child_main", _child_that_breaks_after_warmup)
     engine = await _engine(tiny_checkpoint)
@@ -224,12 +224,74 @@ async def test_a_first_start_downloads_the_checkpoint_apart_from_the_load_deadli
         engine = await _engine_from("acme/kame-test")
         took = time.monotonic() - started
         try:
-            assert engine.ready or engine.frame_loop.alive
+            assert engine.frame_loop.alive and engine.free_slots == 2
         finally:
             await engine.stop()
     assert took > 16.0  # the download really was longer than the load deadline
     files = sorted(p.name for p in os.scandir(tiny_checkpoint))
     assert sorted(hub.downloads) == files, hub.downloads
+
+
+class _ChildStandIn:
+    """What `_await_start` uses of the child's `multiprocessing.Process` (the deadlines are the unit here)."""
+
+    exitcode: int | None = None
+    killed = False
+
+    def kill(self) -> None:
+        self.killed, self.exitcode = True, -9
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def _starting(checkpoint: str) -> tuple[FrameLoopProcess, Any, Any, _ChildStandIn]:
+    loop = FrameLoopProcess(ChildSpec(checkpoint, "cpu", 2, None, SamplingOverrides(), 0.0, 4))
+    ours, theirs = multiprocessing.Pipe()
+    loop._process = child = _ChildStandIn()  # type: ignore[assignment]
+    return loop, ours, theirs, child
+
+
+def test_the_start_deadlines_time_a_download_apart_from_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(frame_loop_process, "FETCH_TIMEOUT_S", 30.0)
+    loop, ours, theirs, _ = _starting("acme/kame")  # a Hub repo id: the child may download it first
+    theirs.send(("fetched",))
+    theirs.send(("ready", "sampling", "memory"))
+    assert loop._await_start(ours, timeout=5.0) == ("ready", ["sampling", "memory"])
+
+    # A download longer than the load's deadline is fine; the load's deadline runs from its end.
+    loop, ours, theirs, child = _starting("acme/kame")
+    threading.Timer(0.6, theirs.send, args=(("fetched",),)).start()
+    began = time.monotonic()
+    with pytest.raises(EngineError, match="did not come up"):
+        loop._await_start(ours, timeout=0.4)
+    assert time.monotonic() - began >= 0.95 and child.killed
+
+    # A directory (or random weights) downloads nothing: no download's allowance, the load's deadline at once.
+    loop, ours, _, child = _starting(str(tmp_path))
+    began = time.monotonic()
+    with pytest.raises(EngineError, match="did not fetch its checkpoint"):
+        loop._await_start(ours, timeout=0.4)
+    assert time.monotonic() - began < 5.0 and child.killed
+    monkeypatch.setattr(frame_loop_process, "FETCH_TIMEOUT_S", 0.4)  # a download that crawls past its own
+    loop, ours, _, child = _starting("acme/kame")
+    with pytest.raises(EngineError, match="did not fetch its checkpoint"):
+        loop._await_start(ours, timeout=600.0)
+    assert child.killed
+
+
+def test_a_child_that_dies_or_is_stopped_while_downloading_ends_the_start() -> None:
+    loop, ours, theirs, _ = _starting("acme/kame")
+    theirs.close()  # died (the pipe's far end gone)
+    with pytest.raises(EngineError, match="died while starting"):
+        loop._await_start(ours, timeout=600.0)
+    loop, ours, _, child = _starting("acme/kame")
+    threading.Timer(0.3, loop.abort_start).start()  # SIGTERM while it downloads: killed, not waited out
+    with pytest.raises(EngineError, match="stopped while starting"):
+        loop._await_start(ours, timeout=600.0)
+    assert child.killed
 
 
 async def test_sigterm_while_the_engine_process_loads_gives_up_the_load(tiny_checkpoint: Path, tmp_path: Path) -> None:

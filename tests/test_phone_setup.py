@@ -113,6 +113,7 @@ async def test_env_file_values_are_read_and_the_environment_overrides_them(tmp_p
         (["twilio", "setup", "--number", "+15559990000"], {}, "+15559990000 is not a phone number of account", 1),
         (["twilio", "setup", "--number", NUMBER], {"TWILIO_AUTH_TOKEN": "wrong"}, "refused the credentials", 1),
         (["twilio", "setup", "--number", "555-1234"], {}, "--number must be an E.164 number", 2),
+        (["twilio", "setup", "--number", ""], {}, "--number must be an E.164 number", 2),  # not the SIP path
         (["twilio", "setup", "--number", NUMBER], {"PUBLIC_URL": "http://voice.example.com"}, "must be https://", 2),
         (["twilio", "setup", "--number", NUMBER], {"TWILIO_ACCOUNT_SID": ""}, "no Twilio credentials", 2),
         # ops/.env.example copied and left as it is: said so, not a lookup of account "replace-with-..."

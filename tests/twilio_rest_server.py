@@ -86,51 +86,45 @@ class TwilioRestStandIn:
         return web.json_response({"sid": sid, "account_sid": self.account_sid, "status": status})
 
     async def list_numbers(self, request: web.Request) -> web.Response:
-        if not self._authorized(request):
-            return self._refused()
         wanted = request.query.get("PhoneNumber")
         found = [n for n in self.numbers.values() if wanted in (None, n["phone_number"])]
-        return web.json_response({"incoming_phone_numbers": found, "next_page_uri": None, "page": 0,
-                                  "page_size": 50, "start": 0, "end": len(found), "uri": request.path,
-                                  "first_page_uri": request.path, "previous_page_uri": None})  # fmt: skip
+        return self._page(request, "incoming_phone_numbers", found)
 
     async def update_number(self, request: web.Request) -> web.Response:
-        if not self._authorized(request):
-            return self._refused()
-        number = self.numbers.get(request.match_info["number"])
-        if number is None:
-            return web.json_response({"code": 20404, "message": "not found", "status": 404}, status=404)
-        form = {k: str(v) for k, v in (await request.post()).items()}
-        self.number_updates.append(form)
-        for key, field_name in (("VoiceUrl", "voice_url"), ("VoiceMethod", "voice_method"),
-                                ("StatusCallback", "status_callback"),
-                                ("StatusCallbackMethod", "status_callback_method")):  # fmt: skip
-            if key in form:
-                number[field_name] = form[key]
-        return web.json_response(number)
+        callbacks = {"StatusCallback": "status_callback", "StatusCallbackMethod": "status_callback_method"}
+        return await self._update(request, self.numbers.get(request.match_info["number"]), self.number_updates,
+                                  callbacks)
 
     async def list_sip_domains(self, request: web.Request) -> web.Response:
-        if not self._authorized(request):
-            return self._refused()
-        found = list(self.sip_domains.values())
-        return web.json_response({"domains": found, "next_page_uri": None, "page": 0, "page_size": 1000,
-                                  "start": 0, "end": len(found), "uri": request.path,
-                                  "first_page_uri": request.path, "previous_page_uri": None})  # fmt: skip
+        return self._page(request, "domains", list(self.sip_domains.values()))
 
     async def update_sip_domain(self, request: web.Request) -> web.Response:
+        callbacks = {"VoiceStatusCallbackUrl": "voice_status_callback_url",
+                     "VoiceStatusCallbackMethod": "voice_status_callback_method"}
+        domain = self.sip_domains.get(request.match_info["domain"])
+        return await self._update(request, domain, self.sip_domain_updates, callbacks)
+
+    def _page(self, request: web.Request, key: str, found: list[dict[str, str | None]]) -> web.Response:
+        """One page of a list resource, as Twilio pages them (the client reads `key` and `next_page_uri`)."""
         if not self._authorized(request):
             return self._refused()
-        domain = self.sip_domains.get(request.match_info["domain"])
-        if domain is None:
+        return web.json_response({key: found, "next_page_uri": None, "page": 0, "page_size": 50, "start": 0,
+                                  "end": len(found), "uri": request.path, "first_page_uri": request.path,
+                                  "previous_page_uri": None})  # fmt: skip
+
+    async def _update(self, request: web.Request, resource: dict[str, str | None] | None,
+                      updates: list[dict[str, str]], callbacks: dict[str, str]) -> web.Response:
+        """A number's or SIP Domain's voice settings changed by form fields (recorded in `updates`)."""
+        if not self._authorized(request):
+            return self._refused()
+        if resource is None:
             return web.json_response({"code": 20404, "message": "not found", "status": 404}, status=404)
         form = {k: str(v) for k, v in (await request.post()).items()}
-        self.sip_domain_updates.append(form)
-        for key, field_name in (("VoiceUrl", "voice_url"), ("VoiceMethod", "voice_method"),
-                                ("VoiceStatusCallbackUrl", "voice_status_callback_url"),
-                                ("VoiceStatusCallbackMethod", "voice_status_callback_method")):  # fmt: skip
+        updates.append(form)
+        for key, field_name in {"VoiceUrl": "voice_url", "VoiceMethod": "voice_method", **callbacks}.items():
             if key in form:
-                domain[field_name] = form[key]
-        return web.json_response(domain)
+                resource[field_name] = form[key]
+        return web.json_response(resource)
 
     async def create_call(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
