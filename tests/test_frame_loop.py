@@ -223,8 +223,9 @@ def test_a_standing_input_backlog_is_worked_off_but_the_jitter_cushion_is_kept(t
 
 
 def test_a_soft_spoken_callers_words_are_not_taken_for_pauses(tiny_bundle) -> None:
-    """A caller talking softly (about -30 dBFS, a quiet voice or a far-off handset) behind a stall's backlog:
-    their frames are words, so none goes before the backlog has stood the forced ~5 s."""
+    """A caller talking softly (about -30 dBFS, a quiet voice or a far-off handset) behind a stall's backlog
+    before their line's floor is known (the call's first ~6 s): their frames are words, so none goes before the
+    backlog has stood the forced ~5 s. (Later, a line that never falls quieter than this sets its own floor.)"""
     loop = _loop(tiny_bundle, slots=1)
     row = loop.join("A", Recorder())
     slot = loop._slots[row]
