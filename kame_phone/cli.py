@@ -366,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     setup.set_defaults(func=_twilio)
 
     dial = sub.add_parser("dial", help="call a phone from one of your Twilio numbers, answered by this service")
-    dial.add_argument("to", help="the number to call, E.164")
+    dial.add_argument("to", help="the number to call, E.164, or a sip: URI (sip:1001@pbx.example.com)")
     dial.add_argument("--from", dest="from_number", required=True, help="one of your Twilio numbers, E.164")
     dial.add_argument("--agent", help="the agent that speaks (else the one claiming --from, else default)")
     env_flag(dial, "--agents", "KAME_AGENTS", help="the service's agents file, to check --agent against")

@@ -15,7 +15,7 @@ from urllib.parse import quote, urlsplit
 
 import aiohttp
 
-from knowledge.agents import E164, Agents, AgentsError
+from knowledge.agents import E164, Agents, AgentsError, is_sip_uri
 from telephony.config import is_loopback, unfilled_message, unfilled_placeholders
 from telephony.server import CALL_STATUS_PATH, VOICE_PATH
 from telephony.twilio_rest import TwilioRest, TwilioRestError
@@ -89,7 +89,10 @@ async def twilio_setup(args: argparse.Namespace) -> None:
 
 
 async def dial(args: argparse.Namespace) -> None:
-    to = _number(args.to, "the number to call")
+    # A SIP URI too: an extension on a PBX (through its trunk), a test softphone on a Twilio SIP Domain.
+    to = args.to
+    if not (E164.fullmatch(to) or is_sip_uri(to)):
+        raise CliError(f"the number to call must be an E.164 number like +15551234567 or a sip: URI, got {to!r}")
     from_ = _number(args.from_number or "", "--from (one of your Twilio numbers)")
     public = _public_url(args)
     voice_url = public + VOICE_PATH

@@ -197,7 +197,7 @@ def _agent(path: Path, name: str, table: Any) -> Agent:
     # SIP addresses as `for_call` compares them (host lower case, no port or parameters).
     numbers = [n if E164.fullmatch(n) else sip_address(n) for n in numbers]
     transfer_to = _optional_text(table, "transfer_to", bad, limit=200)
-    if transfer_to is not None and not (E164.fullmatch(transfer_to) or _sip_uri(transfer_to)):
+    if transfer_to is not None and not (E164.fullmatch(transfer_to) or is_sip_uri(transfer_to)):
         raise bad("transfer_to", f"{transfer_to!r} is neither an E.164 number nor a sip: URI")
     dtmf = _optional_text(table, "dtmf_transfer", bad, limit=1)
     if dtmf is not None and (dtmf not in "0123456789*#" or transfer_to is None):
@@ -235,8 +235,8 @@ def _optional_text(table: dict[str, Any], key: str, bad: Any, *, limit: int) -> 
     return value.strip()
 
 
-def _sip_uri(value: str) -> bool:
-    """A `transfer_to` SIP URI: a dial target, so its parameters (;transport=tls) are kept and sent."""
+def is_sip_uri(value: str) -> bool:
+    """A SIP URI to dial (`transfer_to`, `kame-phone dial`): its parameters (;transport=tls) are kept and sent."""
     return re.fullmatch(r"sips?:[^\s@]+@[^\s@]+", value, re.IGNORECASE) is not None
 
 

@@ -121,7 +121,7 @@ async def test_env_file_values_are_read_and_the_environment_overrides_them(tmp_p
          "TWILIO_ACCOUNT_SID still holds the placeholder from ops/.env.example", 2),
         (["dial", "+15557654321", "--from", "+15551112222"], {"TWILIO_AUTH_TOKEN": "wrong"},
          "refused the credentials", 1),
-        (["dial", "12345", "--from", NUMBER], {}, "the number to call must be an E.164 number", 2),
+        (["dial", "12345", "--from", NUMBER], {}, "must be an E.164 number like +15551234567 or a sip: URI", 2),
         (["dial", "+15557654321", "--from", NUMBER, "--wait"], {}, "--wait reads the call's record", 2),
     ],
 )  # fmt: skip
@@ -178,6 +178,11 @@ async def test_dial_places_a_call_that_takes_the_inbound_path_and_reports_its_fi
         await twilio.reports[-1]
         rc, _, err = await _kame(["dial", "+15557654321", "--from", NUMBER, "--agent", "nobody"], env)
         assert rc == 2 and "--agent 'nobody' is not in" in err and len(twilio.created) == 2
+        # An extension on the contact center's PBX, through its SIP trunk: Twilio dials the URI as given.
+        rc, out, err = await _kame(["dial", "sip:1001@pbx.acme.example;transport=tls", "--from", NUMBER], env)
+        assert rc == 0, err
+        assert twilio.created[-1]["To"] == "sip:1001@pbx.acme.example;transport=tls"
+        assert (await twilio.reports[-1]).outcome == "completed"
 
 
 async def test_the_call_status_callback_closes_a_call_that_never_streamed(tiny_checkpoint: Path) -> None:
