@@ -151,9 +151,10 @@ class FrameLoopProcess:
         while loading must not wait out a 7B load."""
         process = self._process
         assert process is not None
-        fetching = True
-        # A local directory or random weights: nothing to download, the load's deadline from the spawn on.
-        limit = FETCH_TIMEOUT_S if _downloads(self.spec.checkpoint) else timeout
+        # A local directory or random weights: nothing to download, the load's deadline (from the spawn, and
+        # again from "fetched", seconds later).
+        fetching = _downloads(self.spec.checkpoint)
+        limit = FETCH_TIMEOUT_S if fetching else timeout
         deadline = time.monotonic() + limit
         while True:
             if conn.poll(0.25):
@@ -161,11 +162,14 @@ class FrameLoopProcess:
                     kind, *rest = conn.recv()
                 except EOFError:
                     process.join(5)
+                    if process.is_alive():  # closed its pipe but hangs on the way out (CUDA teardown)
+                        process.kill()
+                        process.join()
                     raise EngineError(f"the engine process died while starting (exit code {process.exitcode})"
                                       ) from None  # fmt: skip
                 if kind != "fetched":
                     return kind, rest
-                if _downloads(self.spec.checkpoint):
+                if fetching:
                     log.info("engine process: checkpoint %s is on disk; loading it", self.spec.checkpoint)
                 fetching, limit = False, timeout
                 deadline = time.monotonic() + timeout

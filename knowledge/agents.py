@@ -44,7 +44,7 @@ E164 = re.compile(r"\+[1-9]\d{6,14}")
 # Request-URI): scheme, user@host, then any port, parameters or headers (`;transport=tls`, `?X-Foo=1`).
 # The user may carry parameters of its own (sip:+15550002222;npdi;rn=+15550009999@host: a carrier's number
 # portability data); they are not part of the address routing compares.
-_SIP_URI = re.compile(r"<?(sips?):([^@?>\s]+)@([^@;?>\s]+)(?:[;?][^\s>]*)?>?", re.IGNORECASE)
+_SIP_URI = re.compile(r"<?(sips?):([^@?>\s]+)@([^@;?>\s]+)(?:[;?][^\s>@]*)?>?", re.IGNORECASE)
 # Twilio's regional and edge forms of a SIP Domain (acme.sip.us1.twilio.com, acme.sip.ashburn.twilio.com) are
 # the same domain as acme.sip.twilio.com: a PBX may send to any of them.
 _TWILIO_SIP_HOST = re.compile(r"([a-z0-9-]+)\.sip\.[a-z0-9-]+\.twilio\.com")
@@ -170,6 +170,14 @@ class Agents:
                 raise AgentsError(f"agents file {path}: agent {name!r}: key 'transfer_to': {agent.transfer_to} is "
                                   f"answered by this service (agent {claimant!r}): a transfer "
                                   "there would loop back to the bot")  # fmt: skip
+            target = sip_address(agent.transfer_to or "")
+            ours = {key.rsplit("@", 1)[1] for key in by_number if key.startswith("sip:")}
+            if target is not None and target.rsplit("@", 1)[1] in ours:
+                # Not refused: a domain with SIP registration rings the phones registered there. Without it,
+                # an address no agent claims comes back to this service's default agent.
+                log.warning("agents file %s: agent %r: transfer_to %s is on a SIP Domain this service answers: "
+                            "unless a phone is registered there, the transfer rings the bot again", path, name,
+                            agent.transfer_to)  # fmt: skip
         by_name.setdefault(DEFAULT_AGENT, Agent(DEFAULT_AGENT))  # numbers no agent claims
         return agents
 
@@ -191,7 +199,9 @@ def _agent(path: Path, name: str, table: Any) -> Agent:
         raise bad("instructions", f"{len(instructions)} characters, at most {_MAX_TEXT}")
     greeting = _optional_text(table, "greeting", bad, limit=500)
     numbers = table.get("numbers", [])
-    if not isinstance(numbers, list) or not all(isinstance(n, str) and _routable(n) for n in numbers):
+    if not isinstance(numbers, list) or not all(isinstance(n, str) and _routable(n) for n in numbers) or any(
+        not E164.fullmatch(n) and sip_address(n) is None for n in numbers  # an escaped '@' in the user
+    ):
         raise bad("numbers", "a list of E.164 numbers like \"+15550002222\" or SIP addresses like "
                              "\"sip:support@acme.sip.twilio.com\"")  # fmt: skip
     # SIP addresses as `for_call` compares them (host lower case, no port or parameters).
@@ -237,7 +247,8 @@ def _optional_text(table: dict[str, Any], key: str, bad: Any, *, limit: int) -> 
 
 def is_sip_uri(value: str) -> bool:
     """A SIP URI to dial (`transfer_to`, `kame-phone dial`): its parameters (;transport=tls) are kept and sent."""
-    return re.fullmatch(r"sips?:[^\s@]+@[^\s@]+", value, re.IGNORECASE) is not None
+    # Lower-case scheme only: twiml.dial_twiml_verb tells a SIP target from a number by it.
+    return re.fullmatch(r"sips?:[^\s@]+@[^\s@]+", value) is not None
 
 
 def _routable(value: str) -> bool:

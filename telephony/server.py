@@ -228,7 +228,8 @@ async def handle_voice(request: web.Request) -> web.Response:
     # Our number is `To` on an inbound call, `From` on an outbound one (`kame-phone dial`).
     # Routed on the number as sent, not as cut for the record (a long SIP URI's host must stay whole).
     ours = form.get("From" if str(form.get("Direction", "")).startswith("outbound") else "To")
-    agent = ctx.agents.agents.for_call(str(ours or "")[:MAX_ROUTED_TEXT], request.query.get("agent"))
+    ours = str(ours or "")
+    agent = ctx.agents.agents.for_call(ours if len(ours) <= MAX_ROUTED_TEXT else None, request.query.get("agent"))
     record = CallRecord(call_sid=call_sid, from_number=from_number, to_number=to_number, node=ctx.config.node_id,
                         agent=agent.name)  # fmt: skip
     try:

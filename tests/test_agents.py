@@ -107,12 +107,26 @@ transfer_to = "sip:{SALES}@pbx.acme.example"
         # A user that names another domain's address is no way into that domain's agent.
         ("sip:sip:support%40acme.sip.twilio.com@beta.sip.twilio.com", "default"),
         ("sip:sip:support@acme.sip.twilio.com@beta.sip.twilio.com", "default"),
+        ("sip:support@acme.sip.twilio.com;x=@beta.sip.twilio.com", "default"),
         ("sip:support@acme.sip.twilio.com" + "x" * 2000, "default"),
     ],
 )
 def test_sip_calls_route_by_address_or_by_the_number_they_dial(tmp_path: Path, to: str, agent: str) -> None:
     agents = Agents.load(write_agents(tmp_path, SIP_AGENTS))
     assert agents.for_call(to).name == agent
+
+
+def test_a_transfer_to_an_unclaimed_address_on_our_own_sip_domain_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Loaded (a phone may be registered there), but said: else the transfer would ring the bot again."""
+    text = SIP_AGENTS.replace('transfer_to = "sip:+15550002222@pbx.acme.example"',
+                              'transfer_to = "sip:operator@acme.sip.us1.twilio.com"')  # fmt: skip
+    with caplog.at_level("WARNING", logger="knowledge.agents"):
+        agents = Agents.load(write_agents(tmp_path, text))
+    assert agents.get("support").transfer_to == "sip:operator@acme.sip.us1.twilio.com"
+    assert any("transfer_to sip:operator@acme.sip.us1.twilio.com is on a SIP Domain this service answers"
+               in r.getMessage() for r in caplog.records)  # fmt: skip
 
 
 def test_a_transfer_to_a_pbx_at_one_of_our_numbers_is_no_loop(tmp_path: Path) -> None:
@@ -186,6 +200,9 @@ async def test_a_sip_domain_call_gets_its_agent_through_the_real_webhook_and_str
         ('[agents.a]\ninstructions = "x"\nnumbers = ["sip:help@acme.sip.twilio.com"]\n[agents.b]\n'
          'instructions = "y"\nnumbers = ["sips:help@ACME.sip.us1.twilio.com"]\n',
          "agent 'b': key 'numbers': sip:help@acme.sip.twilio.com is also claimed by agent 'a'"),
+        # A user holding an escaped '@' is no address routing could match.
+        ('[agents.a]\ninstructions = "x"\nnumbers = ["sip:a%40b@acme.sip.twilio.com"]\n',
+         "agent 'a': key 'numbers': a list of E.164 numbers"),
         # A SIP address with parameters says more than routing compares: refused, not silently cut.
         ('[agents.a]\ninstructions = "x"\nnumbers = ["sip:help@acme.sip.twilio.com;transport=tls"]\n',
          "agent 'a': key 'numbers': a list of E.164 numbers like \"+15550002222\" or SIP addresses"),

@@ -298,8 +298,7 @@ async def test_each_call_drains_and_filters_by_its_own_row(tiny_checkpoint: Path
                     payloads.append(base64.b64decode(event["media"]["payload"]))
 
         reader = asyncio.create_task(read_b())
-        await asyncio.sleep(0.3)  # what the engine's fan-out sent b before it stopped has arrived
-        base = len(payloads)
+        base = b.state.frames_sent  # what the engine's fan-out sent b before it stopped (read as they come)
         t = np.arange(FRAME_SAMPLES) / 24000
         speech = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
         silence = np.zeros(FRAME_SAMPLES, np.float32)
