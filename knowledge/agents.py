@@ -122,7 +122,7 @@ class Agents:
             return self.by_number.get(target)
         if address in self.by_number:
             return self.by_number[address]
-        user, host = address[len("sip:"):].rsplit("@", 1)
+        user, host = _user_and_host(address)
         if E164.fullmatch(user) and (any_host or host.endswith(".sip.twilio.com")):
             return self.by_number.get(user)
         return None
@@ -162,6 +162,7 @@ class Agents:
                 by_number[number] = name
             by_name[name] = agent
         agents = cls(by_name, by_number, path)
+        our_sip_hosts = {_user_and_host(key)[1] for key in by_number if key.startswith("sip:")}
         for name, agent in by_name.items():
             # A transfer (or a busy dial) to a number or SIP address this service answers rings the bot again:
             # the caller goes round, every leg billed.
@@ -171,8 +172,7 @@ class Agents:
                                   f"answered by this service (agent {claimant!r}): a transfer "
                                   "there would loop back to the bot")  # fmt: skip
             target = sip_address(agent.transfer_to or "")
-            ours = {key.rsplit("@", 1)[1] for key in by_number if key.startswith("sip:")}
-            if target is not None and target.rsplit("@", 1)[1] in ours:
+            if target is not None and _user_and_host(target)[1] in our_sip_hosts:
                 # Not refused: a domain with SIP registration rings the phones registered there. Without it,
                 # an address no agent claims comes back to this service's default agent.
                 log.warning("agents file %s: agent %r: transfer_to %s is on a SIP Domain this service answers: "
@@ -199,13 +199,11 @@ def _agent(path: Path, name: str, table: Any) -> Agent:
         raise bad("instructions", f"{len(instructions)} characters, at most {_MAX_TEXT}")
     greeting = _optional_text(table, "greeting", bad, limit=500)
     numbers = table.get("numbers", [])
-    if not isinstance(numbers, list) or not all(isinstance(n, str) and _routable(n) for n in numbers) or any(
-        not E164.fullmatch(n) and sip_address(n) is None for n in numbers  # an escaped '@' in the user
-    ):
+    claims = [_claim(n) for n in numbers] if isinstance(numbers, list) else [None]
+    if any(c is None for c in claims):
         raise bad("numbers", "a list of E.164 numbers like \"+15550002222\" or SIP addresses like "
                              "\"sip:support@acme.sip.twilio.com\"")  # fmt: skip
-    # SIP addresses as `for_call` compares them (host lower case, no port or parameters).
-    numbers = [n if E164.fullmatch(n) else sip_address(n) for n in numbers]
+    numbers = claims
     transfer_to = _optional_text(table, "transfer_to", bad, limit=200)
     if transfer_to is not None and not (E164.fullmatch(transfer_to) or is_sip_uri(transfer_to)):
         raise bad("transfer_to", f"{transfer_to!r} is neither an E.164 number nor a sip: URI")
@@ -251,9 +249,15 @@ def is_sip_uri(value: str) -> bool:
     return re.fullmatch(r"sips?:[^\s@]+@[^\s@]+", value) is not None
 
 
-def _routable(value: str) -> bool:
-    """An entry of `numbers`: an E.164 number, or a plain SIP address (no parameters: routing ignores them)."""
-    return E164.fullmatch(value) is not None or re.fullmatch(r"sips?:[^\s@;?<>]+@[^\s@;?<>]+", value, re.I) is not None
+def _claim(value: object) -> str | None:
+    """An entry of `numbers` as `for_call` compares it: an E.164 number as it is, a plain SIP address (no
+    parameters: routing ignores them) in `sip_address`'s form; None for anything else (an escaped '@' too)."""
+    if not isinstance(value, str):
+        return None
+    if E164.fullmatch(value):
+        return value
+    plain = re.fullmatch(r"sips?:[^\s@;?<>]+@[^\s@;?<>]+", value, re.IGNORECASE)
+    return sip_address(value) if plain else None
 
 
 def sip_address(uri: str) -> str | None:
@@ -270,6 +274,11 @@ def sip_address(uri: str) -> str | None:
     host = _TWILIO_SIP_HOST.sub(r"\1.sip.twilio.com", host) if _TWILIO_SIP_HOST.fullmatch(host) else host
     return f"sip:{user}@{host}"
 
+
+def _user_and_host(address: str) -> tuple[str, str]:
+    """The two halves of a `sip_address`."""
+    user, host = address.removeprefix("sip:").rsplit("@", 1)
+    return user, host
 
 
 def _tool(bad: Any, table: Any) -> HttpTool:

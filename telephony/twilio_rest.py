@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from twilio.base.exceptions import TwilioException
@@ -70,6 +71,17 @@ class VoiceSettings:
     @property
     def is_sip_domain(self) -> bool:
         return self.sid.startswith("SD")
+
+
+def _number_settings(n: Any, name: str, sid: str = "") -> VoiceSettings:
+    """An IncomingPhoneNumber resource's voice settings (`sid` where the answer lacks its own)."""
+    return VoiceSettings(n.sid or sid, name, n.voice_url, n.voice_method, n.status_callback, n.status_callback_method)
+
+
+def _domain_settings(d: Any, name: str, sid: str = "") -> VoiceSettings:
+    """A SIP Domain resource's: its status callback has other field names."""
+    return VoiceSettings(d.sid or sid, name, d.voice_url, d.voice_method, d.voice_status_callback_url,
+                         d.voice_status_callback_method)  # fmt: skip
 
 
 # What a request to Twilio can fail with. RestException is a TwilioException; the HTTP client's own errors
@@ -133,9 +145,7 @@ class TwilioRest:
         found = [n for n in found if n.phone_number == number]
         if not found:
             raise TwilioRestError(f"{number} is not a phone number of account {self.credentials.account_sid}")
-        n = found[0]
-        return VoiceSettings(n.sid or "", number, n.voice_url, n.voice_method, n.status_callback,
-                             n.status_callback_method)  # fmt: skip
+        return _number_settings(found[0], number)
 
     async def find_sip_domain(self, domain: str) -> VoiceSettings:
         """The account's SIP Domain named `domain` (acme.sip.twilio.com): where a PBX's SIP trunk sends
@@ -150,9 +160,7 @@ class TwilioRest:
         if not found:
             raise TwilioRestError(f"{domain} is not a SIP Domain of account {self.credentials.account_sid} "
                                   "(create it in the console: Voice > Manage > SIP domains)")  # fmt: skip
-        d = found[0]
-        return VoiceSettings(d.sid or "", d.domain_name or domain, d.voice_url, d.voice_method,
-                             d.voice_status_callback_url, d.voice_status_callback_method)  # fmt: skip
+        return _domain_settings(found[0], found[0].domain_name or domain)
 
     async def point(self, target: VoiceSettings, voice_url: str, status_callback: str) -> VoiceSettings:
         """Send the number's or SIP Domain's calls to `voice_url` (POST), its call status events to
@@ -160,20 +168,18 @@ class TwilioRest:
         try:
             async with asyncio.timeout(self.timeout_s):
                 if target.is_sip_domain:
-                    n = await self._client.api.v2010.account.sip.domains(target.sid).update_async(
+                    d = await self._client.api.v2010.account.sip.domains(target.sid).update_async(
                         voice_url=voice_url, voice_method="POST", voice_status_callback_url=status_callback,
                         voice_status_callback_method="POST",
                     )  # fmt: skip
-                    return VoiceSettings(n.sid or target.sid, target.name, n.voice_url, n.voice_method,
-                                         n.voice_status_callback_url, n.voice_status_callback_method)  # fmt: skip
+                    return _domain_settings(d, target.name, target.sid)
                 n = await self._client.incoming_phone_numbers(target.sid).update_async(
                     voice_url=voice_url, voice_method="POST", status_callback=status_callback,
                     status_callback_method="POST",
                 )  # fmt: skip
         except _FAILURES as e:
             raise TwilioRestError(_why(e, f"updating {target.name}")) from e
-        return VoiceSettings(n.sid or target.sid, target.name, n.voice_url, n.voice_method, n.status_callback,
-                             n.status_callback_method)  # fmt: skip
+        return _number_settings(n, target.name, target.sid)
 
     async def dial(self, to: str, from_: str, voice_url: str, status_callback: str) -> str:
         """Place an outbound call that Twilio connects to `voice_url` once answered; returns its CallSid."""
