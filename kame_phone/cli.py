@@ -22,6 +22,7 @@ from .env_flags import EnvDefault, EnvError, env_flag, parse_float, parse_int, r
 def _serve(args: argparse.Namespace) -> int:
     from knowledge.agents import AgentsError
     from telephony.call_store import open_call_store
+    from telephony.audiosocket_config import parse_listeners, parse_networks
     from telephony.config import ConfigError, ServiceConfig
     from telephony.server import run_service
 
@@ -34,7 +35,19 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kame-phone serve: {e}", file=sys.stderr)
         return 2
     try:
+        audiosocket = parse_listeners(args.audiosocket)
+        audiosocket_allow = parse_networks(args.audiosocket_allow)
+    except ValueError as e:
+        print(f"kame-phone serve: --audiosocket: {e}", file=sys.stderr)
+        return 2
+    if unknown := [str(a) for a in audiosocket if a.agent and a.agent not in agents.agents.by_name]:
+        print(f"kame-phone serve: --audiosocket names an agent the agents file does not have: {', '.join(unknown)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
         config = ServiceConfig.from_env(
+            audiosocket=audiosocket,
+            audiosocket_allow=audiosocket_allow,
             host=args.host,
             port=args.port,
             metrics_host=args.metrics_host,
@@ -271,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--max-call-minutes", "KAME_MAX_CALL_MINUTES", default=240.0, parse=parse_float,
              help="end a call this long (a stuck line must not hold a seat for good): hung up through Twilio's "
                   "REST API when its credentials are set, else the agent's fallback; 0: no limit")  # fmt: skip
+    env_flag(serve, "--audiosocket", "KAME_AUDIOSOCKET", default="",
+             help="answer Asterisk's AudioSocket() too: HOST:PORT[=AGENT], comma-separated, one agent a port "
+                  "(none: the agents file's default); no Twilio needed")  # fmt: skip
+    env_flag(serve, "--audiosocket-allow", "KAME_AUDIOSOCKET_ALLOW", default="private",
+             help="who may connect to the AudioSocket ports (it has no credentials): CIDRs, comma-separated; "
+                  "'private' (loopback, RFC 1918, ULA) or 'any'")  # fmt: skip
     serve.add_argument("--engine", default=EnvDefault("KAME_ENGINE_ADDRESS", None), metavar="ADDRESS",
                        help="use the engine of a `kame-phone engine-serve` at unix:/path, tcp://host:port or "
                             "tls://host:port (token in $KAME_ENGINE_TOKEN; for tls://, the CA in $KAME_ENGINE_CA) "

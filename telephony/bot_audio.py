@@ -27,7 +27,7 @@ from .resample import DownsamplerBank
 from .turns import levels_dbfs
 
 if TYPE_CHECKING:
-    from .media_session import MediaStreamSession
+    from .call_leg import CallLeg
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +38,13 @@ _PHASE_SECONDS = {phase: metrics.MEDIA_FANOUT_SECONDS.labels(phase=phase) for ph
 class BotAudioFanout:
     """Takes the engine's `BotFrames` and plays each row to its call's stream (keyed by call id)."""
 
-    def __init__(self, streams: Mapping[str, MediaStreamSession]) -> None:
+    def __init__(self, streams: Mapping[str, CallLeg]) -> None:
         self.streams = streams
         self._task: asyncio.Task[None] | None = None
         self.engine: Engine | None = None
         self.downsampler = DownsamplerBank()  # every stream's 24 -> 8 kHz filter state, keyed by its session
 
-    def forget(self, session: MediaStreamSession) -> None:
+    def forget(self, session: CallLeg) -> None:
         """The stream ended: free its filter state."""
         self.downsampler.forget(session)
 
@@ -81,9 +81,9 @@ class BotAudioFanout:
     async def deliver(self, frames: BotFrames) -> None:
         """Play one tick: every row whose call is streaming here gets its text noted and its audio sent."""
         began = time.monotonic()
-        sessions: list[MediaStreamSession] = []
+        sessions: list[CallLeg] = []
         rows: list[int] = []
-        quiet: list[MediaStreamSession] = []
+        quiet: list[CallLeg] = []
         for i, call_id in enumerate(frames.call_ids):
             session = self.streams.get(call_id)
             if session is None or not session.playing:

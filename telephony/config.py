@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from .audiosocket_config import AudioSocketListen, Network, parse_networks
+
 
 class ConfigError(ValueError):
     """A setting is missing or unsafe; the message says which and what to do."""
@@ -103,6 +105,10 @@ class ServiceConfig:
     # serve --max-call-minutes (KAME_MAX_CALL_MINUTES); 0: no limit. A stuck call (a robocaller looping, a line
     # left open) would hold a GPU seat for good; 4 h is Twilio's own default limit for a dialled call.
     max_call_s: float = 4 * 3600.0
+    # serve --audiosocket (KAME_AUDIOSOCKET): Asterisk AudioSocket listeners, each with its agent; none by default.
+    audiosocket: tuple[AudioSocketListen, ...] = ()
+    # serve --audiosocket-allow (KAME_AUDIOSOCKET_ALLOW): who may connect to them (AudioSocket has no credentials).
+    audiosocket_allow: tuple[Network, ...] = field(default_factory=lambda: parse_networks("private"))
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServiceConfig:
@@ -127,7 +133,7 @@ class ServiceConfig:
         return config
 
     def check(self) -> None:
-        if not self.twilio_auth_token and not self.insecure_dev:
+        if not self.twilio_auth_token and not self.insecure_dev and not self.audiosocket:
             raise ConfigError(
                 "TWILIO_AUTH_TOKEN is not set: refusing to serve unauthenticated phone traffic. "
                 "Set it, or pass --insecure-dev for a loopback-only development server."

@@ -9,11 +9,13 @@ base64 and sends the bytes.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.interface import FRAME_SAMPLES
+from telephony.audiosocket_wire import SAMPLE_BYTES, slin_to_float
 from telephony.mulaw import float_to_ulaw, ulaw_to_float
 from telephony.resample import RATIO, DownsamplerBank, Upsampler8to24
 
@@ -32,22 +34,31 @@ class InboundFrame:
 
 @dataclass(eq=False)  # stateful; compare by identity
 class InboundFramer:
-    """Decode, upsample and cut the caller's packets into engine frames of exactly FRAME_SAMPLES."""
+    """Decode, upsample and cut the caller's packets into engine frames of exactly FRAME_SAMPLES.
+
+    The line's audio is μ-law (Twilio) unless `decode` says otherwise (Asterisk's 16-bit linear: `slin()`)."""
 
     upsampler: Upsampler8to24 = field(default_factory=Upsampler8to24)
-    # μ-law bytes of the frame being filled. Decoding and resampling once per 80 ms frame instead of
+    decode: Callable[[bytes], np.ndarray] = ulaw_to_float  # line bytes to float32 samples at 8 kHz
+    sample_bytes: int = 1
+    # Line bytes of the frame being filled. Decoding and resampling once per 80 ms frame instead of
     # once per 20 ms packet gives the same samples (the filter is linear and keeps its state) for a
     # quarter of the per-call overhead, and no frame leaves earlier either way.
     _pending: bytearray = field(init=False, default_factory=bytearray)
     _emitted: int = field(init=False, default=0)
 
+    @classmethod
+    def slin(cls) -> InboundFramer:
+        """For signed 16-bit little-endian samples at 8 kHz (Asterisk's AudioSocket)."""
+        return cls(decode=slin_to_float, sample_bytes=SAMPLE_BYTES)
+
     @property
     def pending_samples(self) -> int:
         """24 kHz samples waiting for the rest of their frame."""
-        return len(self._pending) * RATIO
+        return len(self._pending) // self.sample_bytes * RATIO
 
     def push(self, payload: bytes, arrived_at: float | None = None) -> list[InboundFrame]:
-        """Add one packet's mu-law bytes (any length); return the frames it completed, usually 0 or 1.
+        """Add one packet's line bytes (any length; whole samples); return the frames it completed, usually 0 or 1.
 
         `arrived_at` is the packet's time.monotonic() receive time; it defaults to now.
         """
@@ -55,10 +66,11 @@ class InboundFramer:
             arrived_at = time.monotonic()
         self._pending += payload
         frames: list[InboundFrame] = []
-        while len(self._pending) >= FRAME_BYTES:
-            chunk = bytes(self._pending[:FRAME_BYTES])
-            del self._pending[:FRAME_BYTES]
-            pcm = self.upsampler.process(ulaw_to_float(chunk))
+        frame_bytes = FRAME_BYTES * self.sample_bytes
+        while len(self._pending) >= frame_bytes:
+            chunk = bytes(self._pending[:frame_bytes])
+            del self._pending[:frame_bytes]
+            pcm = self.upsampler.process(self.decode(chunk))
             frames.append(InboundFrame(pcm, arrived_at, self._emitted))
             self._emitted += 1
         return frames

@@ -16,40 +16,25 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from engine.interface import (
-    FRAME_SECONDS,
-    LAST_WORDS_WAIT_S,
-    CallAction,
-    CallerTranscript,
-    CallSession,
-    CallSetup,
-    EngineError,
-    EngineNotice,
-    OracleUpdate,
-    ToolUse,
-)
-from knowledge.agents import Agent
+from engine.interface import FRAME_SECONDS, CallAction, CallSetup, ToolUse
 
 from . import metrics
+from .call_leg import CallLeg
 from .framing import InboundFramer
 from .logs import call_id_var
-from .playout_clock import BARGE_IN_AFTER_S, CLEAR_ON_BARGE_IN_ABOVE_S, DRAIN_ABOVE_S, DRAIN_SILENT_DBFS, PlayoutClock
+from .playout_clock import DRAIN_ABOVE_S, DRAIN_SILENT_DBFS, PlayoutClock
 from .stream_limits import StreamLimits
-from .turns import SILENCE_DBFS, TurnTracker, Unanswered
 from .twilio_messages import (
     BINARY_FRAME,
     DUPLICATE_START,
     FLOODING,
     LINE_RATE,
     MEDIA_BEFORE_START,
-    NO_START,
     OVERSIZE,
-    SILENT_SOCKET,
     WRONG_STREAM_SID,
     ConnectedMessage,
     DtmfMessage,
@@ -78,35 +63,16 @@ LINE_LEAD_FRAMES = 12
 FRAMES_PER_WORD = 6
 AUDIO_AFTER_TEXT_FRAMES = 3
 LINE_MARK_WAIT_S = 5.0
-# The bot's words go to the call record when the caller's next utterance ends, or after this many words
-# (about a minute of speech): a caller on hold or silent would otherwise leave the live record without the
-# bot's side, and lose it with the node.
-BOT_TURN_FLUSH_WORDS = 150
 LINE_AFTER_CLEAR_S = 1.0  # a `clear` emptied the line before it played: what the bot says next, then the action
 ACTION_ANSWER_WAIT_S = 11.0  # the REST client's own timeout (10 s), and a little more
 
 
-@dataclass
-class StreamState:
-    """What one stream knows about its call; the receive loop and the output pump share it."""
+class MediaStreamSession(CallLeg):
+    """One Twilio Media Streams WebSocket (see the module's docstring)."""
 
-    call_sid: str | None = None
-    stream_sid: str | None = None
-    agent: str = "default"
-    started_at: float | None = None  # monotonic, at the `start` event
-    start_received_at: float | None = None  # monotonic, when `start` was read (before the seat was claimed)
-    inbound_packets: int = 0
-    inbound_audio_s: float = 0.0  # the caller's audio taken (µ-law bytes / 8000)
-    frames_sent: int = 0
-    first_audio_sent: bool = False
-    marks_sent: int = 0
-    marks_played: int = 0
-    last_mark_played: str | None = None
-    bot_words: list[str] = field(default_factory=list)
-    errors: dict[str, int] = field(default_factory=dict)
+    protocol_errors = metrics.TWILIO_PROTOCOL_ERRORS
+    carrier = "twilio"
 
-
-class MediaStreamSession:
     def __init__(
         self,
         ws: web.WebSocketResponse,
@@ -115,26 +81,10 @@ class MediaStreamSession:
         peer: str = "?",
         transport: asyncio.BaseTransport | None = None,
     ) -> None:
+        super().__init__(ctx, peer=peer, transport=transport, inbound=InboundFramer())
         self.ws = ws
-        # The connection's transport, to see how much we have written that the peer has not read yet.
-        self._transport = transport if isinstance(transport, asyncio.WriteTransport) else None
-        self._backlogged_since: float | None = None
-        self._frames_dropped = 0
-        self.ctx = ctx
-        self.peer = peer
-        self.state = StreamState()
-        self.engine_call: CallSession | None = None
-        self.inbound = InboundFramer()
-        self.turns = TurnTracker()
-        self._pump: asyncio.Task[None] | None = None
         self._media: MediaMessageTemplate | None = None  # set at `start`, once the streamSid is known
         self._last_mark_at_frame = 0
-        self._last_message_at = time.monotonic()
-        self._oracle_draft: tuple[int, str, float] | None = None  # (candidate, latest text, started)
-        self._ended = False
-        self._ended_as = ""  # the reason end() was given (it may run before the call is known: a drain)
-        self._end_reason = "completed"
-        self._agent: Agent | None = None  # set at `start`
         self._acting = False  # a transfer or hang-up through the REST API is under way
         self._action_task: asyncio.Task[Any] | None = None  # the task carrying it out
         self._requesting = False  # its REST request is in flight
@@ -142,46 +92,41 @@ class MediaStreamSession:
         self._awaited_played = False  # its echo said played (not emptied by a `clear`)
         self.playout = PlayoutClock()
         self._clear_due = False  # the caller talked over a stale queue: clear it (from the receive loop)
-        self._talking_since: float | None = None  # the caller's utterance began (for a barge-in's clear)
-        self._bot_word_starts = 0  # words the bot has begun (its text pieces starting with '▁')
-        self._bot_words_flushed_at = 0  # `_bot_word_starts` when the bot's words last went to the record
         self.limits = StreamLimits()
-        # Upgraded (the signature was good) but not started: such sockets are capped per node and closed
-        # after the start timeout, however often they send `connected`.
-        self.opened_at = time.monotonic()
-        self._evicted = False
-        self._unstarted = True
-        ctx.unstarted_sockets += 1
-        ctx.awaiting_start[self] = None
-        metrics.MEDIA_UNSTARTED_SOCKETS.set(ctx.unstarted_sockets)
 
-    def evict(self) -> None:
-        """The unstarted cap is full and a newer upgrade came: this socket, which never sent `start`, goes."""
-        self.ctx.awaiting_start.pop(self, None)
-        self._protocol_error(NO_START, "closed before its start to make room for a newer stream")
-        self._end_reason = "no_start"
-        self._evicted = True  # a `start` already on its way is not acted on: the socket is closing
-        self.ctx.spawn(self.ws.close())
+    # ---- CallLeg ----
 
-    def _started(self) -> None:
-        self.ctx.awaiting_start.pop(self, None)
-        if self._unstarted:
-            self._unstarted = False
-            self.ctx.unstarted_sockets -= 1
-            metrics.MEDIA_UNSTARTED_SOCKETS.set(self.ctx.unstarted_sockets)
+    @property
+    def closed(self) -> bool:
+        return self.ws.closed
 
-    # ---- errors ----
+    async def close_transport(self) -> None:
+        await self.ws.close()
 
-    def _protocol_error(self, kind: str, detail: str) -> None:
-        metrics.TWILIO_PROTOCOL_ERRORS.labels(kind=kind).inc()
-        n = self.state.errors[kind] = self.state.errors.get(kind, 0) + 1
-        if n <= 3 or n % 100 == 0:  # a flood of bad frames must not flood the logs too
-            log.warning("twilio protocol error %s (#%d) from %s: %s", kind, n, self.peer, detail)
+    def queued_bot_s(self, now: float) -> float:
+        return self.playout.backlog(now)
+
+    def barge_in(self) -> None:
+        self._clear_due = True  # sent from the receive loop, after the packet is taken
+
+    def ended_log(self, reason: str) -> None:
+        log.info("stream ended (%s): %d packets in, %d frames out, %d/%d marks played", reason,
+                 self.state.inbound_packets, self.state.frames_sent, self.state.marks_played,
+                 self.state.marks_sent)  # fmt: skip
+
+    async def before_end(self) -> str | None:
+        if self._requesting and self._action_task is not None:
+            # Twilio's `stop` (or the socket closing) for a call we transferred or hung up travels apart from
+            # the REST answer and may overtake it: the REST outcome, once known, is the call's.
+            await asyncio.wait({self._action_task}, timeout=ACTION_ANSWER_WAIT_S)
+            if self._end_reason in ("transferred", "ended_by_agent"):
+                return self._end_reason
+        return None
 
     # ---- the receive loop ----
 
     async def run(self) -> None:
-        watchdog = asyncio.create_task(self._watch_for_silence(), name="silence-watchdog")
+        watchdog = asyncio.create_task(self.watch_for_silence(), name="silence-watchdog")
         try:
             while not self.ws.closed:
                 msg = await self.ws.receive()
@@ -189,11 +134,11 @@ class MediaStreamSession:
                 if msg.type == WSMsgType.TEXT:
                     await self._on_text(msg.data)
                 elif msg.type == WSMsgType.BINARY:
-                    self._protocol_error(BINARY_FRAME, f"{len(msg.data)} bytes")
+                    self.protocol_error(BINARY_FRAME, f"{len(msg.data)} bytes")
                 elif msg.type == WSMsgType.ERROR:
                     exc = self.ws.exception()
                     if getattr(exc, "code", None) == WSCloseCode.MESSAGE_TOO_BIG:
-                        self._protocol_error(OVERSIZE, "WebSocket message over the size limit")
+                        self.protocol_error(OVERSIZE, "WebSocket message over the size limit")
                         self._end_reason = "oversize"
                     else:
                         log.warning("websocket error: %s", exc)
@@ -206,31 +151,7 @@ class MediaStreamSession:
             watchdog.cancel()
             await self.end(self._end_reason)
 
-    async def _watch_for_silence(self) -> None:
-        """Close a stream Twilio stopped talking on. One check a second per call, rather than a timer
-        armed and cancelled for every one of its 50 messages a second."""
-        limit, start_limit = self.ctx.config.silent_socket_s, self.ctx.config.start_timeout_s
-        while not self.ws.closed:
-            await asyncio.sleep(min(1.0, limit / 2, start_limit / 2))
-            if self._unstarted and time.monotonic() - self.opened_at > start_limit:
-                self._protocol_error(NO_START, f"no stream start within {start_limit:.0f}s of the upgrade")
-                self._end_reason = "no_start"
-                await self.ws.close()
-                return
-            if time.monotonic() - self._last_message_at > limit:
-                self._protocol_error(SILENT_SOCKET, f"no message for {limit:.0f}s")
-                self._end_reason = "silent_socket"
-                await self.ws.close()
-                return
-            if self._past_max_length():
-                await self._end_at_max_length()
-                return
-
-    def _past_max_length(self) -> bool:
-        started, cap = self.state.started_at, self.ctx.config.max_call_s
-        return bool(cap) and started is not None and not self._ended and time.monotonic() - started > cap
-
-    async def _end_at_max_length(self) -> None:
+    async def end_at_max_length(self) -> None:
         """A call past --max-call-minutes (a line left open, a robocaller looping) gives its seat back: hung up
         through the REST API when it can be (the call ends there), else the stream is closed and Twilio asks
         the connect action (the agent's fallback: a person, or the apology)."""
@@ -246,7 +167,7 @@ class MediaStreamSession:
         try:
             message = parse_twilio_message(raw)
         except ProtocolError as e:
-            self._protocol_error(e.kind, e.detail)
+            self.protocol_error(e.kind, e.detail)
             await self._limit("invalid")
             return
         if isinstance(message, MediaMessage):  # the hot path first (it has its own real-time guard)
@@ -300,16 +221,16 @@ class MediaStreamSession:
 
     def _check_sid(self, stream_sid: str) -> bool:
         if self.state.stream_sid is None:
-            self._protocol_error(MEDIA_BEFORE_START, "event before start")
+            self.protocol_error(MEDIA_BEFORE_START, "event before start")
             return False
         if stream_sid != self.state.stream_sid:
-            self._protocol_error(WRONG_STREAM_SID, "streamSid does not match this stream")
+            self.protocol_error(WRONG_STREAM_SID, "streamSid does not match this stream")
             return False
         return True
 
     async def _on_start(self, message: StartMessage) -> None:
         if self.state.stream_sid is not None:
-            self._protocol_error(DUPLICATE_START, "second start on one stream")
+            self.protocol_error(DUPLICATE_START, "second start on one stream")
             return
         if self._evicted:
             return
@@ -343,48 +264,13 @@ class MediaStreamSession:
         setup = CallSetup(agent=self.state.agent, to_number=params.get("to"), from_number=params.get("from"),
                           actions=actions, forced_delay_ms=self._agent.forced_delay_ms)  # fmt: skip
         log.info("call answered by agent %s", self.state.agent)
-        try:
-            self.engine_call = await self.ctx.engine.open_call(call_sid, setup)
-        except BaseException as e:
-            # Until the call is seated, end() does not know it: its stream and seat are given back here, or
-            # they would be held for good (a node losing capacity with every failed open).
-            await self.ctx.forget_stream(call_sid, self)
-            if not isinstance(e, Exception):
-                raise  # cancelled: the socket's handler is going away
-            outcome = "engine_full" if isinstance(e, EngineError) else "engine_lost"
-            if outcome == "engine_full":
-                log.error("engine refused the call: %s", e)
-            else:
-                log.exception("engine failed to open the call")
-            metrics.CALLS_TOTAL.labels(outcome=outcome, agent=self.state.agent).inc()
-            self._end_reason = outcome
-            # The record gets this outcome: left ringing, Twilio's status callback counted it again (no_stream).
-            await self.ctx.store.end(call_sid, outcome)
-            await self.ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"engine busy")
+        if not await self.open_engine(call_sid, setup):
+            if self.engine_call is None:  # refused (not ended by a drain while it opened)
+                await self.ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"engine busy")
             return
-        if self._ended:
-            # end() ran while the seat was being opened (a drain that timed out): it could not know the call
-            # then, so the seat, the stream and the record are given back here, not held for good.
-            await self.engine_call.close()
-            await self.ctx.forget_stream(call_sid, self)
-            metrics.CALLS_TOTAL.labels(outcome=self._ended_as, agent=self.state.agent).inc()
-            await self.ctx.store.end(call_sid, self._ended_as)
-            return
-        self.state.call_sid = call_sid
-        self.state.stream_sid = message.stream_sid
-        self.state.started_at = time.monotonic()
         self._media = MediaMessageTemplate(message.stream_sid)
-        metrics.CALLS_ACTIVE.inc()
         log.info("stream %s started (tracks %s)", message.stream_sid, ",".join(start.tracks))
-        self.ctx.store.adopt(call_sid)  # a copy of the record, should Redis lose it mid-call (read in the background)
-        await self.ctx.store.update(
-            call_sid,
-            stream_sid=message.stream_sid,
-            state="streaming",
-            started_at=time.time(),
-            node=self.ctx.config.node_id,
-        )
-        self._pump = asyncio.create_task(self._pump_outputs(), name=f"pump-{call_sid}")
+        await self.streaming(call_sid, message.stream_sid)
 
     def _on_media(self, message: MediaMessage) -> str | None:
         """Takes the caller's audio; returns the limit kind a refused message counts against, else None."""
@@ -403,32 +289,11 @@ class MediaStreamSession:
         allowed = now - self.opened_at + self.ctx.config.flood_burst_packets * 0.02
         if st.inbound_audio_s + seconds > allowed:
             # Faster than real time: drop rather than let the caller push the engine behind.
-            self._protocol_error(FLOODING, "inbound audio faster than real time")
+            self.protocol_error(FLOODING, "inbound audio faster than real time")
             return "media"
         st.inbound_packets += 1
         st.inbound_audio_s += seconds
-        assert self.engine_call is not None
-        for frame in self.inbound.push(message.media.payload, arrived_at=now):
-            self.engine_call.push_audio(frame.pcm)
-            metrics.MEDIA_INBOUND_SECONDS.observe(time.monotonic() - frame.last_arrival)
-            was_speaking = self.turns.caller_speaking
-            ended = self.turns.caller_frame(frame.pcm, frame.last_arrival)
-            if self.turns.caller_speaking and not was_speaking:
-                self._talking_since = frame.last_arrival
-            elif (self.turns.caller_speaking and self._talking_since is not None
-                    and self.turns.last_caller_voice - self._talking_since >= BARGE_IN_AFTER_S
-                    and self.playout.backlog(now) > CLEAR_ON_BARGE_IN_ABOVE_S):
-                self._talking_since = None  # once per utterance
-                self._clear_due = True  # the bot's queued speech is older than what the model now hears
-            if isinstance(ended, Unanswered):
-                metrics.TURNS_UNANSWERED_SECONDS.observe(ended.waited_s)
-            elif ended is not None and ended.overlap:
-                metrics.TURN_OVERLAPS.inc()
-                metrics.TURN_LATENCY_SECONDS.observe(0.0)
-                self._store_soon(self.ctx.store.add_latency(st.call_sid, "turn", 0.0))
-            elif ended is not None and ended.reply_latency_s is not None:  # answered inside the hangover
-                metrics.TURN_LATENCY_SECONDS.observe(ended.reply_latency_s)
-                self._store_soon(self.ctx.store.add_latency(st.call_sid, "turn", ended.reply_latency_s))
+        self.take_caller_audio(message.media.payload, now)
 
     def _on_mark(self, name: str) -> None:
         # Twilio echoes a mark once the audio queued before it has played, or at once when a `clear`
@@ -452,7 +317,7 @@ class MediaStreamSession:
             self._acting = True
             self._action_task = self.ctx.spawn(self._act("transfer", "dtmf"))
 
-    async def _on_tool(self, use: ToolUse) -> None:
+    async def on_tool(self, use: ToolUse) -> None:
         """The agent's LLM called a tool: recorded; a call action is carried out once its line has played."""
         call_sid = self.state.call_sid
         assert call_sid is not None
@@ -547,16 +412,7 @@ class MediaStreamSession:
 
     @property
     def playing(self) -> bool:
-        """Streaming with an engine seat: the bot's audio can go out."""
         return self._media is not None and self.engine_call is not None and not self._ended and not self.ws.closed
-
-    def note_bot_text(self, piece: str) -> None:
-        if piece:
-            if piece.startswith("\u2581"):
-                self._bot_word_starts += 1
-                if self._bot_word_starts - self._bot_words_flushed_at >= BOT_TURN_FLUSH_WORDS:
-                    self._flush_bot_turn()  # at a word's start: no word is split across two entries
-            self.state.bot_words.append(piece)
 
     async def restart_playout(self) -> None:
         """The engine started this call's model afresh (after a reset): drop what Twilio still has queued."""
@@ -571,7 +427,7 @@ class MediaStreamSession:
         frame is not sent while Twilio's queue is deeper than DRAIN_ABOVE_S: a pause skipped, so a stall's
         backlog drains instead of delaying the bot's every later word."""
         assert self._media is not None
-        if self._peer_backlogged():
+        if self.peer_backlogged():
             return None
         # The level first: the clock is read only for a silent frame (this runs for every call every tick).
         if level_dbfs <= DRAIN_SILENT_DBFS and self.playout.backlog(now := time.monotonic()) > DRAIN_ABOVE_S:
@@ -586,49 +442,6 @@ class MediaStreamSession:
         self.playout.sent(sent)
         return sent
 
-    def _peer_backlogged(self) -> bool:
-        transport = self._transport
-        if transport is None or transport.get_write_buffer_size() <= self.ctx.config.outbound_backlog_bytes:
-            self._backlogged_since = None
-            return False
-        now = time.monotonic()
-        if self._backlogged_since is None:
-            self._backlogged_since = now
-        metrics.MEDIA_OUTBOUND_DROPPED.inc()
-        self._frames_dropped += 1
-        if self._frames_dropped in (1, 10) or self._frames_dropped % 100 == 0:
-            log.warning(
-                "peer is not reading: %d bytes unsent, %d bot frames dropped",
-                transport.get_write_buffer_size(), self._frames_dropped,
-                extra={"call_id": self.state.call_sid},  # logged from the fan-out task, outside the call's context
-            )
-        if now - self._backlogged_since > self.ctx.config.silent_socket_s:
-            self._end_reason = "stalled_peer"
-            transport.abort()  # a clean close would queue behind the unread bytes; the receive loop ends the call
-        return True
-
-    def after_bot_audio(self, level_dbfs: float, produced_at: float, sent: float) -> None:
-        """Account for a frame `send_bot_audio` sent (kept apart so a tick's sends go out back to back)."""
-        metrics.MEDIA_OUTBOUND_SECONDS.observe(sent - produced_at)
-        st = self.state
-        st.frames_sent += 1
-        # The first frame the caller can hear (above the turn threshold): a speech model's rows are "voiced"
-        # within a tick or two whether or not it says anything. From the `start` event as read, before the
-        # seat's claim and the engine's open (a slow Redis or a remote engine is the caller's wait too).
-        if not st.first_audio_sent and st.started_at is not None and level_dbfs > self.turns.threshold_dbfs:
-            st.first_audio_sent = True
-            first = sent - (st.start_received_at if st.start_received_at is not None else st.started_at)
-            metrics.FIRST_AUDIO_SECONDS.observe(first)
-            self._store_soon(self.ctx.store.add_latency(st.call_sid, "first_audio", first))
-        reply = self.turns.bot_level(level_dbfs, sent)
-        if reply is not None:
-            metrics.TURN_LATENCY_SECONDS.observe(reply.latency_s)
-            self._store_soon(self.ctx.store.add_latency(st.call_sid, "turn", reply.latency_s))
-
-    def bot_silent(self, at: float) -> None:
-        """The engine gave this call no audio this tick (held by a forced delay, or just reset)."""
-        self.turns.bot_level(SILENCE_DBFS, at)
-
     async def send_mark_if_due(self) -> None:
         """A mark every `mark_every_frames` frames, so Twilio's echoes tell what has actually played."""
         st = self.state
@@ -641,109 +454,9 @@ class MediaStreamSession:
             self.playout.mark_sent(name, time.monotonic())
             st.marks_sent += 1
 
-    # ---- engine -> this call's record: events ----
-
-    async def _pump_outputs(self) -> None:
-        assert self.engine_call is not None and self.state.call_sid is not None
-        call_sid = self.state.call_sid
-        async for out in self.engine_call.outputs():
-            if isinstance(out, CallerTranscript):
-                if out.final:
-                    self._flush_bot_turn()
-                    await self.ctx.store.append_turn(call_sid, "caller", out.text)
-            elif isinstance(out, OracleUpdate):
-                await self._on_oracle(out)
-            elif isinstance(out, ToolUse):
-                await self._on_tool(out)
-            elif isinstance(out, EngineNotice):  # a reset's stale audio is cleared by `restart_playout`
-                log.warning("engine notice %s: %s", out.kind, out.detail)
-                if out.kind == "engine_lost":  # nothing left to answer with: hang up (the receive loop ends it)
-                    self._end_reason = "engine_lost"
-                    await self.ws.close()
-
-    async def _on_oracle(self, update: OracleUpdate) -> None:
-        # A draft streams in as a growing text: the call record keeps one entry per candidate (its last
-        # text, at the time it started), not one per streamed chunk.
-        draft = self._oracle_draft
-        if draft is not None and draft[0] != update.candidate:
-            await self._record_oracle()
-            draft = None
-        self._oracle_draft = (update.candidate, update.text, draft[2] if draft else update.at)
-
-    async def _record_oracle(self) -> None:
-        if self._oracle_draft is None or self.state.call_sid is None:
-            return
-        _, text, started = self._oracle_draft
-        self._oracle_draft = None
-        await self.ctx.store.append_oracle(self.state.call_sid, text, at=time.time() - (time.monotonic() - started))
-
-    def _flush_bot_turn(self) -> None:
-        self._bot_words_flushed_at = self._bot_word_starts
-        words = "".join(self.state.bot_words).replace("\u2581", " ").strip()
-        self.state.bot_words.clear()
-        if words and self.state.call_sid:
-            self._store_soon(self.ctx.store.append_turn(self.state.call_sid, "bot", words))
-
-    def _store_soon(self, coro) -> None:  # type: ignore[no-untyped-def]
-        # Store writes only enqueue (they never wait on Redis), so awaiting them inline is cheap;
-        # from sync code, hand them to the context's task set.
-        self.ctx.spawn(coro)
-
     async def clear(self) -> None:
         """Drop the audio Twilio has queued but not played (barge-in, hang-up, engine reset)."""
         if self.state.stream_sid and not self.ws.closed:
             with contextlib.suppress(ConnectionResetError, RuntimeError):
                 await self.ws.send_str(clear_message(self.state.stream_sid))
                 self.playout.cleared(time.monotonic())
-
-    # ---- the end ----
-
-    async def end(self, reason: str) -> None:
-        """Idempotent: close the engine seat, record the outcome, close the socket."""
-        if self._ended:
-            return
-        self._ended, self._ended_as = True, reason
-        if self._requesting and self._action_task is not None:
-            # Twilio's `stop` (or the socket closing) for a call we transferred or hung up travels apart from
-            # the REST answer and may overtake it: the REST outcome, once known, is the call's.
-            await asyncio.wait({self._action_task}, timeout=ACTION_ANSWER_WAIT_S)
-            if self._end_reason in ("transferred", "ended_by_agent"):
-                reason = self._end_reason
-        self._started()  # no longer an unstarted socket, whatever happened
-        if self.state.started_at is not None:  # a stream refused before its start has no length
-            metrics.CALL_DURATION_SECONDS.observe(time.monotonic() - self.state.started_at)
-            if (left := self.turns.hang_up(time.monotonic())) is not None:  # hung up into the bot's silence
-                metrics.TURNS_UNANSWERED_SECONDS.observe(left.waited_s)
-        self.ctx.fanout.forget(self)
-        if self.engine_call is not None:
-            await self.engine_call.close()
-        if self._pump is not None:
-            # The engine's last outputs (the caller's last words, made final as its back-end closes: a
-            # "...goodbye" and an immediate hang-up) reach the record before the call's end does; bounded.
-            await asyncio.wait({self._pump}, timeout=LAST_WORDS_WAIT_S)
-            self._pump.cancel()
-            try:
-                await self._pump
-            except asyncio.CancelledError:
-                pass
-            except Exception:  # a pump that died must not skip what follows (the seat, the record's end)
-                log.exception("the call's output pump failed")
-        call_sid = self.state.call_sid
-        if call_sid is not None:
-            metrics.CALLS_ACTIVE.dec()
-            metrics.CALLS_TOTAL.labels(outcome=reason, agent=self.state.agent).inc()
-            self._flush_bot_turn()
-            await self._record_oracle()
-            await self.ctx.forget_stream(call_sid, self)
-            await self.ctx.store.end(call_sid, reason)
-            log.info(
-                "stream ended (%s): %d packets in, %d frames out, %d/%d marks played",
-                reason,
-                self.state.inbound_packets,
-                self.state.frames_sent,
-                self.state.marks_played,
-                self.state.marks_sent,
-            )
-        if not self.ws.closed:
-            await self.ws.close()
-

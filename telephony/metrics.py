@@ -6,6 +6,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from engine.metrics import zero_series
 
+from .audiosocket_wire import PROTOCOL_ERROR_KINDS as AUDIOSOCKET_ERROR_KINDS
 from .twilio_messages import PROTOCOL_ERROR_KINDS
 
 # 1200: the turn-latency alert's threshold is a bucket edge (between 1000 and 1500 its p95 was interpolated).
@@ -54,6 +55,11 @@ TWILIO_PROTOCOL_ERRORS = zero_series(
     Counter("kame_twilio_protocol_errors_total", "Bad or unexpected Media Streams input by kind.", ["kind"]),
     kind=sorted(PROTOCOL_ERROR_KINDS),
 )
+AUDIOSOCKET_PROTOCOL_ERRORS = zero_series(
+    Counter("kame_audiosocket_protocol_errors_total", "Bad or unexpected Asterisk AudioSocket input by kind.",
+            ["kind"]),
+    kind=sorted({*AUDIOSOCKET_ERROR_KINDS, "no_start", "silent_socket"}),
+)  # fmt: skip
 WEBHOOK_REJECTIONS = zero_series(
     Counter(
         "kame_webhook_rejections_total",
@@ -70,6 +76,10 @@ zero_series(WEBHOOK_REJECTIONS, endpoint=("voice", "stream_status", "call_status
 # A stream's start (not a signature): a token that is not the call's, or a second socket for a live call.
 zero_series(WEBHOOK_REJECTIONS, endpoint=("media",),
             reason=("bad_token", "second_stream", "unstarted_cap", "unstarted_evicted"))
+# AudioSocket connections (no signatures: addresses): outside --audiosocket-allow, no engine, over the cap of
+# connections awaiting their call's UUID, or the UUID of a call already streaming here.
+zero_series(WEBHOOK_REJECTIONS, endpoint=("audiosocket",),
+            reason=("not_allowed", "engine_down", "unstarted_cap", "unstarted_evicted", "second_stream"))
 STREAM_MESSAGES_DROPPED = zero_series(
     Counter(
         "kame_stream_messages_dropped_total",

@@ -27,7 +27,9 @@ from knowledge.agents import AgentDirectory, Agents
 
 from . import metrics
 from .admission import CallSidUsed
+from .audiosocket_server import AudioSocketServer
 from .bot_audio import BotAudioFanout
+from .call_leg import CallLeg
 from .call_store import CallRecord, CallStore, CallStoreUnavailable
 from .cluster import Cluster, LocalCluster, open_cluster
 from .config import ServiceConfig
@@ -57,6 +59,7 @@ LOADING_STOP_TIMEOUT_S = 15.0  # a stop while the engine loads: its load is give
 ENGINE_WATCH_S = 1.0  # how often a serving node checks that its engine is still alive
 ENGINE_LOST_END_S = 5.0  # a dead engine's calls end themselves (engine_lost) within this, else are ended
 _CALL_SID = re.compile(r"^CA[0-9a-fA-F]{32}$")
+_CALL_ID = re.compile(r"^(CA|AS)[0-9a-fA-F]{32}$")  # a record's id: a Twilio CallSid, or an AudioSocket call's
 BUSY_MESSAGE = "All our lines are busy right now. Please call again in a few minutes. Goodbye."
 UNAVAILABLE_MESSAGE = "Sorry, we cannot take your call right now. Please call again later. Goodbye."
 
@@ -82,7 +85,7 @@ class ServerContext:
             self.free_slots,
             config.reservation_ttl_s,
         )
-        self.streams: dict[str, MediaStreamSession] = {}
+        self.streams: dict[str, CallLeg] = {}  # every carrier's calls, by call id
         self.no_streams = asyncio.Event()  # set whenever no call is streaming (drain waits on it)
         self.no_streams.set()
         self.draining = False
@@ -123,23 +126,45 @@ class ServerContext:
         """Calls this node can still take: free seats less the reservations waiting for their stream."""
         return self.free_slots() - self.cluster.reserved
 
-    def add_stream(self, call_sid: str, session: MediaStreamSession) -> None:
+    def add_stream(self, call_sid: str, session: CallLeg) -> None:
         """A claimed call's stream (its token is single-use: never a second one for the same call)."""
         self.streams[call_sid] = session
         self.no_streams.clear()
 
-    async def forget_stream(self, call_sid: str, session: MediaStreamSession) -> None:
+    async def forget_stream(self, call_sid: str, session: CallLeg) -> None:
         if self.streams.get(call_sid) is session:
             del self.streams[call_sid]
             await self.cluster.release(call_sid)
         if not self.streams:
             self.no_streams.set()
 
+    def room_for_unstarted(self, endpoint: str, peer: str) -> bool:
+        """A new media connection may wait for its start: under the cap, or room made by closing the oldest
+        connection that never started. False: refused (counted and logged)."""
+        if self.unstarted_sockets < self.config.max_unstarted_streams:
+            return True
+        # Room is made by closing the oldest socket that never sent its start (a carrier sends it within
+        # milliseconds of connecting): refusing the newest let one captured upgrade signature, held on as
+        # many sockets and reopened as each timed out, refuse every real call's stream.
+        # Not one younger than a second: a burst of real calls whose starts wait in a busy loop's sockets
+        # must not close each other (the newest is refused then, as before).
+        oldest = next(iter(self.awaiting_start), None)
+        if oldest is None or time.monotonic() - oldest.opened_at < EVICT_UNSTARTED_AFTER_S:
+            metrics.WEBHOOK_REJECTIONS.labels(endpoint=endpoint, reason="unstarted_cap").inc()
+            log.warning("%s connection from %s refused: %d sockets await their start", endpoint, peer,
+                        self.unstarted_sockets)  # fmt: skip
+            return False
+        metrics.WEBHOOK_REJECTIONS.labels(endpoint=endpoint, reason="unstarted_evicted").inc()
+        log.warning("%d sockets await their start: the oldest (from %s) closed for a %s connection from %s",
+                    self.unstarted_sockets, oldest.peer, endpoint, peer)  # fmt: skip
+        oldest.evict()
+        return True
+
     def webhook_ok(self, request: web.Request, form: Any, endpoint: str) -> bool:
         """Twilio's signature over the public URL it called and the form it posted."""
         token = self.config.twilio_auth_token
-        if token is None:  # --insecure-dev, loopback only
-            return True
+        if token is None:  # --insecure-dev (loopback only), or an AudioSocket-only node: Twilio is refused
+            return self.config.insecure_dev or _counted(request, endpoint, False)
         if not request.raw_path.startswith("/"):  # an absolute-form request line (http://host/path): no
             return _counted(request, endpoint, False)  # URL Twilio signs; refused, not a 500
         url = public_url_for(request.raw_path, self.config.base_url)
@@ -149,7 +174,7 @@ class ServerContext:
         """Twilio's signature on the Media Streams upgrade: over this node's own wss URL, no params."""
         token = self.config.twilio_auth_token
         if token is None:
-            return True
+            return self.config.insecure_dev or _counted(request, "media", False)
         url = websocket_signature_url(self.config.node_base_url, request.path)
         return _counted(request, "media", validate_websocket(token, url, request.headers.get(SIGNATURE_HEADER)))
 
@@ -278,22 +303,8 @@ async def handle_media(request: web.Request) -> web.StreamResponse:
     # seat): an engine falling behind, or draining, takes no *new* calls, but one it answered gets its stream.
     if ctx.engine is None or ctx.engine.failed:
         return web.Response(status=503, text="engine not serving")
-    if ctx.unstarted_sockets >= ctx.config.max_unstarted_streams:
-        # Room is made by closing the oldest socket that never sent `start` (Twilio sends it within
-        # milliseconds of the upgrade): refusing the newest let one captured upgrade signature, held on as
-        # many sockets and reopened as each timed out, refuse every real call's stream.
-        # Not one younger than a second: a burst of real calls whose `start`s wait in a busy loop's sockets
-        # must not close each other (the newest is refused then, as before).
-        oldest = next(iter(ctx.awaiting_start), None)
-        if oldest is None or time.monotonic() - oldest.opened_at < EVICT_UNSTARTED_AFTER_S:
-            metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason="unstarted_cap").inc()
-            log.warning("media upgrade from %s refused: %d sockets await their start", request.remote,
-                        ctx.unstarted_sockets)  # fmt: skip
-            return web.Response(status=503, text="too many streams awaiting their start")
-        metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason="unstarted_evicted").inc()
-        log.warning("%d sockets await their start: the oldest (from %s) closed for an upgrade from %s",
-                    ctx.unstarted_sockets, oldest.peer, request.remote)  # fmt: skip
-        oldest.evict()
+    if not ctx.room_for_unstarted("media", str(request.remote)):
+        return web.Response(status=503, text="too many streams awaiting their start")
     # No permessage-deflate: Twilio does not ask for it, and it costs CPU on every 20 ms message.
     # A peer that does not answer our close (a hostile one) is dropped after 2 s, not aiohttp's 10.
     ws = web.WebSocketResponse(max_msg_size=ctx.config.max_message_bytes, autoping=True, compress=False,
@@ -442,8 +453,8 @@ async def handle_call(request: web.Request) -> web.Response:
     if not _admin_ok(ctx, request):
         return _unauthorized()
     call_sid = request.match_info["call_sid"]
-    # Only a well-formed CallSid reaches the store: `CA…:turns` would name one of a call's own Redis keys.
-    if not _CALL_SID.fullmatch(call_sid):
+    # Only a well-formed call id reaches the store: `CA…:turns` would name one of a call's own Redis keys.
+    if not _CALL_ID.fullmatch(call_sid):
         return web.json_response({"error": "no such call"}, status=404)
     try:
         record = await ctx.store.get(call_sid)
@@ -496,6 +507,7 @@ class ServiceHandle:
                                     keepalive_timeout=ctx.config.keepalive_timeout_s, lingering_time=0)
         self.port = 0
         self.metrics: MetricsListener | None = None
+        self.audiosocket = AudioSocketServer(ctx)
 
     async def start(self) -> ServiceHandle:
         config = self.ctx.config
@@ -511,6 +523,7 @@ class ServiceHandle:
             self.ctx.attach_engine(self.ctx.engine)
         if self.ctx.config.port != self.port:  # port 0: the public URL must name the port we got
             self.ctx.config = dataclasses.replace(self.ctx.config, port=self.port)
+        await self.audiosocket.start()
         return self
 
     @property
@@ -565,6 +578,7 @@ class ServiceHandle:
         return f"http://{self.metrics.host}:{self.metrics.port}/metrics"
 
     async def aclose(self) -> None:
+        await self.audiosocket.aclose()
         await self.ctx.fanout.aclose()
         await self.runner.cleanup()
         if self.metrics is not None:  # last: the drain and the shutdown stay visible to Prometheus

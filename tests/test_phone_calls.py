@@ -13,8 +13,8 @@ import pytest
 
 from engine.oracle_buffer import DraftTokens
 from telephony import twilio_messages as tm
+from telephony.call_leg import BOT_TURN_FLUSH_WORDS
 from telephony.config import ConfigError, ServiceConfig
-from telephony.media_session import BOT_TURN_FLUSH_WORDS
 from telephony.server import STATUS_PATH, VOICE_PATH
 from telephony.sim_caller import simulate_call
 from telephony.twilio_rest import TwilioCredentials, TwilioRest

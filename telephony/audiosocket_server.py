@@ -1,0 +1,121 @@
+"""The AudioSocket listeners (serve --audiosocket) and the one pacer that sends every such call's audio.
+
+AudioSocket carries no credentials: who may connect is decided by address (`--audiosocket-allow`, the
+private networks by default), and the listener belongs on the network between the PBX and this node.
+Each listener answers with one agent, so the dialplan picks the agent by the port it connects to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from . import metrics
+from .audiosocket_config import allowed
+from .audiosocket_session import PACKET_S, AudioSocketSession
+
+if TYPE_CHECKING:
+    from .server import ServerContext
+
+log = logging.getLogger(__name__)
+
+# Behind by more than this, the pacer starts afresh rather than sending the missed packets as a burst.
+PACER_RESYNC_S = 0.1
+
+
+class AudioSocketPacer:
+    """One task for every AudioSocket call on the node: each 20 ms, each call's next packet. Asterisk plays
+    what it gets on arrival, so the pacing is ours; one wake-up for all calls, not one per call."""
+
+    def __init__(self, sessions: Callable[[], Iterable[AudioSocketSession]]) -> None:
+        self._sessions = sessions
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="audiosocket-pacer")
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        due = time.monotonic()
+        while True:
+            due += PACKET_S
+            delay = due - time.monotonic()
+            if delay < -PACER_RESYNC_S:
+                due, delay = time.monotonic(), 0.0  # a stalled loop: start afresh, no burst
+            await asyncio.sleep(max(0.0, delay))
+            for session in self._sessions():
+                try:
+                    session.pace()
+                except Exception:  # one broken socket must not stop every other call's audio
+                    log.exception("pacing an audiosocket call failed")
+
+
+class AudioSocketServer:
+    """The listeners of `config.audiosocket` and their pacer."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.servers: list[asyncio.Server] = []
+        self.pacer = AudioSocketPacer(self._sessions)
+        self._refused = 0
+
+    def _sessions(self) -> list[AudioSocketSession]:
+        return [s for s in self.ctx.streams.values() if isinstance(s, AudioSocketSession)]
+
+    @property
+    def ports(self) -> list[int]:
+        return [s.sockets[0].getsockname()[1] for s in self.servers]
+
+    async def start(self) -> AudioSocketServer:
+        for listen in self.ctx.config.audiosocket:
+            server = await asyncio.start_server(
+                lambda r, w, agent=listen.agent: self._connected(r, w, agent), listen.host, listen.port,
+            )  # fmt: skip
+            self.servers.append(server)
+            log.info("AudioSocket listening on %s:%d (agent %s)", listen.host, server.sockets[0].getsockname()[1],
+                     listen.agent or "default")  # fmt: skip
+        if self.servers:
+            self.pacer.start()
+        return self
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, agent: str | None) -> None:
+        ctx = self.ctx
+        peer = writer.get_extra_info("peername")
+        host = str(peer[0]) if peer else "?"
+        if not allowed(host, ctx.config.audiosocket_allow):
+            self._refuse(writer, "not_allowed", f"from {host}, outside --audiosocket-allow")
+            return
+        if ctx.engine is None or ctx.engine.failed:
+            self._refuse(writer, "engine_down", f"from {host}: the engine is not serving")
+            return
+        if not ctx.room_for_unstarted("audiosocket", host):
+            writer.transport.abort()
+            return
+        await AudioSocketSession(reader, writer, ctx, agent=agent).run()
+
+    def _refuse(self, writer: asyncio.StreamWriter, reason: str, detail: str) -> None:
+        metrics.WEBHOOK_REJECTIONS.labels(endpoint="audiosocket", reason=reason).inc()
+        self._refused += 1
+        if self._refused in (1, 10) or self._refused % 100 == 0:  # a flood of connections must not flood the logs
+            log.warning("audiosocket connection refused (#%d): %s", self._refused, detail)
+        writer.transport.abort()
+
+    async def aclose(self) -> None:
+        for server in self.servers:
+            server.close()
+        for server in self.servers:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    await server.wait_closed()  # waits for the handlers too (3.12+): the calls end first
+        await self.pacer.aclose()

@@ -1,0 +1,300 @@
+"""One Asterisk AudioSocket connection: a PBX's call straight to the bot, no Twilio between.
+
+Asterisk connects when its dialplan runs `AudioSocket(<uuid>,host:port)`, sends the call's UUID, then the
+caller's audio as 16-bit linear at 8 kHz. The call is admitted here, on this node (there is no webhook to
+reserve a seat first): with no seat free, or the node draining, the connection is closed at once and
+Asterisk hangs the channel up (the dialplan caps its own concurrency below ours: see the README).
+The bot's audio goes back as 20 ms messages paced by `AudioSocketPacer`: Asterisk plays what it gets the
+moment it gets it, so the only queue is ours, and a caller talking over the bot empties it at once.
+There is no transfer (AudioSocket has no way to hand the channel back with a destination): agents on this
+carrier are offered `end_call` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from typing import TYPE_CHECKING
+
+from engine.interface import FRAME_SECONDS, CallAction, CallSetup, ToolUse
+from telephony.call_store import CallRecord
+
+from . import metrics
+from .audiosocket_wire import (
+    FLOODING,
+    KIND_DTMF,
+    KIND_ERROR,
+    KIND_HANGUP,
+    KIND_SLIN,
+    LINE_RATE,
+    ODD_AUDIO,
+    OVERSIZE,
+    PEER_ERROR,
+    SAMPLE_BYTES,
+    UNKNOWN_KIND,
+    AudioSocketError,
+    Message,
+    hangup,
+    parse_uuid,
+    read_message,
+    slin_messages,
+)
+from .call_leg import CallLeg
+from .framing import InboundFramer
+from .logs import call_id_var
+from .playout_clock import DRAIN_ABOVE_S, DRAIN_SILENT_DBFS
+from .stream_limits import StreamLimits
+
+if TYPE_CHECKING:
+    from .server import ServerContext
+
+log = logging.getLogger(__name__)
+
+CALL_ID_PREFIX = "AS"  # call ids are "AS" + the UUID's 32 hex digits (Twilio's are "CA" + 32)
+PACKET_S = 0.02
+# Our queue of the bot's audio, at most: an engine tick is 4 messages; more than this is a burst after a
+# stall, and its oldest audio is dropped rather than delaying every later word.
+MAX_QUEUED_S = 1.0
+DTMF_DIGITS = frozenset(b"0123456789*#ABCD")
+LINE_WAIT_S = 10.0  # an `end_call`'s line: spoken and played out within this, or the call ends anyway
+CLOSE_WAIT_S = 2.0  # a peer that does not close its side after ours is dropped
+
+
+def call_id_for(call_uuid: uuid.UUID) -> str:
+    return CALL_ID_PREFIX + call_uuid.hex
+
+
+class AudioSocketSession(CallLeg):
+    protocol_errors = metrics.AUDIOSOCKET_PROTOCOL_ERRORS
+    carrier = "audiosocket"
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ctx: ServerContext, *, agent: str | None,
+    ) -> None:  # fmt: skip
+        peer = writer.get_extra_info("peername")
+        super().__init__(ctx, peer=str(peer[0] if peer else "?"), transport=writer.transport,
+                         inbound=InboundFramer.slin())  # fmt: skip
+        self.reader = reader
+        self.writer = writer
+        self.agent_name = agent  # the listener's agent (None: the agents file's default)
+        self.outbox: deque[bytes] = deque()  # the bot's SLIN messages, 20 ms each, sent by the pacer
+        self.limits = StreamLimits()
+        self._acting = False
+
+    # ---- CallLeg ----
+
+    @property
+    def closed(self) -> bool:
+        return self.writer.is_closing()
+
+    @property
+    def playing(self) -> bool:
+        started = self.state.started_at is not None and self.engine_call is not None
+        return started and not self._ended and not self.closed
+
+    async def close_transport(self) -> None:
+        if self.writer.is_closing():
+            return
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            self.writer.write(hangup())  # Asterisk hangs the channel up on this (or on the close itself)
+        self.writer.close()
+        with contextlib.suppress(ConnectionError, TimeoutError, RuntimeError):
+            async with asyncio.timeout(CLOSE_WAIT_S):
+                await self.writer.wait_closed()
+        self.writer.transport.abort()
+
+    def queued_bot_s(self, now: float) -> float:
+        return len(self.outbox) * PACKET_S
+
+    def barge_in(self) -> None:
+        self.outbox.clear()  # never sent, never heard: the model already hears the caller
+        metrics.MEDIA_PLAYOUT_CLEARS.inc()
+
+    async def restart_playout(self) -> None:
+        self.outbox.clear()
+
+    async def send_bot_audio(self, mulaw: bytes, level_dbfs: float) -> float | None:
+        """Queue one engine frame for the pacer; when it was queued, or None if it was not. A silent frame is
+        skipped while the queue is deeper than DRAIN_ABOVE_S: a stall's burst drains through the bot's pauses."""
+        if self.peer_backlogged():
+            return None
+        now = time.monotonic()
+        if level_dbfs <= DRAIN_SILENT_DBFS and self.queued_bot_s(now) > DRAIN_ABOVE_S:
+            metrics.MEDIA_PLAYOUT_DRAINED.inc()
+            self.bot_silent(now)
+            return None
+        self.outbox.extend(slin_messages(mulaw))
+        while len(self.outbox) * PACKET_S > MAX_QUEUED_S:
+            self.outbox.popleft()
+            metrics.MEDIA_OUTBOUND_DROPPED.inc()
+        return now
+
+    async def send_mark_if_due(self) -> None:
+        """Nothing to mark: what we have not sent is what the caller has not heard."""
+
+    def pace(self) -> None:
+        """The pacer's tick: the next 20 ms of the bot's audio onto the socket."""
+        if self.outbox and not self.writer.is_closing():
+            self.writer.write(self.outbox.popleft())
+
+    def ended_log(self, reason: str) -> None:
+        log.info("audiosocket call ended (%s): %d packets in, %d frames out", reason, self.state.inbound_packets,
+                 self.state.frames_sent)  # fmt: skip
+
+    # ---- the receive loop ----
+
+    async def run(self) -> None:
+        watchdog = asyncio.create_task(self.watch_for_silence(), name="silence-watchdog")
+        try:
+            first = await read_message(self.reader)
+            if first is not None:
+                self._last_message_at = time.monotonic()
+                if await self._start(parse_uuid(first)):
+                    await self._receive()
+        except AudioSocketError as e:
+            self.protocol_error(e.kind, e.detail)
+            if self._end_reason == "completed":
+                self._end_reason = "oversize" if e.kind == OVERSIZE else "rejected"
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            if self._end_reason == "completed" and not self._ended:  # keep a reason given (no_start, flooding)
+                log.warning("audiosocket connection from %s cut: %s", self.peer, type(e).__name__)
+                self._end_reason = "socket_error"
+        finally:
+            watchdog.cancel()
+            await self.end(self._end_reason)
+
+    async def _receive(self) -> None:
+        while not self.closed:
+            message = await read_message(self.reader)
+            self._last_message_at = time.monotonic()
+            if message is None or message.kind == KIND_HANGUP:  # Asterisk hung up (the caller did)
+                return
+            if message.kind == KIND_SLIN:
+                if not self._on_audio(message.payload):
+                    self.limits.drop("media")  # each refused packet counts towards ending a flood
+                if self._end_if_flooding():
+                    return
+            elif message.kind == KIND_DTMF:
+                if self.limits.allow("dtmf"):
+                    await self._on_dtmf(message.payload)
+            elif not self._on_other(message):
+                return
+
+    def _on_other(self, message: Message) -> bool:
+        """An error or an unknown kind: counted (rate-limited); False once the stream is past its limits."""
+        if message.kind == KIND_ERROR:
+            code = message.payload[:1].hex() or "none"
+            self.protocol_error(PEER_ERROR, f"Asterisk reported error {code}")
+        else:
+            self.protocol_error(UNKNOWN_KIND, f"message of kind {message.kind:#04x} ({len(message.payload)} bytes)")
+        self.limits.allow("invalid")
+        return not self._end_if_flooding()
+
+    def _end_if_flooding(self) -> bool:
+        if self.limits.flooding:
+            log.warning("audiosocket from %s ended: %d messages over their limits", self.peer, self.limits.dropped)
+            self._end_reason = "flooding"
+            return True
+        return False
+
+    def _on_audio(self, payload: bytes) -> bool:
+        """The caller's audio to the engine; False when refused (faster than real time, or not whole samples)."""
+        if len(payload) % SAMPLE_BYTES:
+            self.protocol_error(ODD_AUDIO, f"{len(payload)} bytes of 16-bit audio")
+            return False
+        now, st = time.monotonic(), self.state
+        seconds = len(payload) / (LINE_RATE * SAMPLE_BYTES)
+        # Real time counts from the connection, as for Twilio's streams (see MediaStreamSession._on_media).
+        if st.inbound_audio_s + seconds > now - self.opened_at + self.ctx.config.flood_burst_packets * PACKET_S:
+            self.protocol_error(FLOODING, "inbound audio faster than real time")
+            return False
+        st.inbound_packets += 1
+        st.inbound_audio_s += seconds
+        self.take_caller_audio(payload, now)
+        return True
+
+    async def _on_dtmf(self, payload: bytes) -> None:
+        if len(payload) != 1 or payload[0] not in DTMF_DIGITS:
+            self.protocol_error(UNKNOWN_KIND, f"a DTMF message of {len(payload)} bytes that is not a digit")
+            return
+        log.debug("dtmf received")  # never the digit: it may be a PIN
+        assert self.state.call_sid is not None
+        await self.ctx.store.append_dtmf(self.state.call_sid, payload.decode("ascii"))
+
+    # ---- admission ----
+
+    async def _start(self, call_uuid: uuid.UUID) -> bool:
+        """Admit the call on this node and open its engine seat; False: refused (recorded and counted)."""
+        ctx = self.ctx
+        ctx.awaiting_start.pop(self, None)
+        if self._evicted:
+            return False
+        self.state.start_received_at = time.monotonic()
+        call_sid = call_id_for(call_uuid)
+        call_id_var.set(call_sid)
+        agent = ctx.agents.agents.get(self.agent_name)
+        self._agent, self.state.agent = agent, agent.name
+        if call_sid in ctx.streams:  # the UUID of a live call: never a second leg (Asterisk makes a fresh one)
+            metrics.WEBHOOK_REJECTIONS.labels(endpoint="audiosocket", reason="second_stream").inc()
+            log.warning("audiosocket for %s refused: that call is already streaming here", call_sid)
+            metrics.CALLS_TOTAL.labels(outcome="rejected", agent=agent.name).inc()
+            self._end_reason = "rejected"
+            self._started()
+            return False
+        record = CallRecord(call_sid=call_sid, from_number=None, to_number=None, node=ctx.config.node_id,
+                            agent=agent.name)  # fmt: skip
+        if ctx.engine is None or ctx.engine.failed or ctx.capacity_left <= 0:
+            log.warning("audiosocket call refused: no seat free here (draining=%s)", ctx.draining)
+            metrics.CALLS_TOTAL.labels(outcome="busy", agent=agent.name).inc()
+            self._end_reason = "busy"
+            self._started()
+            await ctx.store.create(record)
+            await ctx.store.end(call_sid, "busy")
+            return False
+        ctx.add_stream(call_sid, self)
+        self._started()
+        await ctx.store.create(record)
+        actions: tuple[CallAction, ...] = ("end",)
+        setup = CallSetup(agent=agent.name, to_number=None, from_number=None, actions=actions,
+                          forced_delay_ms=agent.forced_delay_ms)  # fmt: skip
+        log.info("audiosocket call from %s answered by agent %s", self.peer, agent.name)
+        if not await self.open_engine(call_sid, setup):
+            return False
+        await self.streaming(call_sid, str(call_uuid))
+        return True
+
+    # ---- call actions ----
+
+    async def on_tool(self, use: ToolUse) -> None:
+        call_sid = self.state.call_sid
+        assert call_sid is not None
+        if use.action is None:
+            await self.ctx.store.append_tool(call_sid, use.name, use.arguments, use.outcome)
+        elif use.action != "end" or self._acting:
+            await self.ctx.store.append_tool(call_sid, use.name, use.arguments, "ignored")
+        else:
+            self._acting = True
+            self.ctx.spawn(self._hang_up_after_line(use))
+
+    async def _hang_up_after_line(self, use: ToolUse) -> None:
+        """`end_call`: the bot says its line, the line plays out, then the call ends (Asterisk hangs up)."""
+        words = max(1, len(use.say.split()))
+        start_words, deadline = self._bot_word_starts, time.monotonic() + LINE_WAIT_S
+        # Polled once a tick: the words arrive with the fan-out's ticks, which set no event for one call.
+        while self.playing and time.monotonic() < deadline and self._bot_word_starts - start_words < words:  # noqa: ASYNC110
+            await asyncio.sleep(FRAME_SECONDS)
+        while self.playing and time.monotonic() < deadline and self.outbox:  # noqa: ASYNC110 - its audio trails its text
+            await asyncio.sleep(FRAME_SECONDS)
+        result = "ok" if self.playing else "cancelled"  # cancelled: the caller hung up first
+        if result == "ok":
+            metrics.CALL_ACTIONS.labels(action="end", trigger="tool", result=result).inc()
+        assert self.state.call_sid is not None
+        await self.ctx.store.append_tool(self.state.call_sid, use.name, use.arguments, result)
+        if result == "ok":
+            log.info("call ended by the agent (tool)")
+            self._end_reason = "ended_by_agent"
+            await self.close_transport()

@@ -1,0 +1,273 @@
+"""Asterisk's AudioSocket carrier: the wire, then real calls over loopback TCP (real speech in, the tiny model
+and real pocketsphinx behind), and attacks on the port while a good call runs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp import ClientSession
+
+from knowledge.backend import BackendConfig, BackendServices
+from telephony import audiosocket_wire as wire
+from telephony.audiosocket_config import AudioSocketListen, allowed, parse_listeners, parse_networks
+from telephony.audiosocket_session import call_id_for
+from telephony.config import ConfigError, ServiceConfig
+from telephony.framing import InboundFramer
+from telephony.mulaw import float_to_ulaw, ulaw_to_pcm16
+from telephony.server import VOICE_PATH
+from telephony.sim_audiosocket import audiosocket_call, caller_slin
+
+from .phone_fixtures import Phone, metric, running_phone
+from .polling import until
+
+LOOPBACK = (AudioSocketListen("127.0.0.1", 0),)
+
+
+# ---- the wire ----
+
+
+async def _read(data: bytes) -> wire.Message | None:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return await wire.read_message(reader)
+
+
+async def test_messages_round_trip_and_a_clean_end_is_none() -> None:
+    assert await _read(wire.encode(wire.KIND_DTMF, b"5")) == wire.Message(wire.KIND_DTMF, b"5")
+    assert await _read(wire.hangup()) == wire.Message(wire.KIND_HANGUP, b"")
+    assert await _read(b"") is None
+    with pytest.raises(asyncio.IncompleteReadError):  # cut inside a message: not a clean end
+        await _read(wire.encode(wire.KIND_SLIN, bytes(320))[:100])
+
+
+async def test_an_oversize_message_is_refused_from_its_header() -> None:
+    """A header claiming 64 KiB is refused before a byte of its payload is awaited (a peer that never
+    sends it would otherwise hold the read, and the buffer, for as long)."""
+    reader = asyncio.StreamReader()
+    reader.feed_data(bytes((wire.KIND_SLIN,)) + (0xFFFF).to_bytes(2, "big"))  # no payload, no EOF
+    with pytest.raises(wire.AudioSocketError) as err:
+        async with asyncio.timeout(1):
+            await wire.read_message(reader)
+    assert err.value.kind == wire.OVERSIZE
+
+
+def test_the_first_message_must_be_a_uuid() -> None:
+    u = uuid.uuid4()
+    assert wire.parse_uuid(wire.Message(wire.KIND_UUID, u.bytes)) == u
+    for message, kind in ((wire.Message(wire.KIND_SLIN, bytes(320)), wire.NO_UUID),
+                          (wire.Message(wire.KIND_UUID, b"short"), wire.BAD_UUID)):  # fmt: skip
+        with pytest.raises(wire.AudioSocketError) as err:
+            wire.parse_uuid(message)
+        assert err.value.kind == kind
+
+
+def test_bot_audio_becomes_20ms_slin_messages_exactly() -> None:
+    mulaw = float_to_ulaw(np.sin(np.arange(640) / 5).astype(np.float32) * 0.5)
+    messages = wire.slin_messages(mulaw)
+    assert len(messages) == 4 and all(len(m) == 3 + wire.PACKET_BYTES for m in messages)
+    pcm = b"".join(m[3:] for m in messages)
+    assert np.array_equal(np.frombuffer(pcm, "<i2"), ulaw_to_pcm16(mulaw))  # μ-law to linear is exact
+
+
+def test_slin_framing_gives_the_engine_what_mulaw_framing_does() -> None:
+    """The same line audio as μ-law (Twilio) and as its exact linear decoding (Asterisk) gives the engine the
+    same frames: one resampler, one framer, two line codecs."""
+    mulaw = float_to_ulaw(np.random.default_rng(1).uniform(-0.3, 0.3, 8000 // 2).astype(np.float32))
+    slin = ulaw_to_pcm16(mulaw).astype("<i2").tobytes()
+    a, b = InboundFramer(), InboundFramer.slin()
+    frames_a = [f for i in range(0, len(mulaw), 160) for f in a.push(mulaw[i : i + 160])]
+    frames_b = [f for i in range(0, len(slin), 320) for f in b.push(slin[i : i + 320])]
+    assert len(frames_a) == len(frames_b) == 6
+    for fa, fb in zip(frames_a, frames_b, strict=True):
+        assert np.allclose(fa.pcm, fb.pcm, atol=1e-6)
+
+
+def test_listeners_and_networks_parse_or_say_why() -> None:
+    assert parse_listeners("0.0.0.0:9092=sales, [::]:9093") == (
+        AudioSocketListen("0.0.0.0", 9092, "sales"), AudioSocketListen("::", 9093, None))
+    for bad in ("9092", "host:port", "host:70000", ":9092"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            parse_listeners(bad)
+    private = parse_networks("private")
+    assert allowed("10.1.2.3", private) and allowed("::ffff:192.168.1.9", private) and allowed("::1", private)
+    assert not allowed("8.8.8.8", private) and not allowed("not-an-ip", private)
+    assert allowed("8.8.8.8", parse_networks("any"))
+    with pytest.raises(ValueError, match="not a network"):
+        parse_networks("10.0.0.0/8,nonsense")
+    with pytest.raises(ValueError, match="no network"):
+        parse_networks(" , ")
+
+
+async def test_a_node_without_twilio_credentials_answers_audiosocket_and_refuses_twilio(
+    tiny_checkpoint: Path,
+) -> None:
+    """AudioSocket alone needs no Twilio account; such a node refuses every Twilio webhook (fails closed,
+    never an unchecked one). Without AudioSocket the token stays required."""
+    with pytest.raises(ConfigError, match="TWILIO_AUTH_TOKEN"):
+        ServiceConfig(host="127.0.0.1").check()
+    ServiceConfig(host="127.0.0.1", audiosocket=LOOPBACK).check()
+    async with running_phone(tiny_checkpoint, audiosocket=LOOPBACK) as phone, ClientSession() as http:
+        phone.ctx.config = dataclasses.replace(phone.ctx.config, twilio_auth_token=None)
+        async with http.post(phone.base + VOICE_PATH, data={"CallSid": "CA" + "0" * 32}) as resp:
+            assert resp.status == 403
+
+
+# ---- calls ----
+
+
+def _port(phone: Phone) -> int:
+    return phone.handle.audiosocket.ports[0]
+
+
+async def test_a_pbx_call_over_audiosocket_end_to_end(tiny_checkpoint: Path, question_wav: Path) -> None:
+    """Real speech as Asterisk sends it (8 kHz 16-bit linear, 20 ms messages): the STT hears the caller's
+    words, the bot's audio comes back paced at 20 ms a message, and the call's record says who answered
+    and how it ended, under the call's own id."""
+    backend = BackendServices(BackendConfig(stt="pocketsphinx", llm_enabled=False))
+    await backend.warm_up(1)
+    before = metric("kame_calls_total", outcome="completed", agent="default")
+    async with running_phone(tiny_checkpoint, backend=backend, audiosocket=LOOPBACK) as phone:
+        report = await audiosocket_call("127.0.0.1", _port(phone), caller_slin(question_wav), hold_s=3.0,
+                                        dtmf="5")  # fmt: skip
+        await phone.settled()
+        record = await phone.store.get(call_id_for(report.call_uuid))
+    assert not report.hung_up_by_service
+    assert report.first_sound_s is not None  # the bot's audio reached the caller
+    assert len(report.bot_audio) % wire.PACKET_BYTES == 0
+    gaps = np.diff(report.arrivals)
+    assert 0.015 < float(np.median(gaps)) < 0.025, "paced one message every 20 ms, not a tick's four at once"
+    assert record is not None and record.agent == "default" and record.end_reason == "completed"
+    assert record.stream_sid == str(report.call_uuid) and record.dtmf == ["5"]
+    said = " ".join(t.text for t in record.turns if t.role == "caller").lower()
+    assert any(w in said for w in ("store", "open", "monday", "time")), record.turns
+    assert metric("kame_calls_total", outcome="completed", agent="default") == before + 1
+
+
+async def test_audiosocket_listeners_pick_their_agent(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    from knowledge.agents import AgentDirectory
+
+    from .phone_fixtures import write_agents
+
+    agents = AgentDirectory.from_file(write_agents(tmp_path, """
+        [agents.sales]
+        instructions = "You sell."
+        numbers = ["+15550001111"]
+    """))  # fmt: skip
+    listeners = (AudioSocketListen("127.0.0.1", 0, "sales"),)
+    async with running_phone(tiny_checkpoint, agents=agents, audiosocket=listeners) as phone:
+        report = await audiosocket_call("127.0.0.1", _port(phone), [bytes(320)] * 10, hold_s=0.5)
+        await phone.settled()
+        record = await phone.store.get(call_id_for(report.call_uuid))
+    assert record is not None and record.agent == "sales"
+
+
+async def test_a_full_node_hangs_up_at_once_and_records_busy(tiny_checkpoint: Path, question_wav: Path) -> None:
+    before = metric("kame_calls_total", outcome="busy", agent="default")
+    async with running_phone(tiny_checkpoint, max_calls=1, audiosocket=LOOPBACK) as phone:
+        good = asyncio.create_task(audiosocket_call("127.0.0.1", _port(phone), caller_slin(question_wav), hold_s=2))
+        await until(lambda: len(phone.ctx.streams) == 1, "the first call seated")
+        busy = await audiosocket_call("127.0.0.1", _port(phone), [bytes(320)] * 100, hold_s=0)
+        report = await good
+        await phone.settled()
+        record = await phone.store.get(call_id_for(busy.call_uuid))
+    assert busy.hung_up_by_service and not busy.bot_audio
+    assert record is not None and record.end_reason == "busy"
+    assert metric("kame_calls_total", outcome="busy", agent="default") == before + 1
+    assert report.first_sound_s is not None and not report.hung_up_by_service
+
+
+async def test_outside_the_allowed_networks_is_refused_before_a_byte_is_read(tiny_checkpoint: Path) -> None:
+    before = metric("kame_webhook_rejections_total", endpoint="audiosocket", reason="not_allowed")
+    async with running_phone(tiny_checkpoint, audiosocket=LOOPBACK,
+                             audiosocket_allow=parse_networks("10.0.0.0/8")) as phone:  # fmt: skip
+        report = await audiosocket_call("127.0.0.1", _port(phone), [bytes(320)] * 50, hold_s=0)
+        assert not phone.ctx.streams
+    assert report.hung_up_by_service and not report.bot_audio
+    assert metric("kame_webhook_rejections_total", endpoint="audiosocket", reason="not_allowed") == before + 1
+
+
+# ---- attacks while a good call runs ----
+
+
+async def _raw(port: int, data: bytes, *, wait_s: float = 8.0) -> bytes:
+    """Send `data`, then read until the service closes the connection (bounded)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    got = b""
+    try:
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(wait_s):
+            while chunk := await reader.read(65536):
+                got += chunk
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    return got
+
+
+async def _flood(port: int) -> None:
+    """A UUID, then 10 s of audio as fast as the socket takes it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(wire.encode(wire.KIND_UUID, uuid.uuid4().bytes))
+        async with asyncio.timeout(15):
+            for _ in range(500):
+                writer.write(wire.encode(wire.KIND_SLIN, bytes(320)) * 10)
+                await writer.drain()
+            while await reader.read(65536):
+                pass
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+async def test_attacks_on_the_audiosocket_port_leave_a_good_call_alone(
+    tiny_checkpoint: Path, question_wav: Path,
+) -> None:
+    """While a good call runs: a header claiming 64 KiB, audio before any UUID, a socket that never sends
+    its UUID, a flood faster than real time, unknown message kinds, and a second connection with the good
+    call's own UUID. Each is closed with its error counted; the good call hears the bot and ends normally."""
+    errors = {k: metric("kame_audiosocket_protocol_errors_total", kind=k)
+              for k in (wire.OVERSIZE, wire.NO_UUID, "no_start", wire.FLOODING, wire.UNKNOWN_KIND)}  # fmt: skip
+    second = metric("kame_webhook_rejections_total", endpoint="audiosocket", reason="second_stream")
+    flooding = metric("kame_calls_total", outcome="flooding", agent="default")
+    good_uuid = uuid.uuid4()
+    async with running_phone(tiny_checkpoint, max_calls=6, audiosocket=LOOPBACK, start_timeout_s=2.0) as phone:
+        port = _port(phone)
+        good = asyncio.create_task(audiosocket_call("127.0.0.1", port, caller_slin(question_wav), hold_s=4.0,
+                                                    call_uuid=good_uuid))  # fmt: skip
+        await until(lambda: call_id_for(good_uuid) in phone.ctx.streams, "the good call seated")
+        oversize = bytes((wire.KIND_SLIN,)) + (0xFFFF).to_bytes(2, "big") + bytes(100)
+        unknown = wire.encode(0x42, b"x" * 10) * 2000  # far past the invalid-message limit
+        await asyncio.gather(
+            _raw(port, wire.encode(wire.KIND_UUID, uuid.uuid4().bytes) + oversize),
+            _raw(port, wire.encode(wire.KIND_SLIN, bytes(320))),
+            _raw(port, b""),  # never sends its UUID: closed after the start timeout
+            _flood(port),
+            _raw(port, wire.encode(wire.KIND_UUID, uuid.uuid4().bytes) + unknown),
+            _raw(port, wire.encode(wire.KIND_UUID, good_uuid.bytes) + wire.encode(wire.KIND_SLIN, bytes(320))),
+        )
+        report = await good
+        await phone.settled()
+        record = await phone.store.get(call_id_for(good_uuid))
+        assert len(phone.ctx.streams) == 0 and phone.ctx.unstarted_sockets == 0
+    for kind, was in errors.items():
+        assert metric("kame_audiosocket_protocol_errors_total", kind=kind) > was, kind
+    assert metric("kame_webhook_rejections_total", endpoint="audiosocket", reason="second_stream") == second + 1
+    assert metric("kame_calls_total", outcome="flooding", agent="default") >= flooding + 1
+    assert report.first_sound_s is not None and not report.hung_up_by_service
+    assert record is not None and record.end_reason == "completed"
+    assert float(np.median(np.diff(report.arrivals))) < 0.025  # still paced, never stalled for long
