@@ -21,8 +21,8 @@ from .env_flags import EnvDefault, EnvError, env_flag, parse_float, parse_int, r
 
 def _serve(args: argparse.Namespace) -> int:
     from knowledge.agents import AgentsError
-    from telephony.call_store import open_call_store
     from telephony.audiosocket_config import parse_listeners, parse_networks
+    from telephony.call_store import open_call_store
     from telephony.config import ConfigError, ServiceConfig
     from telephony.server import run_service
 
@@ -38,7 +38,8 @@ def _serve(args: argparse.Namespace) -> int:
         audiosocket = parse_listeners(args.audiosocket)
         audiosocket_allow = parse_networks(args.audiosocket_allow)
     except ValueError as e:
-        print(f"kame-phone serve: --audiosocket: {e}", file=sys.stderr)
+        flag = "--audiosocket-allow" if "network" in str(e) else "--audiosocket"
+        print(f"kame-phone serve: {flag}: {e}", file=sys.stderr)
         return 2
     if unknown := [str(a) for a in audiosocket if a.agent and a.agent not in agents.agents.by_name]:
         print(f"kame-phone serve: --audiosocket names an agent the agents file does not have: {', '.join(unknown)}",

@@ -16,7 +16,7 @@ from aiohttp import ClientSession
 from knowledge.backend import BackendConfig, BackendServices
 from telephony import audiosocket_wire as wire
 from telephony.audiosocket_config import AudioSocketListen, allowed, parse_listeners, parse_networks
-from telephony.audiosocket_session import call_id_for
+from telephony.audiosocket_session import AudioSocketSession, call_id_for
 from telephony.config import ConfigError, ServiceConfig
 from telephony.framing import InboundFramer
 from telephony.mulaw import float_to_ulaw, ulaw_to_pcm16
@@ -271,3 +271,49 @@ async def test_attacks_on_the_audiosocket_port_leave_a_good_call_alone(
     assert report.first_sound_s is not None and not report.hung_up_by_service
     assert record is not None and record.end_reason == "completed"
     assert float(np.median(np.diff(report.arrivals))) < 0.025  # still paced, never stalled for long
+
+
+@pytest.mark.parametrize(("argv", "env", "said"), [
+    (["--audiosocket", "9092"], {}, "--audiosocket: an AudioSocket listener is HOST:PORT[=AGENT], got '9092'"),
+    (["--audiosocket", "127.0.0.1:9092=nosuch"], {}, "names an agent the agents file does not have"),
+    ([], {"KAME_AUDIOSOCKET": "127.0.0.1:9092", "KAME_AUDIOSOCKET_ALLOW": "10.0.0.0/33"},
+     "--audiosocket-allow: not a network (CIDR, 'private' or 'any'): '10.0.0.0/33'"),
+])  # fmt: skip
+def test_serve_refuses_bad_audiosocket_flags_in_one_line(
+    argv: list[str], env: dict[str, str], said: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kame_phone.cli import main
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "--insecure-dev", *argv]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err
+
+
+async def test_talking_over_queued_speech_empties_our_queue(tiny_checkpoint: Path, question_wav: Path) -> None:
+    """The queue is ours (Asterisk plays on arrival): a caller talking over 0.4 s of queued bot speech gets it
+    dropped at once, once they have talked half a second; the same queue over the caller's silence stays."""
+    loud = wire.encode(wire.KIND_SLIN, (np.sin(np.arange(160) / 3) * 8000).astype("<i2").tobytes())
+    clears = metric("kame_media_playout_clears_total")
+    async with running_phone(tiny_checkpoint, audiosocket=LOOPBACK) as phone:
+        call_uuid = uuid.uuid4()
+        caller = [bytes(320)] * 75 + caller_slin(question_wav)  # 1.5 s of silence, then the question
+        call = asyncio.create_task(audiosocket_call("127.0.0.1", _port(phone), caller, hold_s=1.0,
+                                                    call_uuid=call_uuid))  # fmt: skip
+        await until(lambda: call_id_for(call_uuid) in phone.ctx.streams, "seated")
+        session = phone.ctx.streams[call_id_for(call_uuid)]
+        assert isinstance(session, AudioSocketSession)
+
+        async def stale_speech() -> None:  # a backlog that stands, as after a stall
+            while not call.done():
+                while len(session.outbox) < 20:
+                    session.outbox.append(loud)
+                await asyncio.sleep(0.01)
+
+        filler = asyncio.create_task(stale_speech())
+        await asyncio.sleep(1.2)
+        assert metric("kame_media_playout_clears_total") == clears  # silence under a queue: nothing dropped
+        await call
+        filler.cancel()
+    assert metric("kame_media_playout_clears_total") > clears
