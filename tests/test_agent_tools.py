@@ -24,7 +24,10 @@ from knowledge.llm import MAX_TOOL_ARGUMENTS, LlmClient, LlmConfig, LlmError, To
 from knowledge.oracle_policy import OraclePolicyConfig
 from knowledge.stt import NullSTT, SttResult
 from knowledge.tools import GOODBYE_LINE, TRANSFER_LINE, CallTools, HttpSession
+from telephony.audiosocket_config import AudioSocketListen
+from telephony.audiosocket_session import call_id_for
 from telephony.call_store import CallRecord, MemoryCallStore
+from telephony.sim_audiosocket import audiosocket_call, caller_slin
 from telephony.sim_caller import simulate_call
 from telephony.sim_playout import CallReport
 from telephony.twilio_rest import TwilioCredentials, TwilioRest
@@ -214,6 +217,31 @@ async def test_end_call_completes_the_call_after_the_goodbye_has_played(
     sid, report, record, twilio = await _call_with_rest(tiny_checkpoint, llm_server, directory, wav, hold_after=9.0)
     form = _acted_after_line(sid, report, record, twilio, GOODBYE_LINE, "end_call", "ended_by_agent")
     assert form == {"Status": "completed"}
+
+
+async def test_end_call_hangs_up_an_audiosocket_call_after_the_goodbye_and_transfer_is_not_offered(
+    tiny_checkpoint: Path, llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path
+) -> None:
+    """Asterisk's AudioSocket: no REST API, the socket is the call. `end_call` is offered (not
+    `transfer_call`: the channel cannot be handed back), and the bot says its goodbye before the service
+    hangs up (the goodbye is the oracle before the hang-up, whose audio the caller received)."""
+    directory = _agents(tmp_path, tool_server.base_url + "/order-status")
+    llm_server.tool_triggers = {"goodbye": ("end_call", {})}
+    wav = flite_wav("Okay goodbye.", tmp_path / "bye.wav")
+    backend = await _backend(llm_server, directory)
+    listeners = (AudioSocketListen("127.0.0.1", 0, "sales"),)
+    async with running_phone(tiny_checkpoint, backend=backend, agents=directory, audiosocket=listeners) as phone:
+        report = await audiosocket_call("127.0.0.1", phone.handle.audiosocket.ports[0], caller_slin(wav),
+                                        hold_s=9.0)  # fmt: skip
+        await phone.settled()
+        record = await phone.store.get(call_id_for(report.call_uuid))
+    assert report.hung_up_by_service
+    assert record is not None and record.end_reason == "ended_by_agent"
+    assert [(t.name, t.outcome) for t in record.tools] == [("end_call", "ok")]
+    assert _tool_names(llm_server.requests[0]) == {"end_call", "order_status"}
+    said = next(o for o in record.oracle if o.text == GOODBYE_LINE)
+    assert record.ended_at is not None and said.at < record.ended_at
+    assert report.arrivals[-1] > report.arrivals[0] + 1.0  # the bot spoke, then the line went down
 
 
 @pytest.mark.parametrize("tool_mode", ["ok", "fail"])
