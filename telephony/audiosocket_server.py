@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from . import metrics
 from .audiosocket_config import allowed
 from .audiosocket_session import PACKET_S, AudioSocketSession
+from .bot_audio import cancel_and_wait
 
 if TYPE_CHECKING:
     from .server import ServerContext
@@ -41,10 +42,7 @@ class AudioSocketPacer:
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _run(self) -> None:
         due = time.monotonic()

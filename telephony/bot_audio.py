@@ -35,6 +35,14 @@ log = logging.getLogger(__name__)
 _PHASE_SECONDS = {phase: metrics.MEDIA_FANOUT_SECONDS.labels(phase=phase) for phase in metrics.FANOUT_PHASES}
 
 
+async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
+    """Stop a background task of the edge's and wait until it has (its own cancellation is not an error)."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 class BotAudioFanout:
     """Takes the engine's `BotFrames` and plays each row to its call's stream (keyed by call id)."""
 
@@ -66,10 +74,7 @@ class BotAudioFanout:
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _run(self, engine: Engine) -> None:
         async for frames in engine.bot_frames():

@@ -269,8 +269,12 @@ async def test_serve_drains_for_its_drain_timeout_then_ends_the_calls(tiny_check
     (["--drain-timeout", "-1"], {}, "--drain-timeout (KAME_DRAIN_TIMEOUT) must be 0 or more seconds, got -1"),
     ([], {"KAME_DRAIN_TIMEOUT": "soon"}, "KAME_DRAIN_TIMEOUT='soon' is refused: not a number"),
     ([], {"KAME_DRAIN_TIMEOUT": "inf"}, "KAME_DRAIN_TIMEOUT='inf' is refused: not a finite number"),
+    (["--audiosocket", "9092"], {}, "--audiosocket: an AudioSocket listener is HOST:PORT[=AGENT], got '9092'"),
+    (["--audiosocket", "127.0.0.1:9092=nosuch"], {}, "names an agent the agents file does not have"),
+    ([], {"KAME_AUDIOSOCKET": "127.0.0.1:9092", "KAME_AUDIOSOCKET_ALLOW": "10.0.0.0/33"},
+     "--audiosocket-allow: not a network (CIDR, 'private' or 'any'): '10.0.0.0/33'"),
 ])  # fmt: skip
-def test_serve_refuses_a_bad_drain_timeout_in_one_line(
+def test_serve_refuses_a_bad_flag_in_one_line(
     argv: list[str], env: dict[str, str], said: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kame_phone.cli import main
