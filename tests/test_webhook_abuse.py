@@ -1,6 +1,7 @@
 """Webhooks under attack, on the real service (loopback, a model-free echoing engine): bodies that never
 arrive or are not Twilio's, captured webhooks replayed, a captured media-upgrade signature used to hold the
-sockets that wait for their `start`. Each test checks that a good call still gets through."""
+sockets that wait for their `start`, crafted SIP addresses in a routed `To`. Each test checks that a good call
+still gets through."""
 
 from __future__ import annotations
 
@@ -10,22 +11,28 @@ import json
 import logging
 import secrets
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qsl, quote, urlencode
 
 import aiohttp
 import pytest
 from twilio.request_validator import RequestValidator
 
+from engine.interface import MAX_SETUP_TEXT
 from kame_phone.media_bench import LoopbackEngine
+from knowledge.agents import AgentDirectory
 from telephony import server as server_module
 from telephony.call_store import MemoryCallStore
 from telephony.config import ServiceConfig
-from telephony.server import CALL_STATUS_PATH, MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
+from telephony.server import CALL_STATUS_PATH, MAX_ROUTED_TEXT, MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
 from telephony.signatures import SIGNATURE_HEADER
 from telephony.sim_caller import simulate_call
+from telephony.sim_playout import PACKET_SECONDS, RATE, Playout, caller_packets
 from telephony.twiml import parse_connect_stream
 
 from .link_fixtures import tone
-from .phone_fixtures import metric
+from .phone_fixtures import metric, write_agents
 from .polling import until
 
 TOKEN = "auth-" + secrets.token_hex(8)
@@ -38,10 +45,12 @@ def _sid() -> str:
 
 
 @contextlib.asynccontextmanager
-async def _service(max_calls: int = 2, **config: object) -> AsyncIterator[ServiceHandle]:
+async def _service(
+    max_calls: int = 2, agents: AgentDirectory | None = None, **config: object
+) -> AsyncIterator[ServiceHandle]:
     engine = LoopbackEngine(max_calls=max_calls)
     cfg = ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=TOKEN, **config)  # type: ignore[arg-type]
-    handle = await ServiceHandle(ServerContext(cfg, MemoryCallStore(), engine)).start()
+    handle = await ServiceHandle(ServerContext(cfg, MemoryCallStore(), engine, agents=agents)).start()
     try:
         yield handle
     finally:
@@ -49,16 +58,22 @@ async def _service(max_calls: int = 2, **config: object) -> AsyncIterator[Servic
         await handle.aclose()
 
 
-async def _signed_post(http: aiohttp.ClientSession, url: str, form: dict[str, str]) -> tuple[int, str]:
-    """A webhook as Twilio sends it: `form` posted to `url`, signed with the account's token."""
-    signature = RequestValidator(TOKEN).compute_signature(url, form)
-    async with http.post(url, data=form, headers={SIGNATURE_HEADER: signature}) as r:
+async def _signed_post(http: aiohttp.ClientSession, url: str, form: dict[str, str] | bytes) -> tuple[int, str]:
+    """A webhook as Twilio sends it: `form` posted to `url`, signed with the account's token. A form given as
+    bytes is the body as it goes on the wire, signed over its fields as the server decodes them."""
+    if isinstance(form, bytes):
+        fields = dict(parse_qsl(form.decode(errors="replace"), keep_blank_values=True))
+        signature = RequestValidator(TOKEN).compute_signature(url, fields)
+        headers = {SIGNATURE_HEADER: signature, "Content-Type": "application/x-www-form-urlencoded"}
+    else:
+        headers = {SIGNATURE_HEADER: RequestValidator(TOKEN).compute_signature(url, form)}
+    async with http.post(url, data=form, headers=headers) as r:
         return r.status, await r.text()
 
 
-async def _voice(http: aiohttp.ClientSession, base: str, sid: str) -> tuple[int, str]:
-    """Twilio's voice webhook for call `sid`, signed."""
-    form = {"CallSid": sid, "AccountSid": "AC" + "0" * 32, "From": "+15550001", "To": "+15550002"}
+async def _voice(http: aiohttp.ClientSession, base: str, sid: str, to: str = "+15550002") -> tuple[int, str]:
+    """Twilio's voice webhook for call `sid` to `to`, signed."""
+    form = {"CallSid": sid, "AccountSid": "AC" + "0" * 32, "From": "+15550001", "To": to}
     return await _signed_post(http, base + VOICE_PATH, form)
 
 
@@ -263,3 +278,147 @@ async def test_sockets_whose_start_is_refused_do_not_hold_the_unstarted_cap() ->
             stop.set()
             await asyncio.gather(*holders, return_exceptions=True)
     assert [r.outcome for r in reports] == ["completed"] * 3, [r.errors for r in reports]
+
+
+# --- a routed `To`: its length cap and crafted SIP addresses ---------------------------------------------
+
+SIP_SALES = "sip:sales@example.sip.twilio.com"
+ROUTED_AGENTS = f"""
+[agents.default]
+instructions = "You answer the phone for Example Inc."
+
+[agents.sales]
+numbers = ["{SIP_SALES}"]
+instructions = "You sell Example's widgets."
+"""
+
+
+def _routed_agents(tmp_path: Path) -> AgentDirectory:
+    return AgentDirectory.from_file(write_agents(tmp_path, ROUTED_AGENTS))
+
+
+def _padded(address: str, length: int) -> str:
+    """`address` with a URI parameter making it `length` characters: the same address to routing."""
+    return address if length == len(address) else address + ";x-pad=" + "p" * (length - len(address) - 7)
+
+
+def _agent_of(status: int, twiml: str) -> str | int:
+    """The agent a webhook's answer streams the call to; else its HTTP status, or a 200's other TwiML."""
+    if status != 200:
+        return status
+    return parse_connect_stream(twiml).parameters["agent"] if "<Stream" in twiml else twiml[:300]
+
+
+@pytest.mark.parametrize(
+    ("length", "agent"),
+    [(len(SIP_SALES), "sales"), (MAX_ROUTED_TEXT, "sales"), (MAX_ROUTED_TEXT + 1, "default"), (5000, "default")],
+)
+async def test_a_routed_to_over_its_cap_is_answered_by_the_default_agent(
+    tmp_path: Path, length: int, agent: str
+) -> None:
+    """A `To` over MAX_ROUTED_TEXT is not matched against the agents' addresses (the matching's work on a
+    32 KB field is bounded): the call is the default agent's, even where the address in it is claimed. At
+    the cap and under it, the claiming agent answers. The TwiML and the call's record say which."""
+    directory = _routed_agents(tmp_path)
+    to = _padded(SIP_SALES, length)
+    assert len(to) == length and directory.agents.for_call(to).name == "sales"  # the address alone: sales
+    async with _service(agents=directory) as h, aiohttp.ClientSession() as http:
+        sid = _sid()
+        status, twiml = await _voice(http, h.http_url, sid, to=to)
+        await h.ctx.store.flush()
+        record = await h.ctx.store.get(sid)
+    assert _agent_of(status, twiml) == agent
+    assert record is not None and record.agent == agent and record.to_number == to[:MAX_SETUP_TEXT]
+
+
+def _crafted(to: str) -> bytes:
+    """A `To` as it goes on the wire (percent-encoded as UTF-8)."""
+    return quote(to, safe="").encode()
+
+
+def _voice_form(sid: str, to: bytes) -> bytes:
+    """The voice webhook's body for call `sid`, its `To` the bytes `to` as they are."""
+    return urlencode({"CallSid": sid, "AccountSid": "AC" + "0" * 32, "From": "+15550001"}).encode() + b"&To=" + to
+
+
+# Each crafted `To` (the form field's bytes on the wire) and the answer it gets: the agent streamed to, or an
+# HTTP status. No crafted user or host reaches the sales agent; an upper-case scheme does (RFC 3261: the scheme
+# compares case-insensitively), being the same address.
+CRAFTED_TOS: dict[str, tuple[bytes, str | int]] = {
+    "two-ats": (_crafted("sip:sales@evil.example@example.sip.twilio.com"), "default"),
+    "escaped-at-in-user": (_crafted("sip:sales%40example.sip.twilio.com@x"), "default"),
+    "escaped-at-on-our-host": (_crafted("sip:sales%40evil.example@example.sip.twilio.com"), "default"),
+    "upper-case-scheme": (_crafted("SIP:sales@example.sip.twilio.com"), "sales"),
+    "5000-chars": (_crafted(_padded(SIP_SALES, 5000)), "default"),
+    "5000-char-host": (_crafted("sip:sales@" + "a" * 4990 + ".example"), "default"),
+    "nul-in-user": (_crafted("sip:sales\x00@example.sip.twilio.com"), "default"),
+    "nul-first": (_crafted("\x00" + SIP_SALES), "default"),
+    "control-chars-after-host": (_crafted(SIP_SALES + "\x07\x1b[2J\x7f"), "default"),
+    "sip-escapes-not-utf8": (_crafted("sip:%ff%fe@example.sip.twilio.com"), "default"),
+    "sip-escape-cut-short": (_crafted("sip:sales%4@example.sip.twilio.com"), "default"),
+    "form-escape-not-utf8": (b"sip%3Asales%FF%40example.sip.twilio.com", "default"),
+    "raw-bytes-not-utf8": (b"sip:sales\xff\xfe@example.sip.twilio.com", 400),
+}
+
+
+@dataclass(eq=False)
+class _TalksUntil:
+    """A caller who talks until `done` is set, and `tail_s` after; `bot_after_s`: the bot audio received in
+    that tail."""
+
+    done: asyncio.Event
+    tail_s: float = 1.5
+    packets: tuple[bytes, ...] = tuple(caller_packets(tone(440.0, 1.0)))
+    done_at: tuple[float, int] | None = None  # (t, bot samples received) once `done` was seen
+    bot_after_s: float = 0.0
+
+    def next_packet(self, t: float, playout: Playout) -> tuple[bytes, bool] | None:
+        if self.done.is_set() and self.done_at is None:
+            self.done_at = (t, playout.received_samples)
+        if self.done_at is not None and t >= self.done_at[0] + self.tail_s:
+            self.bot_after_s = (playout.received_samples - self.done_at[1]) / RATE
+            return None
+        if t > 60:  # a guard against a hang, not a timing assertion
+            return None
+        return self.packets[round(t / PACKET_SECONDS) % len(self.packets)], True
+
+
+async def test_crafted_sip_tos_get_clean_answers_while_a_good_call_streams(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Signed voice webhooks whose `To` is a crafted SIP address (an '@' hidden in the user, escaped or not,
+    control characters, percent-escapes that are not UTF-8, 5000 characters), all at once while a call to
+    the sales agent's address streams: each is streamed to the default agent (or, bytes that are not UTF-8,
+    refused 400), never a 500 nor a traceback, and the call goes on hearing the bot, then ends normally."""
+    caplog.set_level(logging.INFO)
+    caller, good_sid = _TalksUntil(asyncio.Event()), _sid()
+    async with _service(max_calls=len(CRAFTED_TOS) + 1, agents=_routed_agents(tmp_path)) as h, \
+            aiohttp.ClientSession() as http:  # fmt: skip
+        ws_url = h.http_url.replace("http://", "ws://") + MEDIA_PATH
+        call = asyncio.create_task(simulate_call(ws_url, caller, auth_token=TOKEN, public_url=None,
+                                                 custom_sid=good_sid, to_number=SIP_SALES))  # fmt: skip
+        sids = {name: _sid() for name in CRAFTED_TOS}
+        try:
+            await until(lambda: good_sid in h.ctx.streams, "the good call streaming", within=15)
+            answers = await asyncio.gather(*(_signed_post(http, h.http_url + VOICE_PATH, _voice_form(sids[name], to))
+                                             for name, (to, _) in CRAFTED_TOS.items()))  # fmt: skip
+            streamed_throughout = good_sid in h.ctx.streams
+        finally:
+            caller.done.set()
+            report = await call
+        await asyncio.wait_for(h.ctx.no_streams.wait(), 10)  # the call's end written on the server's side
+        await h.ctx.store.flush()
+        good = await h.ctx.store.get(good_sid)
+        records = {name: await h.ctx.store.get(sid) for name, sid in sids.items()}
+    got = {name: _agent_of(status, twiml) for name, (status, twiml) in zip(CRAFTED_TOS, answers, strict=True)}
+    assert got == {name: answer for name, (_, answer) in CRAFTED_TOS.items()}
+    recorded = {name: record.agent if record else None for name, record in records.items()}
+    assert recorded == {name: answer if answer != 400 else None for name, (_, answer) in CRAFTED_TOS.items()}
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text[-2000:]
+    # The good call: streaming all along, the bot heard after the attack as before, ended by its caller.
+    assert streamed_throughout
+    assert report.outcome == "completed" and not report.server_hung_up, report.errors
+    assert report.custom_parameters["agent"] == "sales"
+    assert caller.bot_after_s > 0.5, caller
+    assert good is not None and (good.state, good.end_reason, good.agent) == ("ended", "completed", "sales")
+    assert good.to_number == SIP_SALES and good.stream_sid == report.stream_sid
