@@ -105,6 +105,13 @@ def _call(args: argparse.Namespace) -> int:
     return asyncio.run(run_call_from_args(args))
 
 
+def _audiosocket_call(args: argparse.Namespace) -> int:
+    from telephony.sim_audiosocket import run_audiosocket_call_from_args
+
+    setup_logging(level="WARNING")
+    return asyncio.run(run_audiosocket_call_from_args(args))
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -250,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.compiled_step import COMPILE_MODES
     from engine.weight_quant import INT8_MATMULS
     from evaluation.command import add_compare_arguments, add_eval_arguments
+    from telephony.sim_audiosocket import add_audiosocket_call_arguments
     from telephony.sim_caller import add_call_arguments
 
     from .app import add_engine_arguments
@@ -317,6 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
     call = sub.add_parser("call", help="dial the service like Twilio would, from a WAV file")
     add_call_arguments(call)
     call.set_defaults(func=_call)
+
+    pbx = sub.add_parser("audiosocket-call",
+                         help="call a `serve --audiosocket` port like Asterisk's AudioSocket() does")  # fmt: skip
+    add_audiosocket_call_arguments(pbx)
+    pbx.set_defaults(func=_audiosocket_call)
 
     demo = sub.add_parser("demo", help="offline end-to-end demo on a tiny random-weight model")
     demo.add_argument("--workdir", type=Path, default=Path("var/demo"))

@@ -21,10 +21,11 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from engine.interface import FRAME_SECONDS, CallAction, CallSetup, ToolUse
-from telephony.call_store import CallRecord
+from telephony.call_store import CallRecord, CallStoreUnavailable
 
 from . import metrics
 from .audiosocket_wire import (
+    DTMF_DIGITS,
     FLOODING,
     KIND_DTMF,
     KIND_ERROR,
@@ -59,7 +60,6 @@ PACKET_S = 0.02
 # Our queue of the bot's audio, at most: an engine tick is 4 messages; more than this is a burst after a
 # stall, and its oldest audio is dropped rather than delaying every later word.
 MAX_QUEUED_S = 1.0
-DTMF_DIGITS = frozenset(b"0123456789*#ABCD")
 LINE_WAIT_S = 10.0  # an `end_call`'s line: spoken and played out within this, or the call ends anyway
 CLOSE_WAIT_S = 2.0  # a peer that does not close its side after ours is dropped
 
@@ -176,30 +176,25 @@ class AudioSocketSession(CallLeg):
             if message.kind == KIND_SLIN:
                 if not self._on_audio(message.payload):
                     self.limits.drop("media")  # each refused packet counts towards ending a flood
-                if self._end_if_flooding():
-                    return
             elif message.kind == KIND_DTMF:
                 if self.limits.allow("dtmf"):
                     await self._on_dtmf(message.payload)
-            elif not self._on_other(message):
+            else:
+                self._on_other(message)
+            if self.limits.flooding:
+                log.warning("audiosocket from %s ended: %d messages over their limits", self.peer,
+                            self.limits.dropped)  # fmt: skip
+                self._end_reason = "flooding"
                 return
 
-    def _on_other(self, message: Message) -> bool:
-        """An error or an unknown kind: counted (rate-limited); False once the stream is past its limits."""
+    def _on_other(self, message: Message) -> None:
+        """An error or an unknown kind: counted, under the invalid-message rate limit."""
         if message.kind == KIND_ERROR:
             code = message.payload[:1].hex() or "none"
             self.protocol_error(PEER_ERROR, f"Asterisk reported error {code}")
         else:
             self.protocol_error(UNKNOWN_KIND, f"message of kind {message.kind:#04x} ({len(message.payload)} bytes)")
         self.limits.allow("invalid")
-        return not self._end_if_flooding()
-
-    def _end_if_flooding(self) -> bool:
-        if self.limits.flooding:
-            log.warning("audiosocket from %s ended: %d messages over their limits", self.peer, self.limits.dropped)
-            self._end_reason = "flooding"
-            return True
-        return False
 
     def _on_audio(self, payload: bytes) -> bool:
         """The caller's audio to the engine; False when refused (faster than real time, or not whole samples)."""
@@ -238,9 +233,12 @@ class AudioSocketSession(CallLeg):
         call_id_var.set(call_sid)
         agent = ctx.agents.agents.get(self.agent_name)
         self._agent, self.state.agent = agent, agent.name
-        if call_sid in ctx.streams:  # the UUID of a live call: never a second leg (Asterisk makes a fresh one)
-            metrics.WEBHOOK_REJECTIONS.labels(endpoint="audiosocket", reason="second_stream").inc()
-            log.warning("audiosocket for %s refused: that call is already streaming here", call_sid)
+        # The UUID of a call live here, or of one with a record (Asterisk's ${UUID()} is fresh each call: taking
+        # it would write a stranger's words into that call's record): never a second leg.
+        if call_sid in ctx.streams or await self._known(call_sid) or call_sid in ctx.streams:
+            reason = "second_stream" if call_sid in ctx.streams else "replayed"
+            metrics.WEBHOOK_REJECTIONS.labels(endpoint="audiosocket", reason=reason).inc()
+            log.warning("audiosocket for %s refused (%s)", call_sid, reason)
             metrics.CALLS_TOTAL.labels(outcome="rejected", agent=agent.name).inc()
             self._end_reason = "rejected"
             self._started()
@@ -266,6 +264,12 @@ class AudioSocketSession(CallLeg):
             return False
         await self.streaming(call_sid, str(call_uuid))
         return True
+
+    async def _known(self, call_sid: str) -> bool:
+        try:
+            return await self.ctx.store.brief(call_sid) is not None
+        except CallStoreUnavailable:
+            return False  # Redis down: the call is answered; its record's writes wait for Redis
 
     # ---- call actions ----
 

@@ -22,6 +22,7 @@ KIND_UUID = 0x01
 KIND_DTMF = 0x03
 KIND_SLIN = 0x10  # 8 kHz; later Asterisk versions number other rates 0x11.. (not agreed between versions)
 KIND_ERROR = 0xFF
+DTMF_DIGITS = frozenset(b"0123456789*#ABCD")  # a DTMF message's one byte
 HEADER_BYTES = 3
 LINE_RATE = 8000
 SAMPLE_BYTES = 2

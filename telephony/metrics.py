@@ -77,9 +77,9 @@ zero_series(WEBHOOK_REJECTIONS, endpoint=("voice", "stream_status", "call_status
 zero_series(WEBHOOK_REJECTIONS, endpoint=("media",),
             reason=("bad_token", "second_stream", "unstarted_cap", "unstarted_evicted"))
 # AudioSocket connections (no signatures: addresses): outside --audiosocket-allow, no engine, over the cap of
-# connections awaiting their call's UUID, or the UUID of a call already streaming here.
+# connections awaiting their call's UUID, the UUID of a call already streaming here, or of one with a record.
 zero_series(WEBHOOK_REJECTIONS, endpoint=("audiosocket",),
-            reason=("not_allowed", "engine_down", "unstarted_cap", "unstarted_evicted", "second_stream"))
+            reason=("not_allowed", "engine_down", "unstarted_cap", "unstarted_evicted", "second_stream", "replayed"))
 STREAM_MESSAGES_DROPPED = zero_series(
     Counter(
         "kame_stream_messages_dropped_total",

@@ -5,16 +5,19 @@ back with its arrival times. For tests, and for trying a node's AudioSocket port
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import time
 import uuid
+import wave
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .audiosocket_wire import (
+    DTMF_DIGITS,
     KIND_DTMF,
     KIND_HANGUP,
     KIND_SLIN,
@@ -24,7 +27,7 @@ from .audiosocket_wire import (
     encode,
     read_message,
 )
-from .sim_playout import SOUND_RMS, read_wav, to_line_rate
+from .sim_playout import SOUND_RMS, read_wav, to_line_rate, write_wav
 
 PACKET_S = 0.02
 
@@ -116,3 +119,35 @@ async def _receive(reader: asyncio.StreamReader, report: AudioSocketReport, t0: 
     except (asyncio.IncompleteReadError, ConnectionError):
         pass
     report.hung_up_by_service = not report.caller_hung_up
+
+
+def add_audiosocket_call_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--to", required=True, metavar="HOST:PORT", help="a `serve --audiosocket` listener")
+    parser.add_argument("--wav", required=True, type=Path, help="what the caller says: 16-bit WAV, any rate")
+    parser.add_argument("--out", type=Path, help="write the bot's audio as received (8 kHz WAV)")
+    parser.add_argument("--hold-after", type=float, default=3.0, help="seconds to listen after the WAV ends")
+    parser.add_argument("--dtmf", default="", help="digits to press once the WAV has played, e.g. 12#")
+
+
+async def run_audiosocket_call_from_args(args: argparse.Namespace) -> int:
+    """Run `kame-phone audiosocket-call`; exit code 0: the bot answered, 1: error, 3: hung up unanswered
+    (busy, refused, or outside --audiosocket-allow)."""
+    host, sep, port = args.to.rpartition(":")
+    if not sep or not port.isdigit():
+        print(f"--to is HOST:PORT, got {args.to!r}")
+        return 1
+    if bad := [d for d in args.dtmf if len(d.encode()) != 1 or d.encode()[0] not in DTMF_DIGITS]:
+        print(f"--dtmf takes 0-9, *, #, A-D, got {''.join(bad)!r}")
+        return 1
+    try:
+        caller = caller_slin(args.wav)
+        report = await audiosocket_call(host.strip("[]"), int(port), caller, hold_s=args.hold_after, dtmf=args.dtmf)
+    except (OSError, ValueError, EOFError, wave.Error) as exc:
+        print(f"audiosocket call failed: {exc}")
+        return 1
+    first = "none" if report.first_sound_s is None else f"{report.first_sound_s:.2f} s after the UUID"
+    print(f"call {report.call_uuid}: bot audio {len(report.bot_audio) / (2 * LINE_RATE):.1f} s, first sound {first}, "
+          f"hung up by {'the service' if report.hung_up_by_service else 'the caller'}")  # fmt: skip
+    if args.out is not None:
+        write_wav(args.out, report.bot_pcm)
+    return 0 if report.bot_audio else 3

@@ -281,3 +281,20 @@ async def test_talking_over_queued_speech_empties_our_queue(tiny_checkpoint: Pat
         await call
         filler.cancel()
     assert metric("kame_media_playout_clears_total") > clears
+
+
+async def test_a_finished_calls_uuid_is_refused_and_its_record_kept(tiny_checkpoint: Path) -> None:
+    """A UUID that already has a record is a replay (Asterisk makes a fresh one each call): taking it would
+    write a stranger's audio, words and outcome into that call's record."""
+    replayed = metric("kame_webhook_rejections_total", endpoint="audiosocket", reason="replayed")
+    async with running_phone(tiny_checkpoint, audiosocket=LOOPBACK) as phone:
+        first = await audiosocket_call("127.0.0.1", _port(phone), [bytes(320)] * 25, hold_s=0.5, dtmf="1")
+        await phone.settled()
+        before = await phone.store.get(call_id_for(first.call_uuid))
+        again = await audiosocket_call("127.0.0.1", _port(phone), [bytes(320)] * 50, hold_s=0, dtmf="9",
+                                       call_uuid=first.call_uuid)  # fmt: skip
+        await phone.settled()
+        after = await phone.store.get(call_id_for(first.call_uuid))
+    assert again.hung_up_by_service and not again.bot_audio
+    assert before is not None and before == after and after.dtmf == ["1"] and after.end_reason == "completed"
+    assert metric("kame_webhook_rejections_total", endpoint="audiosocket", reason="replayed") == replayed + 1

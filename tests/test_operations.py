@@ -20,6 +20,7 @@ import pytest
 
 from telephony.call_store import open_call_store
 from telephony.logs import JsonFormatter, call_id_var, setup_logging
+from telephony.sim_audiosocket import audiosocket_call
 from telephony.sim_caller import simulate_call
 
 from .phone_fixtures import flite_wav, running_phone
@@ -263,6 +264,33 @@ async def test_serve_drains_for_its_drain_timeout_then_ends_the_calls(tiny_check
     assert 1.5 <= took < 15, took
     assert report.server_hung_up and report.call_seconds < 30
     assert "draining 1 calls (up to 2s)" in serve.said()
+
+
+async def test_serve_answers_audiosocket_calls_and_drains_them(
+    tiny_checkpoint: Path, tmp_path: Path, question_wav: Path,
+) -> None:
+    """The operator's path: KAME_AUDIOSOCKET on serve, `kame-phone audiosocket-call` playing the PBX (the bot's
+    reply written as a WAV), and a SIGTERM drain that ends an AudioSocket call still up (Asterisk hangs up)."""
+    port = free_port()
+    env = {"KAME_AUDIOSOCKET": f"127.0.0.1:{port}", "KAME_DRAIN_TIMEOUT": "1.5"}
+    async with serve_process(tiny_checkpoint, tmp_path, env=env) as serve:
+        assert f"AudioSocket listening on 127.0.0.1:{port}" in serve.said()
+        out = tmp_path / "bot.wav"
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kame_phone.cli", "audiosocket-call", "--to", f"127.0.0.1:{port}", "--wav",
+            str(question_wav), "--out", str(out), "--hold-after", "1", cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, env=os.environ | {"PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        said = (await asyncio.wait_for(cli.communicate(), 60))[0].decode()
+        assert cli.returncode == 0, said
+        assert "hung up by the caller" in said and out.stat().st_size > 8000, said  # over half a second of reply
+        call = asyncio.create_task(audiosocket_call("127.0.0.1", port, [bytes(320)] * 50, hold_s=60.0))
+        await serve.streaming()
+        serve.proc.send_signal(signal.SIGTERM)
+        code = await serve.exit_code(30)
+        report = await asyncio.wait_for(call, 10)
+    assert code == 0, serve.said()[-3000:]
+    assert report.hung_up_by_service and report.bot_audio
 
 
 @pytest.mark.parametrize(("argv", "env", "said"), [
