@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.interface import FRAME_SECONDS, CallAction, CallSetup, ToolUse
@@ -60,12 +61,52 @@ PACKET_S = 0.02
 # Our queue of the bot's audio, at most: an engine tick is 4 messages; more than this is a burst after a
 # stall, and its oldest audio is dropped rather than delaying every later word.
 MAX_QUEUED_S = 1.0
+# After the queue ran dry (the call's start, a pause, an engine tick late), sending resumes once a tick and
+# this many packets more are queued: a tick a little late then plays on instead of leaving a gap.
+CUSHION_PACKETS = 2
+TICK_MESSAGES = round(FRAME_SECONDS / PACKET_S)  # 4: what the fan-out queues a tick
 LINE_WAIT_S = 10.0  # an `end_call`'s line: spoken and played out within this, or the call ends anyway
 CLOSE_WAIT_S = 2.0  # a peer that does not close its side after ours is dropped
 
 
 def call_id_for(call_uuid: uuid.UUID) -> str:
     return CALL_ID_PREFIX + call_uuid.hex
+
+
+@dataclass(eq=False)
+class PacedQueue:
+    """The bot's audio waiting for the pacer, 20 ms a message. Once it has run dry, nothing is taken until a
+    tick and `cushion` messages more are queued; past `max_messages` the oldest go (a stall's burst)."""
+
+    cushion: int = CUSHION_PACKETS
+    max_messages: int = round(MAX_QUEUED_S / PACKET_S)
+    _items: deque[bytes] = field(default_factory=deque)
+    _primed: bool = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def extend(self, messages: list[bytes]) -> int:
+        """Queue a tick's messages; returns how many of the oldest were dropped to stay under the bound."""
+        self._items.extend(messages)
+        dropped = max(0, len(self._items) - self.max_messages)
+        for _ in range(dropped):
+            self._items.popleft()
+        return dropped
+
+    def next(self) -> bytes | None:
+        """The message to send now, or None (dry, or refilling to the cushion)."""
+        if not self._items:
+            self._primed = False
+            return None
+        if not self._primed and len(self._items) < TICK_MESSAGES + self.cushion:
+            return None
+        self._primed = True
+        return self._items.popleft()
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._primed = False
 
 
 class AudioSocketSession(CallLeg):
@@ -81,7 +122,7 @@ class AudioSocketSession(CallLeg):
         self.reader = reader
         self.writer = writer
         self.agent_name = agent  # the listener's agent (None: the agents file's default)
-        self.outbox: deque[bytes] = deque()  # the bot's SLIN messages, 20 ms each, sent by the pacer
+        self.outbox = PacedQueue()  # the bot's SLIN messages, 20 ms each, sent by the pacer
         self.limits = StreamLimits()
         self._acting = False
 
@@ -127,10 +168,8 @@ class AudioSocketSession(CallLeg):
             metrics.MEDIA_PLAYOUT_DRAINED.inc()
             self.bot_silent(now)
             return None
-        self.outbox.extend(slin_messages(mulaw))
-        while len(self.outbox) * PACKET_S > MAX_QUEUED_S:
-            self.outbox.popleft()
-            metrics.MEDIA_OUTBOUND_DROPPED.inc()
+        if dropped := self.outbox.extend(slin_messages(mulaw)):
+            metrics.MEDIA_OUTBOUND_DROPPED.inc(dropped)
         return now
 
     async def send_mark_if_due(self) -> None:
@@ -138,8 +177,9 @@ class AudioSocketSession(CallLeg):
 
     def pace(self) -> None:
         """The pacer's tick: the next 20 ms of the bot's audio onto the socket."""
-        if self.outbox and not self.writer.is_closing():
-            self.writer.write(self.outbox.popleft())
+        message = self.outbox.next()
+        if message is not None and not self.writer.is_closing():
+            self.writer.write(message)
 
     def ended_log(self, reason: str) -> None:
         log.info("audiosocket call ended (%s): %d packets in, %d frames out", reason, self.state.inbound_packets,

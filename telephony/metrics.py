@@ -159,7 +159,8 @@ MEDIA_FANOUT_SECONDS = zero_series(
 )
 MEDIA_OUTBOUND_DROPPED = Counter(
     "kame_media_outbound_dropped_frames_total",
-    "Bot frames not sent because the peer was not reading its socket (its unsent backlog was full).",
+    "Bot audio not sent: frames a peer did not read (its unsent backlog was full), and AudioSocket's 20 ms "
+    "messages queued past a second (a stall's burst).",
 )
 MEDIA_PLAYOUT_DELAY_SECONDS = Histogram(
     "kame_media_playout_delay_seconds",

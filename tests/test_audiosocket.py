@@ -16,7 +16,7 @@ from aiohttp import ClientSession
 from knowledge.backend import BackendConfig, BackendServices
 from telephony import audiosocket_wire as wire
 from telephony.audiosocket_config import AudioSocketListen, allowed, parse_listeners, parse_networks
-from telephony.audiosocket_session import AudioSocketSession, call_id_for
+from telephony.audiosocket_session import AudioSocketSession, PacedQueue, call_id_for
 from telephony.config import ConfigError, ServiceConfig
 from telephony.framing import InboundFramer
 from telephony.mulaw import float_to_ulaw, ulaw_to_pcm16
@@ -87,6 +87,23 @@ def test_slin_framing_gives_the_engine_what_mulaw_framing_does() -> None:
     assert len(frames_a) == len(frames_b) == 6
     for fa, fb in zip(frames_a, frames_b, strict=True):
         assert np.allclose(fa.pcm, fb.pcm, atol=1e-6)
+
+
+def test_the_paced_queue_waits_for_its_cushion_after_running_dry_and_bounds_a_burst() -> None:
+    q = PacedQueue(cushion=2, max_messages=10)
+    tick = [bytes([i]) for i in range(4)]
+    assert q.extend(tick) == 0 and q.next() is None  # one tick: below a tick and the cushion
+    q.extend([b"a", b"b"])
+    taken = [q.next() for _ in range(6)]
+    assert taken == [*tick, b"a", b"b"]  # primed: plays on down to the last message
+    assert q.next() is None and len(q) == 0
+    q.extend(tick)
+    assert q.next() is None  # ran dry: the cushion again before it plays
+    assert q.extend([b"x"] * 8) == 2 and len(q) == 10  # a burst: the oldest go
+    assert q.next() == bytes([2])
+    q.clear()
+    q.extend(tick)
+    assert q.next() is None  # cleared (barge-in): refills to the cushion
 
 
 def test_listeners_and_networks_parse_or_say_why() -> None:
@@ -272,7 +289,7 @@ async def test_talking_over_queued_speech_empties_our_queue(tiny_checkpoint: Pat
         async def stale_speech() -> None:  # a backlog that stands, as after a stall
             while not call.done():
                 while len(session.outbox) < 20:
-                    session.outbox.append(loud)
+                    session.outbox.extend([loud])
                 await asyncio.sleep(0.01)
 
         filler = asyncio.create_task(stale_speech())
