@@ -169,7 +169,7 @@ class AudioSocketSession(CallLeg):
             self.bot_silent(now)
             return None
         if dropped := self.outbox.extend(slin_messages(mulaw)):
-            metrics.MEDIA_OUTBOUND_DROPPED.inc(dropped)
+            metrics.AUDIOSOCKET_QUEUE_DROPPED.inc(dropped)
         return now
 
     async def send_mark_if_due(self) -> None:

@@ -159,8 +159,12 @@ MEDIA_FANOUT_SECONDS = zero_series(
 )
 MEDIA_OUTBOUND_DROPPED = Counter(
     "kame_media_outbound_dropped_frames_total",
-    "Bot audio not sent: frames a peer did not read (its unsent backlog was full), and AudioSocket's 20 ms "
-    "messages queued past a second (a stall's burst).",
+    "Bot frames not sent because the peer was not reading its socket (its unsent backlog was full).",
+)
+AUDIOSOCKET_QUEUE_DROPPED = Counter(
+    "kame_audiosocket_queue_dropped_messages_total",
+    "AudioSocket bot messages (20 ms each) dropped from the pacer's queue, the oldest first: more than a second "
+    "was queued (a stall's burst), so the caller hears the bot's newest audio instead of a second late.",
 )
 MEDIA_PLAYOUT_DELAY_SECONDS = Histogram(
     "kame_media_playout_delay_seconds",
