@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "(none: the agents file's default); no Twilio needed")  # fmt: skip
     env_flag(serve, "--audiosocket-allow", "KAME_AUDIOSOCKET_ALLOW", default="private",
              help="who may connect to the AudioSocket ports (it has no credentials): CIDRs, comma-separated; "
-                  "'private' (loopback, RFC 1918, ULA) or 'any'")  # fmt: skip
+                  "'private' (loopback, RFC 1918, CGNAT, link-local, ULA) or 'any'")  # fmt: skip
     serve.add_argument("--engine", default=EnvDefault("KAME_ENGINE_ADDRESS", None), metavar="ADDRESS",
                        help="use the engine of a `kame-phone engine-serve` at unix:/path, tcp://host:port or "
                             "tls://host:port (token in $KAME_ENGINE_TOKEN; for tls://, the CA in $KAME_ENGINE_CA) "

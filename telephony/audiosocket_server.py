@@ -109,9 +109,14 @@ class AudioSocketServer:
             log.warning("audiosocket connection refused (#%d): %s", self._refused, detail)
         writer.transport.abort()
 
-    async def aclose(self) -> None:
+    def stop_listening(self) -> None:
+        """A drain: new connections are refused at the socket (Asterisk's AudioSocket() fails at once, and a
+        load balancer's health check moves on); the calls up go on."""
         for server in self.servers:
             server.close()
+
+    async def aclose(self) -> None:
+        self.stop_listening()
         for server in self.servers:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):

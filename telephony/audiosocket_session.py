@@ -34,10 +34,12 @@ from .audiosocket_wire import (
     KIND_SLIN,
     LINE_RATE,
     ODD_AUDIO,
+    OTHER_RATES,
     OVERSIZE,
     PEER_ERROR,
     SAMPLE_BYTES,
     UNKNOWN_KIND,
+    WRONG_RATE,
     AudioSocketError,
     Message,
     hangup,
@@ -67,6 +69,8 @@ CUSHION_PACKETS = 2
 TICK_MESSAGES = round(FRAME_SECONDS / PACKET_S)  # 4: what the fan-out queues a tick
 LINE_WAIT_S = 10.0  # an `end_call`'s line: spoken and played out within this, or the call ends anyway
 CLOSE_WAIT_S = 2.0  # a peer that does not close its side after ours is dropped
+KNOWN_WAIT_S = 0.2  # the replay check's Redis read, at most: a hung Redis must not hold every call's answer
+LINE_AUDIO_MESSAGES = 3 * TICK_MESSAGES  # the bot's audio trails its text by a few frames
 
 
 def call_id_for(call_uuid: uuid.UUID) -> str:
@@ -80,6 +84,8 @@ class PacedQueue:
 
     cushion: int = CUSHION_PACKETS
     max_messages: int = round(MAX_QUEUED_S / PACKET_S)
+    queued: int = 0  # messages ever queued
+    gone: int = 0  # of those, sent, dropped or cleared: `queued - gone` are waiting
     _items: deque[bytes] = field(default_factory=deque)
     _primed: bool = False
 
@@ -89,9 +95,11 @@ class PacedQueue:
     def extend(self, messages: list[bytes]) -> int:
         """Queue a tick's messages; returns how many of the oldest were dropped to stay under the bound."""
         self._items.extend(messages)
+        self.queued += len(messages)
         dropped = max(0, len(self._items) - self.max_messages)
         for _ in range(dropped):
             self._items.popleft()
+        self.gone += dropped
         return dropped
 
     def next(self) -> bytes | None:
@@ -102,9 +110,11 @@ class PacedQueue:
         if not self._primed and len(self._items) < TICK_MESSAGES + self.cushion:
             return None
         self._primed = True
+        self.gone += 1
         return self._items.popleft()
 
     def clear(self) -> None:
+        self.gone += len(self._items)
         self._items.clear()
         self._primed = False
 
@@ -112,6 +122,7 @@ class PacedQueue:
 class AudioSocketSession(CallLeg):
     protocol_errors = metrics.AUDIOSOCKET_PROTOCOL_ERRORS
     carrier = "audiosocket"
+    endpoint = "audiosocket"
 
     def __init__(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ctx: ServerContext, *, agent: str | None,
@@ -168,9 +179,10 @@ class AudioSocketSession(CallLeg):
             metrics.MEDIA_PLAYOUT_DRAINED.inc()
             self.bot_silent(now)
             return None
+        ahead = self.queued_bot_s(now)  # the frame goes out behind what is queued (first audio, turn latency)
         if dropped := self.outbox.extend(slin_messages(mulaw)):
             metrics.AUDIOSOCKET_QUEUE_DROPPED.inc(dropped)
-        return now
+        return now + ahead
 
     async def send_mark_if_due(self) -> None:
         """Nothing to mark: what we have not sent is what the caller has not heard."""
@@ -214,8 +226,12 @@ class AudioSocketSession(CallLeg):
             if message is None or message.kind == KIND_HANGUP:  # Asterisk hung up (the caller did)
                 return
             if message.kind == KIND_SLIN:
-                if not self._on_audio(message.payload):
+                if self.limits.allow("audio") and not self._on_audio(message.payload):
                     self.limits.drop("media")  # each refused packet counts towards ending a flood
+            elif message.kind in OTHER_RATES:
+                self.protocol_error(WRONG_RATE, f"audio of kind {message.kind:#04x}: the channel must be 8 kHz slin")
+                self._end_reason = "misconfigured"  # every message would be refused: end now, not after a flood
+                return
             elif message.kind == KIND_DTMF:
                 if self.limits.allow("dtmf"):
                     await self._on_dtmf(message.payload)
@@ -238,7 +254,7 @@ class AudioSocketSession(CallLeg):
 
     def _on_audio(self, payload: bytes) -> bool:
         """The caller's audio to the engine; False when refused (faster than real time, or not whole samples)."""
-        if len(payload) % SAMPLE_BYTES:
+        if not payload or len(payload) % SAMPLE_BYTES:
             self.protocol_error(ODD_AUDIO, f"{len(payload)} bytes of 16-bit audio")
             return False
         now, st = time.monotonic(), self.state
@@ -265,13 +281,16 @@ class AudioSocketSession(CallLeg):
     async def _start(self, call_uuid: uuid.UUID) -> bool:
         """Admit the call on this node and open its engine seat; False: refused (recorded and counted)."""
         ctx = self.ctx
-        ctx.awaiting_start.pop(self, None)
+        self.not_awaiting_start()
         if self._evicted:
             return False
         self.state.start_received_at = time.monotonic()
         call_sid = call_id_for(call_uuid)
         call_id_var.set(call_sid)
         agent = ctx.agents.agents.get(self.agent_name)
+        if self.agent_name is not None and agent.name != self.agent_name:
+            log.warning("the agents file has no agent %r (reloaded without it?): answering with %s",
+                        self.agent_name, agent.name)  # fmt: skip
         self._agent, self.state.agent = agent, agent.name
         # The UUID of a call live here, or of one with a record (Asterisk's ${UUID()} is fresh each call: taking
         # it would write a stranger's words into that call's record): never a second leg.
@@ -283,19 +302,18 @@ class AudioSocketSession(CallLeg):
             self._end_reason = "rejected"
             self._started()
             return False
-        record = CallRecord(call_sid=call_sid, from_number=None, to_number=None, node=ctx.config.node_id,
-                            agent=agent.name)  # fmt: skip
         if ctx.engine is None or ctx.engine.failed or ctx.capacity_left <= 0:
+            # Counted and logged, no record: a dialplan may retry with the same UUID, and a flood of made-up
+            # ones against a full node must not write a record each.
             log.warning("audiosocket call refused: no seat free here (draining=%s)", ctx.draining)
             metrics.CALLS_TOTAL.labels(outcome="busy", agent=agent.name).inc()
             self._end_reason = "busy"
             self._started()
-            await ctx.store.create(record)
-            await ctx.store.end(call_sid, "busy")
             return False
         ctx.add_stream(call_sid, self)
+        ctx.cluster.seat_taken()
         self._started()
-        await ctx.store.create(record)
+        await ctx.store.create(CallRecord(call_sid=call_sid, node=ctx.config.node_id, agent=agent.name))
         actions: tuple[CallAction, ...] = ("end",)
         setup = CallSetup(agent=agent.name, to_number=None, from_number=None, actions=actions,
                           forced_delay_ms=agent.forced_delay_ms)  # fmt: skip
@@ -307,9 +325,10 @@ class AudioSocketSession(CallLeg):
 
     async def _known(self, call_sid: str) -> bool:
         try:
-            return await self.ctx.store.brief(call_sid) is not None
-        except CallStoreUnavailable:
-            return False  # Redis down: the call is answered; its record's writes wait for Redis
+            async with asyncio.timeout(KNOWN_WAIT_S):
+                return await self.ctx.store.brief(call_sid) is not None
+        except (CallStoreUnavailable, TimeoutError):
+            return False  # Redis down or slow: the call is answered; its record's writes wait for Redis
 
     # ---- call actions ----
 
@@ -331,8 +350,14 @@ class AudioSocketSession(CallLeg):
         # Polled once a tick: the words arrive with the fan-out's ticks, which set no event for one call.
         while self.playing and time.monotonic() < deadline and self._bot_word_starts - start_words < words:  # noqa: ASYNC110
             await asyncio.sleep(FRAME_SECONDS)
-        while self.playing and time.monotonic() < deadline and self.outbox:  # noqa: ASYNC110 - its audio trails its text
-            await asyncio.sleep(FRAME_SECONDS)
+        # Then what was queued by now, and the audio trailing the words, has gone to Asterisk (the queue never
+        # empties: the bot's pauses are audio too).
+        played_out = self.outbox.queued + LINE_AUDIO_MESSAGES
+        trailing_until = time.monotonic() + LINE_AUDIO_MESSAGES * PACKET_S  # a bot gone quiet sends no more
+        while self.playing and time.monotonic() < deadline and self.outbox.gone < played_out:
+            if not self.outbox and time.monotonic() > trailing_until:
+                break
+            await asyncio.sleep(PACKET_S)
         result = "ok" if self.playing else "cancelled"  # cancelled: the caller hung up first
         if result == "ok":
             metrics.CALL_ACTIONS.labels(action="end", trigger="tool", result=result).inc()

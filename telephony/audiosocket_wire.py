@@ -21,6 +21,7 @@ KIND_HANGUP = 0x00
 KIND_UUID = 0x01
 KIND_DTMF = 0x03
 KIND_SLIN = 0x10  # 8 kHz; later Asterisk versions number other rates 0x11.. (not agreed between versions)
+OTHER_RATES = range(0x11, 0x20)  # audio at a rate we do not take: the dialplan's channel must be 8 kHz slin
 KIND_ERROR = 0xFF
 DTMF_DIGITS = frozenset(b"0123456789*#ABCD")  # a DTMF message's one byte
 HEADER_BYTES = 3
@@ -39,7 +40,8 @@ BAD_UUID = "bad_uuid"
 ODD_AUDIO = "odd_audio"  # an audio payload that is not whole samples
 FLOODING = "flooding"  # audio faster than real time
 PEER_ERROR = "peer_error"  # Asterisk sent its error message
-PROTOCOL_ERROR_KINDS = (OVERSIZE, UNKNOWN_KIND, NO_UUID, BAD_UUID, ODD_AUDIO, FLOODING, PEER_ERROR)
+WRONG_RATE = "wrong_rate"  # audio of a kind for another sample rate
+PROTOCOL_ERROR_KINDS = (OVERSIZE, UNKNOWN_KIND, NO_UUID, BAD_UUID, ODD_AUDIO, FLOODING, PEER_ERROR, WRONG_RATE)
 
 
 class AudioSocketError(Exception):

@@ -71,7 +71,8 @@ class CallLeg:
     `on_tool` and `restart_playout`, `send_bot_audio`, `send_mark_if_due` (the fan-out's calls)."""
 
     protocol_errors: Counter
-    carrier: str
+    carrier: str  # in logs
+    endpoint: str  # its connections' label in kame_webhook_rejections_total, and its unstarted cap
 
     def __init__(
         self, ctx: ServerContext, *, peer: str, transport: asyncio.BaseTransport | None, inbound: InboundFramer,
@@ -101,8 +102,8 @@ class CallLeg:
         self.opened_at = time.monotonic()
         self._evicted = False
         self._unstarted = True
-        ctx.unstarted_sockets += 1
-        ctx.awaiting_start[self] = None
+        ctx.unstarted[self.endpoint] += 1
+        ctx.awaiting_start[self.endpoint][self] = None
         metrics.MEDIA_UNSTARTED_SOCKETS.set(ctx.unstarted_sockets)
 
     # ---- what a carrier provides ----
@@ -153,17 +154,21 @@ class CallLeg:
 
     def evict(self) -> None:
         """The unstarted cap is full and a newer connection came: this one, which never started, goes."""
-        self.ctx.awaiting_start.pop(self, None)
+        self.not_awaiting_start()
         self.protocol_error("no_start", "closed before its start to make room for a newer stream")
         self._end_reason = "no_start"
         self._evicted = True  # a start already on its way is not acted on: the socket is closing
         self.ctx.spawn(self.close_transport())
 
+    def not_awaiting_start(self) -> None:
+        """Starting (or going): no longer one a full cap may close."""
+        self.ctx.awaiting_start[self.endpoint].pop(self, None)
+
     def _started(self) -> None:
-        self.ctx.awaiting_start.pop(self, None)
+        self.not_awaiting_start()
         if self._unstarted:
             self._unstarted = False
-            self.ctx.unstarted_sockets -= 1
+            self.ctx.unstarted[self.endpoint] -= 1
             metrics.MEDIA_UNSTARTED_SOCKETS.set(self.ctx.unstarted_sockets)
 
     # ---- errors ----

@@ -81,6 +81,11 @@ class Cluster(Protocol):
         """Publish this node's free slots now (e.g. the engine just came up), not at the next heartbeat."""
         ...
 
+    def seat_taken(self) -> None:
+        """A call took a seat here without a reservation (AudioSocket): publish the free slots soon, so the
+        other nodes stop routing Twilio calls to a seat that is gone (never waits on Redis)."""
+        ...
+
     async def drain(self) -> None:
         """Take no new reservations on this node (and tell the other nodes at once)."""
         ...
@@ -143,6 +148,9 @@ class LocalCluster:
 
     async def refresh(self) -> None:
         return None
+
+    def seat_taken(self) -> None:
+        return None  # free_slots() is read when asked: nothing to publish
 
     async def drain(self) -> None:
         self.draining = True
@@ -436,6 +444,9 @@ class RedisCluster:
 
     async def refresh(self) -> None:
         await self._beat()
+
+    def seat_taken(self) -> None:
+        self._poke.set()
 
     async def drain(self) -> None:
         self.draining = True

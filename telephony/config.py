@@ -179,6 +179,11 @@ class ServiceConfig:
         if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):  # 0: end the calls at once
             raise ConfigError(f"--drain-timeout (KAME_DRAIN_TIMEOUT) must be 0 or more seconds, "
                               f"got {self.drain_timeout_s:g}")  # fmt: skip
+        taken = {"--port": self.port, "--metrics-port": self.metrics_port}
+        for listen in self.audiosocket:
+            clash = next((flag for flag, port in taken.items() if port and port == listen.port), None)
+            if clash is not None:
+                raise ConfigError(f"--audiosocket {listen}: port {listen.port} is {clash}'s too")
         if self.redis_url:
             self._check_redis_url(self.redis_url)
 

@@ -72,6 +72,7 @@ class MediaStreamSession(CallLeg):
 
     protocol_errors = metrics.TWILIO_PROTOCOL_ERRORS
     carrier = "twilio"
+    endpoint = "media"
 
     def __init__(
         self,
@@ -234,7 +235,7 @@ class MediaStreamSession(CallLeg):
             return
         if self._evicted:
             return
-        self.ctx.awaiting_start.pop(self, None)  # starting: no longer the one a full cap closes
+        self.not_awaiting_start()
         # First audio is timed from here (the real-time guard counts from the upgrade: see `_on_media`).
         self.state.start_received_at = time.monotonic()
         start = message.start

@@ -87,12 +87,12 @@ STREAM_MESSAGES_DROPPED = zero_series(
         "messages over their rate, media past real time; a stream far past its limits is ended as flooding.",
         ["event"],
     ),
-    event=("connected", "start", "stop", "mark", "dtmf", "media", "invalid"),
+    event=("connected", "start", "stop", "mark", "dtmf", "media", "invalid", "audio"),
 )
 MEDIA_UNSTARTED_SOCKETS = Gauge(
     "kame_media_unstarted_sockets",
-    "Media sockets upgraded (signature checked) whose stream has not started: capped, and closed after "
-    "the start timeout.",
+    "Media connections whose call has not started: Twilio sockets upgraded (signature checked) without their "
+    "start, AudioSocket connections without their UUID; capped per carrier, and closed after the start timeout.",
 )
 CALL_FALLBACKS = zero_series(
     Counter(

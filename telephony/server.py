@@ -90,10 +90,12 @@ class ServerContext:
         self.no_streams.set()
         self.draining = False
         self.remote_engine = False  # an edge on an engine-serve (run_service says)
-        self.unstarted_sockets = 0  # media sockets upgraded, no `start` yet (MediaStreamSession counts them)
+        # Connections with no call started on them yet, per carrier ("media": Twilio upgrades, "audiosocket"),
+        # each capped on its own: a host inside --audiosocket-allow must not fill Twilio's cap (CallLeg counts).
+        self.unstarted: dict[str, int] = {"media": 0, "audiosocket": 0}
         # Those of them that have sent no `start` at all, oldest first: the ones a full cap closes (insertion
         # order of a dict; MediaStreamSession adds and removes itself).
-        self.awaiting_start: dict[Any, None] = {}
+        self.awaiting_start: dict[str, dict[Any, None]] = {"media": {}, "audiosocket": {}}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.fanout = BotAudioFanout(self.streams)
 
@@ -138,25 +140,29 @@ class ServerContext:
         if not self.streams:
             self.no_streams.set()
 
+    @property
+    def unstarted_sockets(self) -> int:
+        return sum(self.unstarted.values())
+
     def room_for_unstarted(self, endpoint: str, peer: str) -> bool:
-        """A new media connection may wait for its start: under the cap, or room made by closing the oldest
-        connection that never started. False: refused (counted and logged)."""
-        if self.unstarted_sockets < self.config.max_unstarted_streams:
+        """A new connection of `endpoint`'s carrier may wait for its start: under that carrier's cap, or room
+        made by closing its oldest connection that never started. False: refused (counted and logged)."""
+        if self.unstarted[endpoint] < self.config.max_unstarted_streams:
             return True
         # Room is made by closing the oldest socket that never sent its start (a carrier sends it within
         # milliseconds of connecting): refusing the newest let one captured upgrade signature, held on as
         # many sockets and reopened as each timed out, refuse every real call's stream.
         # Not one younger than a second: a burst of real calls whose starts wait in a busy loop's sockets
         # must not close each other (the newest is refused then, as before).
-        oldest = next(iter(self.awaiting_start), None)
+        oldest = next(iter(self.awaiting_start[endpoint]), None)
         if oldest is None or time.monotonic() - oldest.opened_at < EVICT_UNSTARTED_AFTER_S:
             metrics.WEBHOOK_REJECTIONS.labels(endpoint=endpoint, reason="unstarted_cap").inc()
             log.warning("%s connection from %s refused: %d sockets await their start", endpoint, peer,
-                        self.unstarted_sockets)  # fmt: skip
+                        self.unstarted[endpoint])  # fmt: skip
             return False
         metrics.WEBHOOK_REJECTIONS.labels(endpoint=endpoint, reason="unstarted_evicted").inc()
         log.warning("%d sockets await their start: the oldest (from %s) closed for a %s connection from %s",
-                    self.unstarted_sockets, oldest.peer, endpoint, peer)  # fmt: skip
+                    self.unstarted[endpoint], oldest.peer, endpoint, peer)  # fmt: skip
         oldest.evict()
         return True
 
@@ -536,6 +542,7 @@ class ServiceHandle:
         SIGTERM/SIGINT: the operator will not wait) ends the calls still up at once, as the timeout does."""
         ctx = self.ctx
         ctx.draining = True
+        self.audiosocket.stop_listening()
         await ctx.cluster.drain()
         # An edge on a remote engine gives the seats it is not using back (engine link protocol 5), so a
         # rollout's new edge is seated without waiting out this one's longest call: once the reservations
@@ -613,8 +620,11 @@ async def run_service(
     if ctx.twilio_rest is None and any(a.dtmf_transfer for a in ctx.agents.agents.by_name.values()):
         log.warning("agents have dtmf_transfer but there are no Twilio REST credentials: those keys do nothing")
     handle = await ServiceHandle(ctx).start()
-    ctx.cluster = open_cluster(ctx.config, ctx.free_slots, ctx.config.ws_base_url + MEDIA_PATH,
-                               seats_fn=ctx.engine_seats_free)
+    if config.twilio_auth_token or config.insecure_dev:
+        ctx.cluster = open_cluster(ctx.config, ctx.free_slots, ctx.config.ws_base_url + MEDIA_PATH,
+                                   seats_fn=ctx.engine_seats_free)
+    else:  # AudioSocket only: it refuses Twilio, so it must not be offered Twilio's calls by the other nodes
+        log.warning("no TWILIO_AUTH_TOKEN: answering AudioSocket only; every Twilio webhook is refused (403)")
     await ctx.cluster.start()
     if config.insecure_dev:
         log.warning("!!! --insecure-dev: Twilio signatures are NOT checked; listening on %s only !!!", config.host)

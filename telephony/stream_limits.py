@@ -20,6 +20,9 @@ LIMITS: dict[str, tuple[float, float]] = {
     "mark": (20.0, 100),
     "dtmf": (5.0, 20),
     "invalid": (5.0, 50),  # malformed or unknown messages (also counted as protocol errors)
+    # AudioSocket's audio messages: Asterisk sends 50 a second. Tiny ones pass the real-time guard (it counts
+    # seconds of audio), so a flood of them is capped by count too.
+    "audio": (100.0, 200),
 }
 END_AFTER_DROPS = 1000  # a stream this far past its limits within a window is hostile or broken: end it
 # Counted per window, not over the call's life: an honest sender whose clock runs a little fast, or the odd

@@ -231,8 +231,10 @@ async def test_end_call_hangs_up_an_audiosocket_call_after_the_goodbye_and_trans
     backend = await _backend(llm_server, directory)
     listeners = (AudioSocketListen("127.0.0.1", 0, "sales"),)
     async with running_phone(tiny_checkpoint, backend=backend, agents=directory, audiosocket=listeners) as phone:
+        # The caller would hang up 6 s after speaking: the hang-up comes first, soon after the goodbye has played
+        # (waiting for the pacer's queue to run dry, the service hung up only at its 10 s deadline, if ever).
         report = await audiosocket_call("127.0.0.1", phone.handle.audiosocket.ports[0], caller_slin(wav),
-                                        hold_s=9.0)  # fmt: skip
+                                        hold_s=6.0)  # fmt: skip
         await phone.settled()
         record = await phone.store.get(call_id_for(report.call_uuid))
     assert report.hung_up_by_service

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
-from aiohttp import ClientSession
+from aiohttp import ClientSession, WSServerHandshakeError
 
 from knowledge.backend import BackendConfig, BackendServices
 from telephony import audiosocket_wire as wire
@@ -134,6 +135,11 @@ async def test_a_node_without_twilio_credentials_answers_audiosocket_and_refuses
         phone.ctx.config = dataclasses.replace(phone.ctx.config, twilio_auth_token=None)
         async with http.post(phone.base + VOICE_PATH, data={"CallSid": "CA" + "0" * 32}) as resp:
             assert resp.status == 403
+        with pytest.raises(WSServerHandshakeError) as refused:
+            await http.ws_connect(phone.ws_url)
+        assert refused.value.status == 403
+        report = await audiosocket_call("127.0.0.1", _port(phone), [bytes(320)] * 25, hold_s=0.5)
+    assert report.bot_audio and not report.hung_up_by_service
 
 
 # ---- calls ----
@@ -185,7 +191,9 @@ async def test_audiosocket_listeners_pick_their_agent(tiny_checkpoint: Path, tmp
     assert record is not None and record.agent == "sales"
 
 
-async def test_a_full_node_hangs_up_at_once_and_records_busy(tiny_checkpoint: Path, question_wav: Path) -> None:
+async def test_a_full_node_hangs_up_at_once_and_counts_busy(tiny_checkpoint: Path, question_wav: Path) -> None:
+    """Busy is counted and logged, with no record: a dialplan may retry with the same UUID (then answered),
+    and a flood of made-up UUIDs against a full node must not write a record each."""
     before = metric("kame_calls_total", outcome="busy", agent="default")
     async with running_phone(tiny_checkpoint, max_calls=1, audiosocket=LOOPBACK) as phone:
         good = asyncio.create_task(audiosocket_call("127.0.0.1", _port(phone), caller_slin(question_wav), hold_s=2))
@@ -193,9 +201,11 @@ async def test_a_full_node_hangs_up_at_once_and_records_busy(tiny_checkpoint: Pa
         busy = await audiosocket_call("127.0.0.1", _port(phone), [bytes(320)] * 100, hold_s=0)
         report = await good
         await phone.settled()
-        record = await phone.store.get(call_id_for(busy.call_uuid))
+        assert await phone.store.get(call_id_for(busy.call_uuid)) is None
+        retried = await audiosocket_call("127.0.0.1", _port(phone), [bytes(320)] * 25, hold_s=0.5,
+                                         call_uuid=busy.call_uuid)  # fmt: skip
     assert busy.hung_up_by_service and not busy.bot_audio
-    assert record is not None and record.end_reason == "busy"
+    assert retried.bot_audio and not retried.hung_up_by_service
     assert metric("kame_calls_total", outcome="busy", agent="default") == before + 1
     assert report.first_sound_s is not None and not report.hung_up_by_service
 
@@ -279,7 +289,8 @@ async def test_talking_over_queued_speech_empties_our_queue(tiny_checkpoint: Pat
     clears = metric("kame_media_playout_clears_total")
     async with running_phone(tiny_checkpoint, audiosocket=LOOPBACK) as phone:
         call_uuid = uuid.uuid4()
-        caller = [bytes(320)] * 75 + caller_slin(question_wav)  # 1.5 s of silence, then the question
+        caller = [bytes(320)] * 150 + caller_slin(question_wav)  # 3 s of silence, then the question
+        connected = time.monotonic()
         call = asyncio.create_task(audiosocket_call("127.0.0.1", _port(phone), caller, hold_s=1.0,
                                                     call_uuid=call_uuid))  # fmt: skip
         await until(lambda: call_id_for(call_uuid) in phone.ctx.streams, "seated")
@@ -293,7 +304,7 @@ async def test_talking_over_queued_speech_empties_our_queue(tiny_checkpoint: Pat
                 await asyncio.sleep(0.01)
 
         filler = asyncio.create_task(stale_speech())
-        await asyncio.sleep(1.2)
+        await asyncio.sleep(max(0.6, connected + 2.4 - time.monotonic()))  # still in the caller's silence
         assert metric("kame_media_playout_clears_total") == clears  # silence under a queue: nothing dropped
         await call
         filler.cancel()
@@ -315,3 +326,56 @@ async def test_a_finished_calls_uuid_is_refused_and_its_record_kept(tiny_checkpo
     assert again.hung_up_by_service and not again.bot_audio
     assert before is not None and before == after and after.dtmf == ["1"] and after.end_reason == "completed"
     assert metric("kame_webhook_rejections_total", endpoint="audiosocket", reason="replayed") == replayed + 1
+
+
+async def test_a_channel_at_another_rate_ends_at_once_as_misconfigured(tiny_checkpoint: Path) -> None:
+    """Asterisk sending 16 kHz (a kind of its own) would have every message refused: the call ends at once,
+    not after a flood's worth of errors, and says why."""
+    wrong = metric("kame_audiosocket_protocol_errors_total", kind=wire.WRONG_RATE)
+    misconfigured = metric("kame_calls_total", outcome="misconfigured", agent="default")
+    async with running_phone(tiny_checkpoint, audiosocket=LOOPBACK) as phone:
+        started = time.monotonic()
+        await _raw(_port(phone), wire.encode(wire.KIND_UUID, uuid.uuid4().bytes) + wire.encode(0x12, bytes(640)) * 50)
+        took = time.monotonic() - started
+        assert not phone.ctx.streams
+    assert took < 5.0  # well inside the 15 s a flood's end would take
+    assert metric("kame_audiosocket_protocol_errors_total", kind=wire.WRONG_RATE) == wrong + 1
+    assert metric("kame_calls_total", outcome="misconfigured", agent="default") == misconfigured + 1
+
+
+async def test_a_flood_of_tiny_audio_messages_ends_the_call_and_spares_the_loop(
+    tiny_checkpoint: Path, question_wav: Path,
+) -> None:
+    """One-sample audio messages carry almost no seconds, so the real-time guard let thousands a second
+    through, each a trip through the framer on the event loop every call shares. They are capped by count:
+    the flood ends as `flooding` and a good call beside it keeps its pace."""
+    flooding = metric("kame_calls_total", outcome="flooding", agent="default")
+    async with running_phone(tiny_checkpoint, max_calls=2, audiosocket=LOOPBACK) as phone:
+        good = asyncio.create_task(audiosocket_call("127.0.0.1", _port(phone), caller_slin(question_wav), hold_s=2))
+        await until(lambda: len(phone.ctx.streams) == 1, "the good call seated")
+        # 3000 one-sample messages: 0.4 s of audio, inside the real-time guard's burst, so only their count
+        # gives them away.
+        tiny = wire.encode(wire.KIND_SLIN, b"\0\0") * 3000
+        await _raw(_port(phone), wire.encode(wire.KIND_UUID, uuid.uuid4().bytes) + tiny)
+        report = await good
+    assert metric("kame_calls_total", outcome="flooding", agent="default") == flooding + 1
+    assert report.first_sound_s is not None and not report.hung_up_by_service
+    assert float(np.median(np.diff(report.arrivals))) < 0.025
+
+
+async def test_audiosocket_connections_that_never_start_do_not_block_twilio_streams(
+    tiny_checkpoint: Path,
+) -> None:
+    """Each carrier has its own cap of connections awaiting their start: a host inside --audiosocket-allow
+    holding AudioSocket connections open without a UUID must not turn every Twilio upgrade away."""
+    async with running_phone(tiny_checkpoint, audiosocket=LOOPBACK, max_unstarted_streams=4) as phone, \
+            ClientSession() as http:  # fmt: skip
+        held = [await asyncio.open_connection("127.0.0.1", _port(phone)) for _ in range(6)]
+        try:
+            await until(lambda: phone.ctx.unstarted["audiosocket"] == 4, "the AudioSocket cap full")
+            ws = await phone.open_stream(http)  # a Twilio upgrade still gets its socket
+            assert not ws.closed and phone.ctx.unstarted["media"] == 1
+            await ws.close()
+        finally:
+            for _, writer in held:
+                writer.close()

@@ -791,3 +791,15 @@ async def test_an_edge_whose_shared_engine_is_down_stays_in_rotation_to_answer_b
         await ctx.cluster.aclose()
         await handle.aclose()
         await store.aclose()
+
+
+async def test_a_seat_taken_without_a_reservation_is_published_at_once(prefix: str) -> None:
+    """An AudioSocket call takes a seat on the node Asterisk reached, with no reservation: until the next
+    heartbeat the other nodes would still route a Twilio call to that seat (its stream then refused,
+    engine_full). `seat_taken()` publishes the node's room at once."""
+    free = {"a": 1, "b": 0}
+    async with nodes(prefix, free, heartbeat_s=30.0, node_ttl_s=60.0) as n:
+        free["a"] = 0  # the AudioSocket call's seat
+        n["a"].seat_taken()
+        await asyncio.sleep(0.3)  # one Redis round trip, not a heartbeat (30 s)
+        assert await n["b"].reserve(new_call_sid()) is None
