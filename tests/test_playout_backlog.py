@@ -79,18 +79,22 @@ def _tone(samples: int) -> bytes:
     return bytes(float_to_ulaw((0.5 * np.sin(2 * np.pi * 440 * np.arange(samples) / 8000)).astype(np.float32)))
 
 
+STALL_S = 1.2  # the edge's stall: its burst leaves ~1 s queued, well over CLEAR_ON_BARGE_IN_ABOVE_S
+
+
 async def _call_with_a_stall(
     checkpoint: Path, *, talk_s: float
 ) -> tuple[list[tuple[float, str]], float, float, float]:
-    """A call on loopback whose edge stalls 0.8 s (the event loop blocked: the engine thread keeps making
-    frames, the fan-out sends them as a burst after). After the stall the caller talks for `talk_s`.
+    """A call on loopback whose edge stalls STALL_S (the event loop blocked: the engine thread keeps making
+    frames, the fan-out sends them as a burst after). From the stall's end the caller talks for `talk_s`,
+    counted on the packets' 20 ms schedule: a slow turn of a loaded loop neither shortens nor stretches it.
     Returns the events received (time, kind), the stall's end, the deepest estimated queue after it and
     the estimate 4 s later."""
     async with running_phone(checkpoint) as phone, aiohttp.ClientSession() as http, \
             phone.started_call(http) as (call_sid, ws):
         events: list[tuple[float, str]] = []
         loud = _tone(160)
-        talking = asyncio.Event()
+        talk = [float("inf"), float("inf")]  # when the caller talks: [from, until) on the packets' schedule
 
         async def read() -> None:
             async for m in ws:
@@ -101,7 +105,8 @@ async def _call_with_a_stall(
             seq, began = 1, time.monotonic()
             while True:
                 seq += 1
-                payload = loud if talking.is_set() else b"\xff" * 160
+                due = began + 0.02 * (seq - 2)
+                payload = loud if talk[0] <= due < talk[1] else b"\xff" * 160
                 await ws.send_str(tm.media_msg("MZ1", seq, seq - 1, 20 * seq, payload))
                 await asyncio.sleep(max(0.0, began + 0.02 * seq - time.monotonic()))
 
@@ -111,16 +116,14 @@ async def _call_with_a_stall(
                 while sum(kind == "media" for _, kind in events) < 10:  # noqa: ASYNC110 - polls what the reader saw
                     await asyncio.sleep(0.05)
             session = phone.ctx.streams[call_sid]
-            time.sleep(0.8)  # noqa: ASYNC251 - the stall under test: the edge's loop blocked
+            time.sleep(STALL_S)  # noqa: ASYNC251 - the stall under test: the edge's loop blocked
             stalled_until = time.monotonic()
+            talk[:] = [stalled_until, stalled_until + talk_s]  # the packets due during the stall stay silent
             deepest = 0.0
             for _ in range(10):  # the burst goes out within a few loop turns
                 await asyncio.sleep(0.02)
                 deepest = max(deepest, session.playout.backlog(time.monotonic()))
-            talking.set()
-            await asyncio.sleep(talk_s)
-            talking.clear()
-            await asyncio.sleep(4.0 - talk_s)
+            await asyncio.sleep(max(0.0, stalled_until + 4.0 - time.monotonic()))
             backlog_after = session.playout.backlog(time.monotonic())
         finally:
             sender.cancel()
@@ -193,7 +196,9 @@ async def test_talking_over_a_stale_queue_clears_it(tiny_checkpoint: Path) -> No
 
 async def test_talking_over_a_short_stale_queue_clears_it_too(tiny_checkpoint: Path) -> None:
     """A queue of ~0.4 s (a stall of a few frames) is stale speech too: the caller who talks over it for half
-    a second gets it cleared. The test is the bot (the fan-out stopped), keeping ~0.4 s queued at real time."""
+    a second gets it cleared. The test is the bot (the fan-out stopped), keeping 0.4-0.48 s queued at real
+    time: topped up by the clock before each of the caller's packets, so a slow turn of a loaded loop does not
+    drain it below the barge-in's threshold (a frame every fourth packet, a lag of 0.15 s could)."""
     async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http, \
             phone.started_call(http) as (call_sid, ws):
         events: list[str] = []
@@ -214,14 +219,14 @@ async def test_talking_over_a_short_stale_queue_clears_it_too(tiny_checkpoint: P
             clears_before = metric("kame_media_playout_clears_total")
             speech, loud = bytes(_tone(640)), _tone(160)
             session.playout.until = time.monotonic()  # Twilio's queue dry, whatever the fan-out sent before
-            for _ in range(5):  # 0.4 s queued
-                await session.send_bot_audio(speech, -10.0)
             t0 = time.monotonic()
             for k in range(60):  # 1.2 s: the caller talks (20 ms packets), the bot goes on at real time
-                if k % 4 == 0:
+                for _ in range(8):  # up to 0.4 s queued, or a frame over (at most 8: a clock that never moved)
+                    if session.playout.backlog(time.monotonic()) >= 5 * FRAME_SECONDS:
+                        break
                     await session.send_bot_audio(speech, -10.0)
-                    if metric("kame_media_playout_clears_total") == clears_before:  # until cleared: under 0.6 s
-                        assert session.playout.backlog(time.monotonic()) <= 0.5
+                if metric("kame_media_playout_clears_total") == clears_before:  # until cleared: under 0.6 s
+                    assert session.playout.backlog(time.monotonic()) <= 0.5
                 await ws.send_str(tm.media_msg("MZ1", 3 + k, 2 + k, 40 + 20 * k, loud))
                 await asyncio.sleep(max(0.0, t0 + (k + 1) * 0.02 - time.monotonic()))
             async with asyncio.timeout(3):

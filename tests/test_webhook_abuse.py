@@ -388,8 +388,9 @@ async def test_crafted_sip_tos_get_clean_answers_while_a_good_call_streams(
 ) -> None:
     """Signed voice webhooks whose `To` is a crafted SIP address (an '@' hidden in the user, escaped or not,
     control characters, percent-escapes that are not UTF-8, 5000 characters), all at once while a call to
-    the sales agent's address streams: each is streamed to the default agent (or, bytes that are not UTF-8,
-    refused 400), never a 500 nor a traceback, and the call goes on hearing the bot, then ends normally."""
+    the sales agent's address streams: each is streamed to the default agent (an upper-case scheme, the same
+    address, to the sales agent; bytes that are not UTF-8 are refused 400), never a 500 nor a traceback, and
+    the call goes on hearing the bot, then ends normally with its record whole."""
     caplog.set_level(logging.INFO)
     caller, good_sid = _TalksUntil(asyncio.Event()), _sid()
     async with _service(max_calls=len(CRAFTED_TOS) + 1, agents=_routed_agents(tmp_path)) as h, \
@@ -419,6 +420,6 @@ async def test_crafted_sip_tos_get_clean_answers_while_a_good_call_streams(
     assert streamed_throughout
     assert report.outcome == "completed" and not report.server_hung_up, report.errors
     assert report.custom_parameters["agent"] == "sales"
-    assert caller.bot_after_s > 0.5, caller
+    assert caller.bot_after_s > 0.5, (caller.done_at, caller.bot_after_s)
     assert good is not None and (good.state, good.end_reason, good.agent) == ("ended", "completed", "sales")
     assert good.to_number == SIP_SALES and good.stream_sid == report.stream_sid
