@@ -63,8 +63,9 @@ PACKET_S = 0.02
 # Our queue of the bot's audio, at most: an engine tick is 4 messages; more than this is a burst after a
 # stall, and its oldest audio is dropped rather than delaying every later word.
 MAX_QUEUED_S = 1.0
-# After the queue ran dry (the call's start, a pause, an engine tick late), sending resumes once a tick and
-# this many packets more are queued: a tick a little late then plays on instead of leaving a gap.
+# After the queue ran dry (the call's start, an engine tick late), sending resumes this many messages' time
+# after audio came back: the queue then stands that much deeper, and a tick a little late plays on instead
+# of leaving a gap.
 CUSHION_PACKETS = 2
 TICK_MESSAGES = round(FRAME_SECONDS / PACKET_S)  # 4: what the fan-out queues a tick
 LINE_WAIT_S = 10.0  # an `end_call`'s line: spoken and played out within this, or the call ends anyway
@@ -79,8 +80,8 @@ def call_id_for(call_uuid: uuid.UUID) -> str:
 
 @dataclass(eq=False)
 class PacedQueue:
-    """The bot's audio waiting for the pacer, 20 ms a message. Once it has run dry, nothing is taken until a
-    tick and `cushion` messages more are queued; past `max_messages` the oldest go (a stall's burst)."""
+    """The bot's audio waiting for the pacer, 20 ms a message. Once it has run dry, nothing is taken until
+    `cushion` messages' time after audio is queued again; past `max_messages` the oldest go (a stall's burst)."""
 
     cushion: int = CUSHION_PACKETS
     max_messages: int = round(MAX_QUEUED_S / PACKET_S)
@@ -88,12 +89,15 @@ class PacedQueue:
     gone: int = 0  # of those, sent, dropped or cleared: `queued - gone` are waiting
     _items: deque[bytes] = field(default_factory=deque)
     _primed: bool = False
+    _start_at: float = 0.0  # monotonic: when a dry queue's new audio starts to play
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def extend(self, messages: list[bytes]) -> int:
+    def extend(self, messages: list[bytes], now: float) -> int:
         """Queue a tick's messages; returns how many of the oldest were dropped to stay under the bound."""
+        if not self._items and not self._primed:
+            self._start_at = now + self.cushion * PACKET_S
         self._items.extend(messages)
         self.queued += len(messages)
         dropped = max(0, len(self._items) - self.max_messages)
@@ -102,12 +106,12 @@ class PacedQueue:
         self.gone += dropped
         return dropped
 
-    def next(self) -> bytes | None:
-        """The message to send now, or None (dry, or refilling to the cushion)."""
+    def next(self, now: float) -> bytes | None:
+        """The message to send now, or None (dry, or waiting out the cushion)."""
         if not self._items:
             self._primed = False
             return None
-        if not self._primed and len(self._items) < TICK_MESSAGES + self.cushion:
+        if not self._primed and now < self._start_at:
             return None
         self._primed = True
         self.gone += 1
@@ -180,7 +184,7 @@ class AudioSocketSession(CallLeg):
             self.bot_silent(now)
             return None
         ahead = self.queued_bot_s(now)  # the frame goes out behind what is queued (first audio, turn latency)
-        if dropped := self.outbox.extend(slin_messages(mulaw)):
+        if dropped := self.outbox.extend(slin_messages(mulaw), now):
             metrics.AUDIOSOCKET_QUEUE_DROPPED.inc(dropped)
         return now + ahead
 
@@ -189,7 +193,7 @@ class AudioSocketSession(CallLeg):
 
     def pace(self) -> None:
         """The pacer's tick: the next 20 ms of the bot's audio onto the socket."""
-        message = self.outbox.next()
+        message = self.outbox.next(time.monotonic())
         if message is not None and not self.writer.is_closing():
             self.writer.write(message)
 

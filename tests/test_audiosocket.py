@@ -90,21 +90,23 @@ def test_slin_framing_gives_the_engine_what_mulaw_framing_does() -> None:
         assert np.allclose(fa.pcm, fb.pcm, atol=1e-6)
 
 
-def test_the_paced_queue_waits_for_its_cushion_after_running_dry_and_bounds_a_burst() -> None:
+def test_the_paced_queue_waits_out_its_cushion_after_running_dry_and_bounds_a_burst() -> None:
     q = PacedQueue(cushion=2, max_messages=10)
     tick = [bytes([i]) for i in range(4)]
-    assert q.extend(tick) == 0 and q.next() is None  # one tick: below a tick and the cushion
-    q.extend([b"a", b"b"])
-    taken = [q.next() for _ in range(6)]
-    assert taken == [*tick, b"a", b"b"]  # primed: plays on down to the last message
-    assert q.next() is None and len(q) == 0
-    q.extend(tick)
-    assert q.next() is None  # ran dry: the cushion again before it plays
-    assert q.extend([b"x"] * 8) == 2 and len(q) == 10  # a burst: the oldest go
-    assert q.next() == bytes([2])
+    assert q.extend(tick, now=10.0) == 0
+    assert q.next(10.0) is None and q.next(10.039) is None  # dry before: two messages' time first
+    assert q.next(10.04) == bytes([0])
+    q.extend([b"a"], now=10.05)  # not dry: no new wait
+    assert [q.next(10.06) for _ in range(4)] == [*tick[1:], b"a"]
+    assert q.next(10.1) is None and len(q) == 0 and q.gone == q.queued == 5
+    q.extend(tick, now=11.0)
+    assert q.next(11.0) is None and q.next(11.04) == bytes([0])  # ran dry: the cushion again
+    assert q.extend([b"x"] * 9, now=11.05) == 2 and len(q) == 10  # a burst: the oldest go
+    assert q.next(11.06) == bytes([3])
     q.clear()
-    q.extend(tick)
-    assert q.next() is None  # cleared (barge-in): refills to the cushion
+    assert q.gone == q.queued
+    q.extend(tick, now=12.0)
+    assert q.next(12.0) is None  # cleared (a barge-in): the cushion again
 
 
 def test_listeners_and_networks_parse_or_say_why() -> None:
@@ -300,7 +302,7 @@ async def test_talking_over_queued_speech_empties_our_queue(tiny_checkpoint: Pat
         async def stale_speech() -> None:  # a backlog that stands, as after a stall
             while not call.done():
                 while len(session.outbox) < 20:
-                    session.outbox.extend([loud])
+                    session.outbox.extend([loud], time.monotonic())
                 await asyncio.sleep(0.01)
 
         filler = asyncio.create_task(stale_speech())
