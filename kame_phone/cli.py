@@ -36,10 +36,13 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         audiosocket = parse_listeners(args.audiosocket)
+    except ValueError as e:
+        print(f"kame-phone serve: --audiosocket: {e}", file=sys.stderr)
+        return 2
+    try:
         audiosocket_allow = parse_networks(args.audiosocket_allow)
     except ValueError as e:
-        flag = "--audiosocket-allow" if "network" in str(e) else "--audiosocket"
-        print(f"kame-phone serve: {flag}: {e}", file=sys.stderr)
+        print(f"kame-phone serve: --audiosocket-allow: {e}", file=sys.stderr)
         return 2
     if unknown := [str(a) for a in audiosocket if a.agent and a.agent not in agents.agents.by_name]:
         print(f"kame-phone serve: --audiosocket names an agent the agents file does not have: {', '.join(unknown)}",
@@ -296,9 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--audiosocket", "KAME_AUDIOSOCKET", default="",
              help="answer Asterisk's AudioSocket() too: HOST:PORT[=AGENT], comma-separated, one agent a port "
                   "(none: the agents file's default); no Twilio needed")  # fmt: skip
-    env_flag(serve, "--audiosocket-allow", "KAME_AUDIOSOCKET_ALLOW", default="private",
-             help="who may connect to the AudioSocket ports (it has no credentials): CIDRs, comma-separated; "
-                  "'private' (loopback, RFC 1918, CGNAT, link-local, ULA) or 'any'")  # fmt: skip
+    env_flag(serve, "--audiosocket-allow", "KAME_AUDIOSOCKET_ALLOW", default="",
+             help="who may connect to the AudioSocket ports (it has no credentials): CIDRs, comma-separated, "
+                  "'private' (loopback, RFC 1918, CGNAT, link-local, ULA) or 'any'; unset: loopback only, and "
+                  "required for a listener on another address")  # fmt: skip
     serve.add_argument("--engine", default=EnvDefault("KAME_ENGINE_ADDRESS", None), metavar="ADDRESS",
                        help="use the engine of a `kame-phone engine-serve` at unix:/path, tcp://host:port or "
                             "tls://host:port (token in $KAME_ENGINE_TOKEN; for tls://, the CA in $KAME_ENGINE_CA) "

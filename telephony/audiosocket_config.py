@@ -4,10 +4,10 @@ allowed to connect (AudioSocket carries no credentials). Light: the service's co
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+LOOPBACK_NETWORKS = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
 # Loopback, RFC 1918, carrier-grade NAT, link-local and IPv6 unique-local: where a PBX and this node meet.
 PRIVATE_NETWORKS = ("127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
                     "169.254.0.0/16", "::1/128", "fc00::/7", "fe80::/10")  # fmt: skip
@@ -40,7 +40,10 @@ def parse_listeners(text: str) -> tuple[AudioSocketListen, ...]:
 
 
 def parse_networks(text: str) -> tuple[Network, ...]:
-    """CIDRs, comma-separated; `private` stands for PRIVATE_NETWORKS, `any` for every address."""
+    """CIDRs, comma-separated; `private` stands for PRIVATE_NETWORKS, `any` for every address; nothing:
+    () (the listeners' default, loopback only)."""
+    if not text.strip():
+        return ()
     nets: list[Network] = []
     for item in (part.strip() for part in text.split(",")):
         if item == "private":
@@ -52,12 +55,12 @@ def parse_networks(text: str) -> tuple[Network, ...]:
                 nets.append(ipaddress.ip_network(item, strict=False))
             except ValueError:
                 raise ValueError(f"not a network (CIDR, 'private' or 'any'): {item!r}") from None
-    if not nets:
-        raise ValueError("no network allowed: every AudioSocket connection would be refused")
     return tuple(nets)
 
 
-def allowed(peer: str, networks: Iterable[Network]) -> bool:
+def allowed(peer: str, networks: tuple[Network, ...]) -> bool:
+    """Whether `peer` may connect: in `networks`, or on loopback when none are given."""
+    networks = networks or LOOPBACK_NETWORKS
     try:
         address = ipaddress.ip_address(peer.split("%")[0])  # an IPv6 zone id is not part of the address
     except ValueError:

@@ -117,6 +117,13 @@ class PacedQueue:
         self.gone += 1
         return self._items.popleft()
 
+    def wait_s(self, now: float) -> float:
+        """How long a message queued now waits before the pacer takes it (half a pacer period on average)."""
+        queued = len(self._items) * PACKET_S
+        if not self._primed:
+            queued = max(queued, self._start_at - now if self._items else self.cushion * PACKET_S)
+        return queued + PACKET_S / 2
+
     def clear(self) -> None:
         self.gone += len(self._items)
         self._items.clear()
@@ -183,7 +190,7 @@ class AudioSocketSession(CallLeg):
             metrics.MEDIA_PLAYOUT_DRAINED.inc()
             self.bot_silent(now)
             return None
-        ahead = self.queued_bot_s(now)  # the frame goes out behind what is queued (first audio, turn latency)
+        ahead = self.outbox.wait_s(now)  # the frame goes out behind what is queued (first audio, turn latency)
         if dropped := self.outbox.extend(slin_messages(mulaw), now):
             metrics.AUDIOSOCKET_QUEUE_DROPPED.inc(dropped)
         return now + ahead
@@ -196,6 +203,10 @@ class AudioSocketSession(CallLeg):
         message = self.outbox.next(time.monotonic())
         if message is not None and not self.writer.is_closing():
             self.writer.write(message)
+
+    def log_error(self, kind: str, n: int) -> bool:
+        # Node-wide, not per connection: a host inside the allowlist may open connections by the thousand.
+        return n == 1 and self.ctx.sampled(f"audiosocket:{kind}") is not None
 
     def ended_log(self, reason: str) -> None:
         log.info("audiosocket call ended (%s): %d packets in, %d frames out", reason, self.state.inbound_packets,
@@ -217,7 +228,8 @@ class AudioSocketSession(CallLeg):
                 self._end_reason = "oversize" if e.kind == OVERSIZE else "rejected"
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             if self._end_reason == "completed" and not self._ended:  # keep a reason given (no_start, flooding)
-                log.warning("audiosocket connection from %s cut: %s", self.peer, type(e).__name__)
+                if n := self.ctx.sampled("audiosocket:cut"):
+                    log.warning("audiosocket connection from %s cut (#%d): %s", self.peer, n, type(e).__name__)
                 self._end_reason = "socket_error"
         finally:
             watchdog.cancel()
@@ -301,7 +313,8 @@ class AudioSocketSession(CallLeg):
         if call_sid in ctx.streams or await self._known(call_sid) or call_sid in ctx.streams:
             reason = "second_stream" if call_sid in ctx.streams else "replayed"
             metrics.WEBHOOK_REJECTIONS.labels(endpoint="audiosocket", reason=reason).inc()
-            log.warning("audiosocket for %s refused (%s)", call_sid, reason)
+            if n := ctx.sampled(f"audiosocket:{reason}"):
+                log.warning("audiosocket for %s refused (%s, #%d)", call_sid, reason, n)
             metrics.CALLS_TOTAL.labels(outcome="rejected", agent=agent.name).inc()
             self._end_reason = "rejected"
             self._started()
@@ -309,7 +322,8 @@ class AudioSocketSession(CallLeg):
         if ctx.engine is None or ctx.engine.failed or ctx.capacity_left <= 0:
             # Counted and logged, no record: a dialplan may retry with the same UUID, and a flood of made-up
             # ones against a full node must not write a record each.
-            log.warning("audiosocket call refused: no seat free here (draining=%s)", ctx.draining)
+            if n := ctx.sampled("audiosocket:busy"):
+                log.warning("audiosocket call refused (#%d): no seat free here (draining=%s)", n, ctx.draining)
             metrics.CALLS_TOTAL.labels(outcome="busy", agent=agent.name).inc()
             self._end_reason = "busy"
             self._started()
@@ -358,6 +372,8 @@ class AudioSocketSession(CallLeg):
         # empties: the bot's pauses are audio too).
         played_out = self.outbox.queued + LINE_AUDIO_MESSAGES
         trailing_until = time.monotonic() + LINE_AUDIO_MESSAGES * PACKET_S  # a bot gone quiet sends no more
+        # Its own bound: the words may have taken the whole first one, and their audio is still to play.
+        deadline = time.monotonic() + (len(self.outbox) + LINE_AUDIO_MESSAGES) * PACKET_S + 0.5
         while self.playing and time.monotonic() < deadline and self.outbox.gone < played_out:
             if not self.outbox and time.monotonic() > trailing_until:
                 break

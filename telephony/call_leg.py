@@ -176,8 +176,12 @@ class CallLeg:
     def protocol_error(self, kind: str, detail: str) -> None:
         self.protocol_errors.labels(kind=kind).inc()
         n = self.state.errors[kind] = self.state.errors.get(kind, 0) + 1
-        if n <= 3 or n % 100 == 0:  # a flood of bad frames must not flood the logs too
+        if self.log_error(kind, n):  # a flood of bad frames must not flood the logs too
             log.warning("%s protocol error %s (#%d) from %s: %s", self.carrier, kind, n, self.peer, detail)
+
+    def log_error(self, kind: str, n: int) -> bool:
+        """Whether the `n`th protocol error of `kind` on this connection is logged."""
+        return n <= 3 or n % 100 == 0
 
     # ---- watchdog ----
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from .audiosocket_config import AudioSocketListen, Network, parse_networks
+from .audiosocket_config import AudioSocketListen, Network
 
 
 class ConfigError(ValueError):
@@ -107,8 +107,9 @@ class ServiceConfig:
     max_call_s: float = 4 * 3600.0
     # serve --audiosocket (KAME_AUDIOSOCKET): Asterisk AudioSocket listeners, each with its agent; none by default.
     audiosocket: tuple[AudioSocketListen, ...] = ()
-    # serve --audiosocket-allow (KAME_AUDIOSOCKET_ALLOW): who may connect to them (AudioSocket has no credentials).
-    audiosocket_allow: tuple[Network, ...] = field(default_factory=lambda: parse_networks("private"))
+    # serve --audiosocket-allow (KAME_AUDIOSOCKET_ALLOW): who may connect to them (AudioSocket has no credentials);
+    # empty: loopback only, and a listener on any other address is refused at start-up until it is set.
+    audiosocket_allow: tuple[Network, ...] = ()
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServiceConfig:
@@ -184,6 +185,13 @@ class ServiceConfig:
             clash = next((flag for flag, port in taken.items() if port and port == listen.port), None)
             if clash is not None:
                 raise ConfigError(f"--audiosocket {listen}: port {listen.port} is {clash}'s too")
+            if listen.port:
+                taken[f"--audiosocket {listen}"] = listen.port
+            if not self.audiosocket_allow and not is_loopback(listen.host):
+                # No credentials on this protocol: who may connect must be said (behind a load balancer's SNAT
+                # or a proxy, "private" means anyone).
+                raise ConfigError(f"--audiosocket {listen} listens beyond loopback: set --audiosocket-allow "
+                                  "(KAME_AUDIOSOCKET_ALLOW) to your PBX's addresses")  # fmt: skip
         if self.redis_url:
             self._check_redis_url(self.redis_url)
 

@@ -34,7 +34,7 @@ from .call_store import CallRecord, CallStore, CallStoreUnavailable
 from .cluster import Cluster, LocalCluster, open_cluster
 from .config import ServiceConfig
 from .connection_cap import cap_connections
-from .logs import call_id_var
+from .logs import LogSampler, call_id_var
 from .media_session import AGENT_PARAMETER, TOKEN_PARAMETER, MediaStreamSession
 from .metrics_http import MetricsListener
 from .signatures import (
@@ -98,6 +98,7 @@ class ServerContext:
         self.awaiting_start: dict[str, dict[Any, None]] = {"media": {}, "audiosocket": {}}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.fanout = BotAudioFanout(self.streams)
+        self.sampled = LogSampler()  # node-wide: which warnings of a repeated kind reach the log
 
     def attach_engine(self, engine: Engine) -> None:
         """Serve calls on `engine` (it arrives once the model has loaded) and start playing its audio."""
@@ -157,12 +158,14 @@ class ServerContext:
         oldest = next(iter(self.awaiting_start[endpoint]), None)
         if oldest is None or time.monotonic() - oldest.opened_at < EVICT_UNSTARTED_AFTER_S:
             metrics.WEBHOOK_REJECTIONS.labels(endpoint=endpoint, reason="unstarted_cap").inc()
-            log.warning("%s connection from %s refused: %d sockets await their start", endpoint, peer,
-                        self.unstarted[endpoint])  # fmt: skip
+            if n := self.sampled(f"{endpoint}:unstarted_cap"):
+                log.warning("%s connection from %s refused (#%d): %d sockets await their start", endpoint, peer, n,
+                            self.unstarted[endpoint])  # fmt: skip
             return False
         metrics.WEBHOOK_REJECTIONS.labels(endpoint=endpoint, reason="unstarted_evicted").inc()
-        log.warning("%d sockets await their start: the oldest (from %s) closed for a %s connection from %s",
-                    self.unstarted[endpoint], oldest.peer, endpoint, peer)  # fmt: skip
+        if n := self.sampled(f"{endpoint}:unstarted_evicted"):
+            log.warning("%d sockets await their start: the oldest (from %s) closed for a %s connection from %s "
+                        "(#%d)", self.unstarted[endpoint], oldest.peer, endpoint, peer, n)  # fmt: skip
         oldest.evict()
         return True
 
@@ -415,7 +418,9 @@ async def handle_readyz(request: web.Request) -> web.Response:
     # link is down: every edge loses the engine at once, and out of rotation every webhook and connect action
     # got the load balancer's 503 (Twilio's "application error") instead of the agent's busy or fallback
     # answer; the seats other nodes publish in Redis still take what calls they can.
-    shared = ctx.remote_engine and bool(ctx.config.redis_url)
+    # (Not an AudioSocket-only node: it routes nothing through Redis, and its PBX must move on to another node.)
+    twilio = bool(ctx.config.twilio_auth_token or ctx.config.insecure_dev)
+    shared = ctx.remote_engine and bool(ctx.config.redis_url) and twilio
     ready = checks["not_draining"] and (checks["model_loaded"] or shared)
     # Reported, not required: every node shares the one Redis, so gating on it would take every node out of
     # rotation at once in an outage, failing every new call, which the write-behind store and this node's own

@@ -121,8 +121,23 @@ def test_listeners_and_networks_parse_or_say_why() -> None:
     assert allowed("8.8.8.8", parse_networks("any"))
     with pytest.raises(ValueError, match="not a network"):
         parse_networks("10.0.0.0/8,nonsense")
-    with pytest.raises(ValueError, match="no network"):
-        parse_networks(" , ")
+    assert parse_networks(" ") == ()  # unset: loopback only
+    assert allowed("127.0.0.1", ()) and allowed("::1", ()) and not allowed("10.1.2.3", ())
+
+
+def test_a_listener_beyond_loopback_needs_its_allowlist_said_and_ports_do_not_clash() -> None:
+    """No credentials on AudioSocket: behind a load balancer's SNAT "private" is anyone, so a listener off
+    loopback is refused until --audiosocket-allow names the PBX. Two listeners (or a listener and the HTTP or
+    metrics port) on one port are refused at start-up, not as a bind error."""
+    wide = (AudioSocketListen("0.0.0.0", 9019),)
+    with pytest.raises(ConfigError, match="set --audiosocket-allow"):
+        ServiceConfig(host="127.0.0.1", audiosocket=wide).check()
+    ServiceConfig(host="127.0.0.1", audiosocket=wide, audiosocket_allow=parse_networks("10.20.0.0/16")).check()
+    for listeners, clash in (((AudioSocketListen("127.0.0.1", 8080),), "--port"),
+                             ((AudioSocketListen("127.0.0.1", 9019), AudioSocketListen("127.0.0.1", 9019, "b")),
+                              "--audiosocket 127.0.0.1:9019")):  # fmt: skip
+        with pytest.raises(ConfigError, match=f"is {clash}'s too"):
+            ServiceConfig(host="127.0.0.1", port=8080, audiosocket=listeners).check()
 
 
 async def test_a_node_without_twilio_credentials_answers_audiosocket_and_refuses_twilio(
@@ -204,6 +219,7 @@ async def test_a_full_node_hangs_up_at_once_and_counts_busy(tiny_checkpoint: Pat
         report = await good
         await phone.settled()
         assert await phone.store.get(call_id_for(busy.call_uuid)) is None
+        await phone.keeping_time()  # a loaded box's engine answers busy while it is behind
         retried = await audiosocket_call("127.0.0.1", _port(phone), [bytes(320)] * 25, hold_s=0.5,
                                          call_uuid=busy.call_uuid)  # fmt: skip
     assert busy.hung_up_by_service and not busy.bot_audio
@@ -299,18 +315,26 @@ async def test_talking_over_queued_speech_empties_our_queue(tiny_checkpoint: Pat
         session = phone.ctx.streams[call_id_for(call_uuid)]
         assert isinstance(session, AudioSocketSession)
 
+        jumps: list[int] = []  # messages gone from the queue between two looks, 10 ms apart
+
         async def stale_speech() -> None:  # a backlog that stands, as after a stall
             while not call.done():
+                gone = session.outbox.gone
                 while len(session.outbox) < 20:
                     session.outbox.extend([loud], time.monotonic())
                 await asyncio.sleep(0.01)
+                jumps.append(session.outbox.gone - gone)
 
         filler = asyncio.create_task(stale_speech())
-        await asyncio.sleep(max(0.6, connected + 2.4 - time.monotonic()))  # still in the caller's silence
+        await asyncio.sleep(0.5)
+        jumps.clear()  # from here: the call's start (its row's fresh start clears the queue once) is behind
+        await asyncio.sleep(max(0.3, connected + 2.4 - time.monotonic()))  # still in the caller's silence
         assert metric("kame_media_playout_clears_total") == clears  # silence under a queue: nothing dropped
+        quiet_jumps = max(jumps)
         await call
         filler.cancel()
     assert metric("kame_media_playout_clears_total") > clears
+    assert quiet_jumps < 10 <= max(jumps)  # paced one by one over the silence, then dropped at once
 
 
 async def test_a_finished_calls_uuid_is_refused_and_its_record_kept(tiny_checkpoint: Path) -> None:

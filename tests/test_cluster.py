@@ -793,7 +793,7 @@ async def test_an_edge_whose_shared_engine_is_down_stays_in_rotation_to_answer_b
         await store.aclose()
 
 
-async def test_a_seat_taken_without_a_reservation_is_published_at_once(prefix: str) -> None:
+async def test_a_seat_taken_without_a_reservation_is_published_at_once(prefix: str, raw: aioredis.Redis) -> None:
     """An AudioSocket call takes a seat on the node Asterisk reached, with no reservation: until the next
     heartbeat the other nodes would still route a Twilio call to that seat (its stream then refused,
     engine_full). `seat_taken()` publishes the node's room at once."""
@@ -801,5 +801,10 @@ async def test_a_seat_taken_without_a_reservation_is_published_at_once(prefix: s
     async with nodes(prefix, free, heartbeat_s=30.0, node_ttl_s=60.0) as n:
         free["a"] = 0  # the AudioSocket call's seat
         n["a"].seat_taken()
-        await asyncio.sleep(0.3)  # one Redis round trip, not a heartbeat (30 s)
-        assert await n["b"].reserve(new_call_sid()) is None
+        await until(lambda: raw.hget(f"{prefix}node:a", "free"), within=5)  # published once at start
+        await until(lambda: _is(raw.hget(f"{prefix}node:a", "free"), "0"), "a's room published", within=2)
+        assert await n["b"].reserve(new_call_sid()) is None  # one Redis round trip, not a heartbeat (30 s)
+
+
+async def _is(value: Awaitable[str | None], expected: str) -> bool:
+    return await value == expected

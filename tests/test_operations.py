@@ -299,8 +299,9 @@ async def test_serve_answers_audiosocket_calls_and_drains_them(
     ([], {"KAME_DRAIN_TIMEOUT": "inf"}, "KAME_DRAIN_TIMEOUT='inf' is refused: not a finite number"),
     (["--audiosocket", "9092"], {}, "--audiosocket: an AudioSocket listener is HOST:PORT[=AGENT], got '9092'"),
     (["--audiosocket", "127.0.0.1:9092=nosuch"], {}, "names an agent the agents file does not have"),
-    (["--audiosocket", "0.0.0.0:9092", "--metrics-port", "9092"], {},
-     "--audiosocket 0.0.0.0:9092: port 9092 is --metrics-port's too"),
+    (["--audiosocket", "127.0.0.1:9092", "--metrics-port", "9092"], {},
+     "--audiosocket 127.0.0.1:9092: port 9092 is --metrics-port's too"),
+    (["--audiosocket", "0.0.0.0:9019"], {}, "listens beyond loopback: set --audiosocket-allow"),
     ([], {"KAME_AUDIOSOCKET": "127.0.0.1:9019", "KAME_AUDIOSOCKET_ALLOW": "10.0.0.0/33"},
      "--audiosocket-allow: not a network (CIDR, 'private' or 'any'): '10.0.0.0/33'"),
 ])  # fmt: skip
