@@ -137,7 +137,8 @@ class ServiceConfig:
         if not self.twilio_auth_token and not self.insecure_dev and not self.audiosocket:
             raise ConfigError(
                 "TWILIO_AUTH_TOKEN is not set: refusing to serve unauthenticated phone traffic. "
-                "Set it, or pass --insecure-dev for a loopback-only development server."
+                "Set it, pass --insecure-dev for a loopback-only development server, or answer only Asterisk's "
+                "AudioSocket (--audiosocket)."
             )
         if self.insecure_dev and self.host not in LOOPBACK:
             raise ConfigError(f"--insecure-dev binds to loopback only, not {self.host!r}")

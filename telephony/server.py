@@ -94,7 +94,7 @@ class ServerContext:
         # each capped on its own: a host inside --audiosocket-allow must not fill Twilio's cap (CallLeg counts).
         self.unstarted: dict[str, int] = {"media": 0, "audiosocket": 0}
         # Those of them that have sent no `start` at all, oldest first: the ones a full cap closes (insertion
-        # order of a dict; MediaStreamSession adds and removes itself).
+        # order of a dict; each CallLeg adds and removes itself).
         self.awaiting_start: dict[str, dict[Any, None]] = {"media": {}, "audiosocket": {}}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.fanout = BotAudioFanout(self.streams)
