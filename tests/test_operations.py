@@ -17,9 +17,11 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
+import redis.asyncio as aioredis
 
 from telephony.call_store import open_call_store
 from telephony.logs import JsonFormatter, call_id_var, setup_logging
+from telephony.server import VOICE_PATH
 from telephony.sim_audiosocket import audiosocket_call
 from telephony.sim_caller import simulate_call
 
@@ -196,15 +198,15 @@ class ServeProcess:
 
 @asynccontextmanager
 async def serve_process(checkpoint: Path, tmp_path: Path, *flags: str, env: dict[str, str] | None = None,
-                        ready: bool = True) -> AsyncIterator[ServeProcess]:
+                        ready: bool = True, insecure_dev: bool = True) -> AsyncIterator[ServeProcess]:
     """Started with this checkout first on its path (the venv's editable install may point elsewhere), and
     waited for until /readyz says 200 unless `ready` is False; killed if a test leaves it running."""
     port = free_port()
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("KAME_", "TWILIO_", "PUBLIC_URL", "REDIS_"))}
     clean["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), clean.get("PYTHONPATH")]))
-    argv = [sys.executable, "-m", "kame_phone.cli", "serve", "--insecure-dev", "--port", str(port), "--metrics-port",
-            "0", "--checkpoint", str(checkpoint), "--device", "cpu", "--stt", "none", "--llm", "none", "--greedy",
-            "--max-calls", "2", *flags]  # fmt: skip
+    argv = [sys.executable, "-m", "kame_phone.cli", "serve", *(["--insecure-dev"] if insecure_dev else []), "--port",
+            str(port), "--metrics-port", "0", "--checkpoint", str(checkpoint), "--device", "cpu", "--stt", "none",
+            "--llm", "none", "--greedy", "--max-calls", "2", *flags]  # fmt: skip
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
         proc = await asyncio.create_subprocess_exec(*argv, cwd=ROOT, env=clean | (env or {}), stdout=out,
@@ -291,6 +293,31 @@ async def test_serve_answers_audiosocket_calls_and_drains_them(
         report = await asyncio.wait_for(call, 10)
     assert code == 0, serve.said()[-3000:]
     assert report.hung_up_by_service and report.bot_audio
+
+
+async def test_an_audiosocket_only_node_answers_its_pbx_and_stays_out_of_twilio_routing(
+    tiny_checkpoint: Path, tmp_path: Path, prefix: str,
+) -> None:
+    """No TWILIO_AUTH_TOKEN, AudioSocket only, beside a Redis the Twilio nodes share: it answers Asterisk, refuses
+    Twilio's webhook (403, never an unchecked one), and never lists itself in Redis, so no other node routes
+    a Twilio call to a seat whose stream it would refuse."""
+    port = free_port()
+    env = {"KAME_AUDIOSOCKET": f"127.0.0.1:{port}", "REDIS_URL": REDIS_URL, "KAME_REDIS_PREFIX": prefix,
+           "KAME_NODE_ID": "pbx-only"}  # fmt: skip
+    redis = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        async with serve_process(tiny_checkpoint, tmp_path, env=env, insecure_dev=False) as serve:
+            report = await audiosocket_call("127.0.0.1", port, [bytes(320)] * 25, hold_s=0.5)
+            async with aiohttp.ClientSession() as http, \
+                    http.post(serve.base + VOICE_PATH, data={"CallSid": "CA" + "0" * 32}) as voice:  # fmt: skip
+                assert voice.status == 403
+            await asyncio.sleep(1.5)  # past a heartbeat, had there been one
+            assert not await redis.exists(f"{prefix}node:pbx-only")
+            assert "pbx-only" not in await redis.zrange(f"{prefix}nodes", 0, -1)
+            assert "answering AudioSocket only" in serve.said()
+    finally:
+        await redis.aclose()
+    assert report.bot_audio and not report.hung_up_by_service
 
 
 @pytest.mark.parametrize(("argv", "env", "said"), [
