@@ -1,7 +1,7 @@
 """The AudioSocket listeners (serve --audiosocket) and the one pacer that sends every such call's audio.
 
-AudioSocket carries no credentials: who may connect is decided by address (`--audiosocket-allow`, the
-private networks by default), and the listener belongs on the network between the PBX and this node.
+AudioSocket carries no credentials: who may connect is decided by address (`--audiosocket-allow`; unset,
+loopback only), and the listener belongs on the network between the PBX and this node.
 Each listener answers with one agent, so the dialplan picks the agent by the port it connects to.
 """
 
@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from . import metrics
 from .audiosocket_config import allowed
-from .audiosocket_session import PACKET_S, AudioSocketSession
+from .audiosocket_session import AudioSocketSession
+from .audiosocket_wire import PACKET_S
 from .bot_audio import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -66,7 +67,6 @@ class AudioSocketServer:
         self.ctx = ctx
         self.servers: list[asyncio.Server] = []
         self.pacer = AudioSocketPacer(self._sessions)
-        self._refused = 0
 
     def _sessions(self) -> list[AudioSocketSession]:
         return [s for s in self.ctx.streams.values() if isinstance(s, AudioSocketSession)]
@@ -104,9 +104,8 @@ class AudioSocketServer:
 
     def _refuse(self, writer: asyncio.StreamWriter, reason: str, detail: str) -> None:
         metrics.WEBHOOK_REJECTIONS.labels(endpoint="audiosocket", reason=reason).inc()
-        self._refused += 1
-        if self._refused in (1, 10) or self._refused % 100 == 0:  # a flood of connections must not flood the logs
-            log.warning("audiosocket connection refused (#%d): %s", self._refused, detail)
+        if n := self.ctx.sampled(f"audiosocket:{reason}"):  # a flood of connections must not flood the logs
+            log.warning("audiosocket connection refused (#%d): %s", n, detail)
         writer.transport.abort()
 
     def stop_listening(self) -> None:

@@ -36,6 +36,7 @@ from .audiosocket_wire import (
     ODD_AUDIO,
     OTHER_RATES,
     OVERSIZE,
+    PACKET_S,
     PEER_ERROR,
     SAMPLE_BYTES,
     UNKNOWN_KIND,
@@ -59,7 +60,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CALL_ID_PREFIX = "AS"  # call ids are "AS" + the UUID's 32 hex digits (Twilio's are "CA" + 32)
-PACKET_S = 0.02
 # Our queue of the bot's audio, at most: an engine tick is 4 messages; more than this is a burst after a
 # stall, and its oldest audio is dropped rather than delaying every later word.
 MAX_QUEUED_S = 1.0
@@ -378,12 +378,12 @@ class AudioSocketSession(CallLeg):
             if not self.outbox and time.monotonic() > trailing_until:
                 break
             await asyncio.sleep(PACKET_S)
-        result = "ok" if self.playing else "cancelled"  # cancelled: the caller hung up first
-        if result == "ok":
-            metrics.CALL_ACTIONS.labels(action="end", trigger="tool", result=result).inc()
         assert self.state.call_sid is not None
-        await self.ctx.store.append_tool(self.state.call_sid, use.name, use.arguments, result)
-        if result == "ok":
-            log.info("call ended by the agent (tool)")
-            self._end_reason = "ended_by_agent"
-            await self.close_transport()
+        if not self.playing:  # the caller hung up first
+            await self.ctx.store.append_tool(self.state.call_sid, use.name, use.arguments, "cancelled")
+            return
+        metrics.CALL_ACTIONS.labels(action="end", trigger="tool", result="ok").inc()
+        await self.ctx.store.append_tool(self.state.call_sid, use.name, use.arguments, "ok")
+        log.info("call ended by the agent (tool)")
+        self._end_reason = "ended_by_agent"
+        await self.close_transport()

@@ -3,7 +3,7 @@
 Every message is a 3-byte header (kind, then the payload's length as a big-endian u16) and the payload.
 Asterisk sends the call's UUID first (16 bytes, binary), then the caller's audio as signed 16-bit
 little-endian samples at 8 kHz (`SLIN`, 320 bytes per 20 ms at the usual packetization), DTMF digits
-(one ASCII byte, Asterisk 20+), an error code, or a hang-up. We send `SLIN` back, paced by us: Asterisk
+(one ASCII byte, recent point releases only), an error code, or a hang-up. We send `SLIN` back, paced by us: Asterisk
 writes each message to the channel the moment it arrives. Pure: parsing and building, no I/O.
 """
 
@@ -28,6 +28,7 @@ HEADER_BYTES = 3
 LINE_RATE = 8000
 SAMPLE_BYTES = 2
 PACKET_BYTES = 320  # 20 ms of SLIN at 8 kHz: what we send, one message per 20 ms
+PACKET_S = 0.02
 # The largest payload taken. Asterisk's own frames are 20-60 ms of audio (320-960 bytes); a message claiming up
 # to 64 KiB would otherwise make us wait for (and hold) that much from a peer that may never send it.
 MAX_PAYLOAD_BYTES = 4000  # 250 ms of audio

@@ -24,12 +24,11 @@ from .audiosocket_wire import (
     KIND_UUID,
     LINE_RATE,
     PACKET_BYTES,
+    PACKET_S,
     encode,
     read_message,
 )
 from .sim_playout import SOUND_RMS, read_wav, to_line_rate, write_wav
-
-PACKET_S = 0.02
 
 
 @dataclass
