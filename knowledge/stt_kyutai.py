@@ -27,9 +27,16 @@ Design:
   calls' frames reach the engine at jittered times through the back-end's thread pool, and stepping per
   arrival would cost one whole-batch step per call per frame. Each tick steps once for every row that
   has a frame; a row without one sits out (exec mask off) instead of holding the batch. A row whose
-  backlog grows past `catchup_backlog_frames` (a stalled tick, the silence prefix) gets extra steps in
-  the same tick, at most `max_steps_per_tick`. An idle engine does not touch the model.
-- A call joins by a per-row reset (moshi resets KV caches, conv state and offsets in place) and leaves by
+  backlog grows past `catchup_backlog_frames` (a stalled tick) gets extra steps in the same tick, at
+  most `max_steps_per_tick`. An idle engine does not touch the model.
+- Rows are primed while free: a row no call holds is reset and fed its `audio_silence_prefix_seconds`
+  of silence one frame a tick, riding the steps the other rows take anyway (a batch step computes every
+  row), its tokens dropped. A call then joins a primed row with no backlog. Fed in the call, the prefix
+  (13 frames for stt-2.6b-en) made each join a catch-up of whole-batch steps: a burst of call starts ran
+  4 steps a tick for seconds, and the KAME engine sharing the GPU missed its frames and turned calls
+  away (H100, docs/benchmarks.md section 4). A call that finds no primed row takes the most primed one
+  and its remaining prefix frames. At start the warm-up primes every row.
+- A row's reset is per row (moshi resets KV caches, conv state and offsets in place); a call leaves by
   simply not executing; -2 rows are never decoded. Batch shape never changes, so CUDA graphs stay valid.
 - Finals: when the end-of-turn head fires, the final waits `audio_delay_seconds` more steps so the last
   words (which lag the audio) are in it; fallback, and the only rule without heads: no new word for
@@ -40,6 +47,7 @@ Design:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -84,7 +92,10 @@ class KyutaiSttOptions:
     max_utterance_s: float = 30.0
     max_backlog_s: float = 4.0  # frames queued beyond this are dropped, oldest first
     catchup_backlog_frames: int = 3
-    max_steps_per_tick: int = 4
+    # Each catch-up step is a whole-batch step on the GPU the KAME engine ticks on: on an H100 at 48 seats
+    # with stt-2.6b-en, 4 a tick for a second or two made the engine miss its 80 ms frames and turn calls
+    # away (docs/benchmarks.md, section 4). 2 catches up one frame a tick after a stall at half that load.
+    max_steps_per_tick: int = 2
     warmup_steps: int = 2  # on CUDA the second step captures the graphs
 
 
@@ -231,6 +242,10 @@ class KyutaiSttEngine:
         pin = self.device.type == "cuda"
         self._pcm_in = torch.zeros(B, 1, FRAME_SAMPLES, dtype=torch.float32, pin_memory=pin)
         self._rows: list[_Row | None] = [None] * B
+        # Free rows' priming (see the module's design): silence frames still to step, and whether the row's
+        # model state must be reset first (a call left it, or a step failed).
+        self._prime_left = [self.prefix_frames] * B
+        self._prime_reset = [True] * B
         self._leases = 0
         self._lock = threading.Lock()
         self._model_lock = threading.Lock()  # one step at a time (thread vs. direct callers)
@@ -239,8 +254,9 @@ class KyutaiSttEngine:
         self.steps = 0
         self.last_step_s = 0.0
         log.info(
-            "Kyutai STT %s on %s: %d rows, text delay %d frames, prefix %d frames, end-of-turn head: %s",
-            source, self.device, B, self.delay_steps, self.prefix_frames, self.has_end_of_turn,
+            "Kyutai STT %s on %s: %d rows, text delay %d frames, prefix %d frames, end-of-turn head: %s, "
+            "catch-up to %d steps a tick", source, self.device, B, self.delay_steps, self.prefix_frames,
+            self.has_end_of_turn, opts.max_steps_per_tick,
         )
         if start:
             self.start()
@@ -272,13 +288,16 @@ class KyutaiSttEngine:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the Kyutai STT engine is closed")
-            for index, row in enumerate(self._rows):
-                if row is None:
-                    self._leases += 1
-                    new = _Row(self._leases, self._new_assembler())
-                    new.inbox.extend(np.zeros(FRAME_SAMPLES, np.float32) for _ in range(self.prefix_frames))
-                    self._rows[index] = new
-                    return index, new.lease
+            free = [i for i, row in enumerate(self._rows) if row is None]
+            if free:
+                # The most primed free row: a primed one adds no backlog, so no catch-up steps.
+                index = min(free, key=lambda i: (self._prime_reset[i], self._prime_left[i]))
+                self._leases += 1
+                new = _Row(self._leases, self._new_assembler(), needs_reset=self._prime_reset[index])
+                new.inbox.extend(np.zeros(FRAME_SAMPLES, np.float32) for _ in range(self._prime_left[index]))
+                self._prime_left[index], self._prime_reset[index] = 0, False
+                self._rows[index] = new
+                return index, new.lease
         raise SttCapacityError(
             f"all {self.batch_size} Kyutai STT rows are busy (one per call): raise KAME_STT_MAX_STREAMS "
             f"(now {self.batch_size}) or take fewer calls"
@@ -328,7 +347,8 @@ class KyutaiSttEngine:
         with self._lock:
             row = self._rows[index]
             if row is not None and row.lease == lease:
-                self._rows[index] = None  # sits out (exec mask off) until the next call resets it
+                self._rows[index] = None  # free: reset and primed again on the next steps
+                self._prime_left[index], self._prime_reset[index] = self.prefix_frames, True
 
     # ---- the model ----
 
@@ -343,7 +363,13 @@ class KyutaiSttEngine:
         with self._model_lock:
             with self._lock:
                 for index, row in enumerate(self._rows):
-                    if row is None or not row.inbox or row.failure is not None:
+                    if row is None:
+                        if self._prime_left[index] > 0:  # a free row priming: silence, its tokens dropped
+                            active[index] = True
+                            self._prime_left[index] -= 1
+                            reset[index], self._prime_reset[index] = self._prime_reset[index], False
+                        continue
+                    if not row.inbox or row.failure is not None:
                         continue
                     pcm[index] = row.inbox.popleft()
                     active[index] = True
@@ -401,7 +427,13 @@ class KyutaiSttEngine:
         """A failed step leaves model state unknown: its rows report the error and get reset on reuse."""
         with self._lock:
             for index, row in enumerate(self._rows):
-                if row is not None and active[index] and row.lease == leases[index]:
+                if not active[index]:
+                    continue
+                if leases[index] == 0 and row is None:  # a free row priming: start its priming over
+                    self._prime_left[index], self._prime_reset[index] = self.prefix_frames, True
+                elif leases[index] == 0 and row is not None:  # taken while it primed: the call's row is unsound
+                    row.failure = f"{type(exc).__name__}: {exc}"
+                elif row is not None and row.lease == leases[index]:
                     row.failure = f"{type(exc).__name__}: {exc}"
 
     def backlog(self) -> int:
@@ -432,6 +464,12 @@ class KyutaiSttEngine:
                 self._model_step(silence, np.ones(B, bool), np.full(B, i == 0))
             self.lm_gen.reset_streaming(everyone)
             self.mimi.reset_streaming(everyone)
+            with self._lock:
+                fresh = [i for i, row in enumerate(self._rows) if row is None]
+                for i in fresh:
+                    self._prime_left[i], self._prime_reset[i] = self.prefix_frames, False
+        for _ in range(self.prefix_frames):  # prime every free row now, before the first call
+            self.step()
 
     def start(self) -> None:
         if self._ticker.running:
@@ -532,7 +570,7 @@ _SHARED_LOCK = threading.Lock()
 def engine_from_env(env: Mapping[str, str] | None = None, rows: int | None = None) -> KyutaiSttEngine:
     """KAME_STT_CHECKPOINT (repo id or dir), KAME_STT_DEVICE (default cuda if available), KAME_STT_MAX_STREAMS
     (else `rows`: one per call the engine seats, so the 17th call of 64 is not left without a transcript;
-    else 16)."""
+    else 16), KAME_STT_MAX_STEPS_PER_TICK (catch-up: whole-batch steps a tick may take, 1-8, default 2)."""
     env = os.environ if env is None else env
     source = env.get("KAME_STT_CHECKPOINT") or DEFAULT_CHECKPOINT
     device = env.get("KAME_STT_DEVICE") or None
@@ -541,7 +579,16 @@ def engine_from_env(env: Mapping[str, str] | None = None, rows: int | None = Non
         max_streams = int(raw)
     except ValueError:
         raise ValueError(f"KAME_STT_MAX_STREAMS must be an integer, got {raw!r}") from None
-    return KyutaiSttEngine(source, device=device, max_streams=max_streams)
+    options = KyutaiSttOptions()
+    raw = env.get("KAME_STT_MAX_STEPS_PER_TICK") or str(options.max_steps_per_tick)
+    try:
+        steps = int(raw)
+    except ValueError:
+        steps = 0
+    if not 1 <= steps <= 8:
+        raise ValueError(f"KAME_STT_MAX_STEPS_PER_TICK must be an integer from 1 to 8, got {raw!r}")
+    return KyutaiSttEngine(source, device=device, max_streams=max_streams,
+                           options=dataclasses.replace(options, max_steps_per_tick=steps))
 
 
 def close_shared_engine() -> None:

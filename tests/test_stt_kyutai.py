@@ -192,12 +192,96 @@ def test_a_call_joining_and_leaving_does_not_change_another_calls_tokens(make_en
     assert len(ref[0]) == 30 + alone.prefix_frames
     assert got[0] == ref[0]
     assert got[1] != got[0][: len(got[1])]  # B really ran something else next to A
-    # C in the reused row behaves as on a fresh row 1 of a fresh engine: the reset cleared B's state.
+    # C in the reused row behaves as on a fresh row 1 of a fresh engine: the reset cleared B's state. The
+    # row was reset and primed while free (steps 20-21, A's steps), so C's tokens are its audio's alone.
     fresh = make_engine(max_streams=3)
     hold = fresh.open_stream()  # row 0 stays idle
     c_ref, _ = run_rows(fresh, {i: [(2, c[i])] for i in range(8)}, 8)
     hold.close()
-    assert streams[2].row == 1 and got[2] == c_ref[2]
+    assert len(c_ref[2]) == 8 + fresh.prefix_frames  # a row never primed: the prefix runs in the call
+    assert streams[2].row == 1 and got[2] == c_ref[2][fresh.prefix_frames :]
+
+
+def test_a_row_primed_while_free_gives_a_call_the_same_tokens_and_no_backlog(make_engine) -> None:
+    """The silence prefix runs on free rows, on the steps the other rows take anyway. A call on a primed row
+    hears exactly what it would after running the prefix itself (a row sitting out in between keeps its
+    state), and a burst of joins adds no backlog, so no whole-batch catch-up steps: fed in the call, the
+    prefix made a burst of call starts on an H100 run the STT 4 steps a tick beside the KAME engine, which
+    then missed its frames and turned calls away (docs/benchmarks.md, section 4)."""
+    a = audio(7, 12)
+    cold = make_engine(max_streams=4)  # never stepped: nothing primed, the prefix runs in the call
+    ref, _ = run_rows(cold, {i: [(0, a[i])] for i in range(12)}, 12)
+    assert len(ref[0]) == 12 + cold.prefix_frames
+
+    warm = make_engine(max_streams=4)
+    other = warm.open_stream()  # row 0 runs something else while rows 1-3 prime, then idle
+    for frame in audio(8, warm.prefix_frames + 3):
+        other.feed(frame)
+        while warm.step() is not None and warm.backlog():
+            pass
+    assert warm._prime_left[1:] == [0, 0, 0] and not any(warm._prime_reset[1:])
+    calls = [warm.open_stream() for _ in range(3)]
+    assert sorted(c.row for c in calls) == [1, 2, 3] and warm.backlog() == 0
+    assert all(not warm._rows[c.row].needs_reset for c in calls)
+    tokens: list[int] = []
+    for frame in a:
+        for c in calls:
+            c.feed(frame)
+        assert warm.backlog() == 1  # three joins at once, and after: one step a frame, no catch-up
+        out = warm.step()
+        tokens.append(int(out.tokens[calls[0].row]))
+    assert tokens == ref[0][cold.prefix_frames :]
+
+    # On rows never primed the same joins queue the prefix: catch-up (at the 2.6B model's 13 frames,
+    # past `catchup_backlog_frames`, whole-batch steps).
+    unprimed = make_engine(max_streams=4)
+    for c in [unprimed.open_stream() for _ in range(3)]:
+        c.feed(a[0])
+    assert unprimed.backlog() == 1 + unprimed.prefix_frames
+
+
+def test_a_released_row_is_reset_and_primed_again_for_the_next_call(make_engine) -> None:
+    engine = make_engine(max_streams=2)
+    first, keep = engine.open_stream(), engine.open_stream()
+    for frame in audio(10, 5):
+        first.feed(frame)
+        keep.feed(frame)
+        while engine.step() is not None and engine.backlog():
+            pass
+    first.close()
+    assert engine._prime_left[first.row] == engine.prefix_frames and engine._prime_reset[first.row]
+    reset_seen = []
+    real = engine._model_step
+
+    def spy(pcm, active, reset):
+        reset_seen.append(bool(reset[first.row]))
+        return real(pcm, active, reset)
+
+    engine._model_step = spy
+    for frame in audio(11, engine.prefix_frames):  # `keep` talks on; the free row primes on its steps
+        keep.feed(frame)
+        assert engine.step() is not None
+    assert reset_seen == [True] + [False] * (engine.prefix_frames - 1)  # B's state cleared once, then silence
+    assert engine._prime_left[first.row] == 0
+    again = engine.open_stream()
+    assert again.row == first.row and engine.backlog() == 0 and not engine._rows[again.row].needs_reset
+
+
+def test_the_warm_up_primes_every_row_and_catch_up_is_configurable(stt_checkpoint: Path) -> None:
+    from knowledge.stt_kyutai import engine_from_env
+
+    env = {"KAME_STT_CHECKPOINT": str(stt_checkpoint), "KAME_STT_DEVICE": "cpu"}
+    for bad in ["0", "9", "two"]:
+        with pytest.raises(ValueError, match="KAME_STT_MAX_STEPS_PER_TICK must be an integer from 1 to 8"):
+            engine_from_env({**env, "KAME_STT_MAX_STEPS_PER_TICK": bad}, rows=2)
+    engine = engine_from_env({**env, "KAME_STT_MAX_STEPS_PER_TICK": "3"}, rows=2)
+    try:
+        assert engine.options.max_steps_per_tick == 3
+        assert engine._prime_left == [0, 0] and engine._prime_reset == [False, False]  # primed at start
+        stt = engine.open_stream()
+        assert not engine._rows[stt.row].inbox  # the call's first frame is its own audio
+    finally:
+        engine.close()
 
 
 def test_ungenerated_is_never_decoded(make_engine) -> None:
@@ -238,9 +322,9 @@ def test_streaming_stt_contract_with_the_engine_thread(make_engine) -> None:
         assert isinstance(out, list)
         results += out
     deadline = time.monotonic() + 10
-    while engine._rows[stt.row].steps < 25 + engine.prefix_frames and time.monotonic() < deadline:
+    while engine._rows[stt.row].steps < 25 and time.monotonic() < deadline:
         time.sleep(0.02)  # the backlog drains through catch-up steps
-    assert engine._rows[stt.row].steps == 25 + engine.prefix_frames
+    assert engine._rows[stt.row].steps == 25  # the warm-up primed the row: no silence prefix in the call
     assert stt._carry.size == pcm.size % FRAME_SAMPLES
     results += stt.feed(np.zeros(0, np.float32))
     results += stt.flush()
