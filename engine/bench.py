@@ -23,6 +23,7 @@ import torch
 
 from .batch import KameBatch
 from .checkpoint import load_random
+from .heap import served_heap
 from .interface import FRAME_SAMPLES, FRAME_SECONDS
 from .model import KameLM
 from .sampling import SamplingConfig
@@ -42,6 +43,9 @@ class BatchResult:
     kv_cache_gb: float | None
     phases_p50_ms: dict[str, float] | None = None  # with --phases: per phase, then "other" (the rest)
     warmup_s: float | None = None  # the warm-up ticks: CUDA graph capture, and compiling with --compile
+    # The collector over the measured ticks, the heap frozen as the engine process serves (engine/heap.py).
+    gc_full_collections: int | None = None
+    gc_longest_pause_ms: float | None = None
 
 
 @dataclass
@@ -183,16 +187,18 @@ def _bench_batch(
         if i < 2 or dt > 1.0:  # the first ticks compile and capture: say how long each took
             progress(f"warm-up tick {i + 1}/{warmup}: {dt:.1f} s")
     warmup_s = time.perf_counter() - t0
-    times = [tick(kb, warmup + i) for i in range(ticks)]
-    peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-    phases_p50 = None
-    if phases:
-        progress(f"{ticks} ticks measured; {ticks} more with the phases timed")
-        clock = _PhaseClock(device)
-        with _timing_phases(kb, clock):
-            totals = [tick(kb, warmup + ticks + i) * 1000 for i in range(ticks)]
-        phases_p50 = {p: float(np.median(clock.ms[p])) for p in PHASES}
-        phases_p50["other"] = float(np.median(np.array(totals) - sum(np.array(clock.ms[p]) for p in PHASES)))
+    with served_heap() as collector:
+        times = [tick(kb, warmup + i) for i in range(ticks)]
+        peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+        phases_p50 = None
+        if phases:
+            progress(f"{ticks} ticks measured; {ticks} more with the phases timed")
+            clock = _PhaseClock(device)
+            with _timing_phases(kb, clock):
+                totals = [tick(kb, warmup + ticks + i) * 1000 for i in range(ticks)]
+            phases_p50 = {p: float(np.median(clock.ms[p])) for p in PHASES}
+            phases_p50["other"] = float(
+                np.median(np.array(totals) - sum(np.array(clock.ms[p]) for p in PHASES)))
     kv_bytes = kb.memory.kv_cache_bytes  # what the batch sized its caches at
     ms = np.array(times) * 1000
     return BatchResult(
@@ -207,6 +213,8 @@ def _bench_batch(
         kv_cache_gb=kv_bytes / 1e9,
         phases_p50_ms=phases_p50,
         warmup_s=warmup_s,
+        gc_full_collections=collector.full_collections,
+        gc_longest_pause_ms=collector.longest_pause_ms,
     )
 
 
@@ -300,6 +308,9 @@ def run_engine_bench(
         if r.phases_p50_ms is not None:
             log("      phases p50 ms (device synchronised around each): "
                 + ", ".join(f"{p} {ms:.2f}" for p, ms in r.phases_p50_ms.items()))
+        if r.gc_full_collections:  # the heap frozen as served: a full collection now is the run's own garbage
+            log(f"      {r.gc_full_collections} full garbage collections in the measured ticks, longest "
+                f"pause {r.gc_longest_pause_ms:.1f} ms")
         update()
     log(f"largest batch with p99 <= 80 ms: {report.max_batch_realtime}")
     return report

@@ -14,7 +14,7 @@ set -uo pipefail
 # part -> budget in seconds: the sum of its commands' timeouts, and 5 s a command for `reap` (a bench
 # dies at timeout's SIGTERM: none traps it; the SIGKILL 10 s later is for one that would not).
 declare -A budget=(
-  [batch1]=580 [node-48]=275 [node-64]=275 [node]=550 [weights]=305 [kv-cache]=285 [kv-weights]=285 [kv]=570
+  [batch1]=430 [node-48]=275 [node-64]=275 [node]=550 [weights]=305 [kv-cache]=285 [kv-weights]=285 [kv]=570
   [compiled-int8]=575 [weights-autotune]=575 [batch1-autotune]=575 [capacity]=575 [engine]=545 [oracle]=410
   [media]=375
 )
@@ -79,10 +79,10 @@ if [[ $what == capacity || $what == all ]]; then
 fi
 if [[ $what == batch1 || $what == all ]]; then
   # Batch-1 latency (issue 15): the official step against --compile (engine/compiled_step.py), phase by
-  # phase, at the 4-minute context. The official step loads and runs in ~2 min; compiling the 7B step
-  # takes minutes more (220 s of compile warm-up measured on dev-2c's CPU at the full layer count).
+  # phase, at the 4-minute context. On an H100 (session 21) `off` took 47 s in all, `default` ~180 s (137 s
+  # of it the compile warm-up).
   for c in off default; do
-    case $c in off) t=170 ;; default) t=400 ;; esac
+    case $c in off) t=120 ;; default) t=300 ;; esac
     run "batch1-$c" "$t" engine --size moshi-7b --batch 1 --context 3000 --ticks 300 --compile "$c" --phases \
       --json "$out/batch1-$c.json"
   done
@@ -128,14 +128,15 @@ fi
 if [[ $what == node-48 || $what == node-64 || $what == node || $what == all ]]; then
   # The whole node (issue 15) with no weights on the box: KAME random at full size, the STT in Kyutai's
   # 2.6B layout with random weights on the same GPU, a local LLM stand-in; the callers' voices come from
-  # VOICES, default var/voices (made beforehand where flite is: scripts/gpu-carry.sh). With bf16
-  # weights, 64 calls and the STT need more than an 80 GB H100 holds at context 3000 (docs/benchmarks.md):
-  # WEIGHTS=int8 (the default here) frees ~7.4 GB for them. serve's log: OUTDIR/node-N.serve.log.
+  # VOICES, default var/voices (made beforehand where flite is: scripts/gpu-carry.sh). WEIGHTS: bf16
+  # (auto, the default) serves 48 calls and the STT on an H100; int8 weights, eager, are too slow to keep
+  # time beside the STT (H100, session 21), and 64 calls with this STT on bf16 weights need more than an
+  # 80 GB H100 holds: run node-64 on an H200 (docs/benchmarks.md). serve's log: OUTDIR/node-N.serve.log.
   case $what in node-48) counts=48 ;; node-64) counts=64 ;; *) counts="48 64" ;; esac
   for calls in $counts; do
     KAME_STT_CHECKPOINT=random:stt-2.6b-en run "node-$calls" 270 node --calls "$calls" \
       --checkpoint random:moshi-7b --voices "${VOICES:-var/voices}" --serve-arg=--stt=kyutai \
-      --serve-arg=--kv-dtype=int8 --serve-arg=--weights-dtype="${WEIGHTS:-int8}" --serve-arg=--context=3000 \
+      --serve-arg=--kv-dtype=int8 --serve-arg=--weights-dtype="${WEIGHTS:-auto}" --serve-arg=--context=3000 \
       --json "$out/node-$calls.json"
   done
 fi

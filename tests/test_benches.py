@@ -20,6 +20,24 @@ def test_engine_bench_reports_each_batch(tmp_path) -> None:
         assert r["ticks"] == 4 and 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
         assert r["realtime_factor"] > 0 and r["peak_gpu_mem_gb"] is None
     assert report["size"] == "tiny" and report["context"] == 64
+    assert all(r["gc_full_collections"] == 0 for r in report["results"])  # the heap frozen as served
+
+
+def test_the_measured_ticks_see_the_heap_as_served_and_leave_it_as_found() -> None:
+    """The engine process freezes its start-up heap (no full collection walks torch and the model between
+    two ticks); the bench measured without it. Now its measured ticks run frozen, a collection that still
+    happens is counted with its pause, and the heap is unfrozen after."""
+    import gc
+
+    from engine.heap import served_heap
+
+    before, callbacks = gc.get_freeze_count(), list(gc.callbacks)
+    with served_heap() as watch:
+        assert gc.get_freeze_count() > before  # everything alive at the start is beyond the collector
+        assert watch.full_collections == 0
+        gc.collect()
+        assert watch.full_collections == 1 and watch.longest_pause_ms > 0
+    assert gc.get_freeze_count() == before and gc.callbacks == callbacks
 
 
 def test_full_size_needs_a_gpu() -> None:
