@@ -9,6 +9,7 @@ Redis layout (prefix `kame:` by default), every key with the retention TTL refre
   <p>call:<sid>                 hash of scalar fields, plus `seq:<writer>` (last op applied per writer)
   <p>call:<sid>:turns|oracle|dtmf|turn_latencies|tools   lists, appended with RPUSH
   <p>calls                      sorted set of CallSids scored by last write, for `list_recent`
+  <p>streaming                  set of the CallSids whose state is "streaming", for `streaming`
 """
 
 from __future__ import annotations
@@ -155,6 +156,8 @@ class CallStore(Protocol):
     async def get(self, call_sid: str) -> CallRecord | None: ...
     async def brief(self, call_sid: str) -> CallBrief | None: ...
     async def list_recent(self, limit: int = 50) -> list[CallRecord]: ...
+    async def streaming(self) -> dict[str, CallBrief]: ...
+    async def end_lost(self, call_sid: str, reason: str) -> bool: ...
     def adopt(self, call_sid: str) -> None: ...
     async def ping(self) -> bool: ...
     async def flush(self) -> None: ...
@@ -353,6 +356,20 @@ class MemoryCallStore(_OpStore):
         newest = itertools.islice(reversed(self._records.values()), limit)
         return [CallRecord.from_dict(record.to_dict()) for record, _ in newest]
 
+    async def streaming(self) -> dict[str, CallBrief]:
+        """The calls streaming now, by call id."""
+        self._expire()
+        return {sid: CallBrief(r.state, r.node, r.agent) for sid, (r, _) in self._records.items()
+                if r.state == "streaming"}  # fmt: skip
+
+    async def end_lost(self, call_sid: str, reason: str) -> bool:
+        """End a call still streaming that its node left behind; False if it is not streaming (any more)."""
+        entry = self._records.get(call_sid)
+        if entry is None or entry[0].state != "streaming":
+            return False
+        await self.end(call_sid, reason)
+        return True
+
     def adopt(self, call_sid: str) -> None:
         return None  # nothing to lose: the records live here
 
@@ -366,7 +383,8 @@ class MemoryCallStore(_OpStore):
         self._records.clear()
 
 
-# Applies one _Op atomically. KEYS: 1 hash, 2 turns, 3 oracle, 4 dtmf, 5 turn_latencies, 6 tools, 7 index.
+# Applies one _Op atomically. KEYS: 1 hash, 2 turns, 3 oracle, 4 dtmf, 5 turn_latencies, 6 tools, 7 index,
+# 8 streaming set.
 # ARGV: 1 kind, 2 writer seq field, 3 seq, 4 ttl ms, 5 call sid, 6 activity time (epoch s),
 # 7 payload (JSON fields, or the list item), 8 list KEYS position (push).
 # The index is scored by last activity, so entries older than the TTL are exactly the expired calls.
@@ -388,6 +406,12 @@ elseif kind ~= 'noop' then
   for f, v in pairs(cjson.decode(ARGV[7])) do
     if v == cjson.null then redis.call('HDEL', h, f) else redis.call('HSET', h, f, v) end
   end
+  -- the set of calls streaming: a crashed node's calls are found without reading every call's record
+  if redis.call('HGET', h, 'state') == 'streaming' then
+    redis.call('SADD', KEYS[8], ARGV[5])
+  else
+    redis.call('SREM', KEYS[8], ARGV[5])
+  end
 end
 redis.call('HSET', h, ARGV[2], ARGV[3])
 -- Scored by the write's own time, but never past Redis's clock, and pruned by Redis's clock: a node whose
@@ -396,7 +420,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 redis.call('ZADD', KEYS[7], 'GT', math.min(tonumber(ARGV[6]), now), ARGV[5])
 redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', '(' .. (now - tonumber(ARGV[4]) / 1000))
-for i = 1, 7 do redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
+for i = 1, 8 do redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
 return 1
 """
 
@@ -416,8 +440,26 @@ for i = 1, 5 do
 end
 local t = redis.call('TIME')
 redis.call('ZADD', KEYS[7], 'GT', math.min(tonumber(ARGV[5]), tonumber(t[1]) + tonumber(t[2]) / 1000000), ARGV[4])
-for i = 1, 7 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+if redis.call('HGET', KEYS[1], 'state') == 'streaming' then redis.call('SADD', KEYS[8], ARGV[4]) end
+for i = 1, 8 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
 return 1
+"""
+
+# The calls streaming now: {call id, node, agent} each, from their hashes (never their lists). KEYS 1 streaming
+# set; ARGV 1 the call hash prefix. Ids whose record has expired (quiet past the retention), or was ended by a
+# writer that keeps no set (an older version, mid-upgrade), leave the set here, in the same step: a record
+# written back meanwhile (_RESTORE_LUA) must not lose its place.
+_STREAMING_LUA = """
+local out = {}
+for _, sid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local r = redis.call('HMGET', ARGV[1] .. sid, 'state', 'node', 'agent')
+  if r[1] == 'streaming' then
+    table.insert(out, {sid, r[2], r[3]})
+  else
+    redis.call('SREM', KEYS[1], sid)
+  end
+end
+return out
 """
 
 _KEY_SUFFIXES = ("", ":turns", ":oracle", ":dtmf", ":turn_latencies", ":tools")  # KEYS 1-6, see _APPLY_LUA
@@ -537,6 +579,7 @@ class RedisCallStore(_OpStore):
         self._evicted: set[int] = set()
         self._by_call: dict[str, collections.deque[_Op]] = {}  # each call's live pending ops, in order
         self._restore = client.register_script(_RESTORE_LUA)
+        self._streaming = client.register_script(_STREAMING_LUA)
         # Live calls' records as written here, so a Redis that comes back empty gets them back whole.
         self._shadows: collections.OrderedDict[str, _Shadow] = collections.OrderedDict()
         self.max_shadows = DEFAULT_MAX_RECORDS
@@ -562,6 +605,14 @@ class RedisCallStore(_OpStore):
     @property
     def _index_key(self) -> str:
         return f"{self.key_prefix}calls"
+
+    @property
+    def _streaming_key(self) -> str:
+        return f"{self.key_prefix}streaming"
+
+    def _script_keys(self, call_sid: str) -> list[str]:
+        """KEYS of _APPLY_LUA and _RESTORE_LUA."""
+        return [*self._call_keys(call_sid), self._index_key, self._streaming_key]
 
     # ---- write side: never awaits, never raises for Redis trouble ----
 
@@ -728,7 +779,7 @@ class RedisCallStore(_OpStore):
             lists = [[_encode_item(item) for item in getattr(record, name)] for name in _LIST_NAMES_BY_KEY]
             args = [self._seq_field, shadow.seq, max(1, round(self.ttl_s * 1000)), call_sid, repr(time.time()),
                     json.dumps(scalars, separators=(",", ":")), json.dumps(lists, separators=(",", ":"))]  # fmt: skip
-            if await self._restore(keys=[*self._call_keys(call_sid), self._index_key], args=args) == 1:
+            if await self._restore(keys=self._script_keys(call_sid), args=args) == 1:
                 CALL_STORE_RESTORED_RECORDS.inc()
                 logger.warning("call store: Redis had no record of live call %s (it expired while the call was "
                                "quiet, or Redis restarted empty); its whole record is written back", call_sid)
@@ -739,7 +790,7 @@ class RedisCallStore(_OpStore):
                        "lost) and this node holds no copy of it", len(ops), ops[0].kind, call_sid)  # fmt: skip
 
     def _encode(self, op: _Op) -> tuple[list[str], list[str | int | float]]:
-        keys = [*self._call_keys(op.call_sid), self._index_key]
+        keys = self._script_keys(op.call_sid)
         args: list[str | int | float] = [op.kind, self._seq_field, op.seq, max(1, round(self.ttl_s * 1000))]
         args += [op.call_sid, repr(op.submitted)]
         if op.kind == "push":
@@ -824,6 +875,20 @@ class RedisCallStore(_OpStore):
             if not sids:
                 return records
             start += len(sids)
+
+    async def streaming(self) -> dict[str, CallBrief]:
+        """The calls Redis has streaming, on any node, by call id: one script, no call's lists read (the sweep
+        of a crashed node's calls asks every few seconds). This store's unflushed writes are not laid over."""
+        rows = await self._guard(self._streaming(keys=[self._streaming_key], args=[f"{self.key_prefix}call:"]))
+        return {sid: CallBrief("streaming", node, agent) for sid, node, agent in rows}
+
+    async def end_lost(self, call_sid: str, reason: str) -> bool:
+        """End a call that a node gone from the cluster left streaming, once however many nodes find it: the one
+        whose SREM takes it off the streaming set ends it (True: count it); False for the others."""
+        if not await self._guard(self._redis.srem(self._streaming_key, call_sid)):
+            return False
+        await self.end(call_sid, reason)
+        return True
 
     @staticmethod
     def _merge(record: CallRecord | None, applied: int, ops: Iterable[_Op]) -> CallRecord | None:

@@ -17,6 +17,8 @@ Redis layout (prefix `kame:` by default; all times are Redis's own clock, in ms,
   <p>node:<id>:resv     sorted set: CallSids with an unclaimed reservation on the node, scored by expiry
   <p>node:<id>:held     sorted set: CallSids claimed on the node whose stream the node has not yet counted in a
                         `free` it sent (see below), scored by expiry
+  <p>alive:<id>         a node out of routing (AudioSocket only: `routable` False) says it is up here instead of
+                        in nodes and node:<id>; expires after node_ttl_s, like node:<id>
   <p>resv:<sid>         hash node, url, token, state (reserved|claimed|ended), until (the reservation's expiry,
                         ms); kept bound_ttl_s (a replayed webhook for it gets no new token, claimed, ended or
                         expired unclaimed)
@@ -332,6 +334,7 @@ class RedisCluster:
         bound_ttl_s: float = 12 * 3600.0,
         key_prefix: str = "kame:",
         seats_fn: CapacityFn | None = None,
+        routable: bool = True,
     ) -> None:
         assert 0 < heartbeat_s < node_ttl_s, (heartbeat_s, node_ttl_s)
         # Engine seats free even while draining (`capacity_fn` says 0 then, to take no new reservation): a
@@ -348,6 +351,9 @@ class RedisCluster:
         self.bound_ttl_s = bound_ttl_s
         self.key_prefix = key_prefix
         self.draining = False
+        # False: an AudioSocket-only node. It refuses Twilio, so it is never offered Twilio's calls, but it still
+        # heartbeats (alive:<id>): without that, the other nodes' sweep would end its live calls as node_lost.
+        self.routable = routable
         self._heartbeat_script = client.register_script(_HEARTBEAT_LUA)
         self._reserve_script = client.register_script(_RESERVE_LUA)
         self._claim_script = client.register_script(_CLAIM_LUA)
@@ -388,6 +394,9 @@ class RedisCluster:
     @property
     def _my_held_key(self) -> str:
         return self._node_key(self.node_id) + ":held"
+
+    def _alive_key(self, node_id: str) -> str:
+        return f"{self.key_prefix}alive:{node_id}"
 
     def _resv_key(self, call_sid: str) -> str:
         return f"{self.key_prefix}resv:{call_sid}"
@@ -461,7 +470,7 @@ class RedisCluster:
             await self._task  # at most one heartbeat (bounded by the client's socket timeout)
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(self._node_key(self.node_id))
+                pipe.delete(self._node_key(self.node_id), self._alive_key(self.node_id))
                 pipe.zrem(self._nodes_key, self.node_id)
                 await pipe.execute()
         except _REDIS_FAILURES as exc:  # the record expires after node_ttl_s anyway
@@ -481,6 +490,14 @@ class RedisCluster:
                     log.exception("cluster: heartbeat of node %r failed; beating on", self.node_id)
 
     async def _beat(self) -> None:
+        if not self.routable:
+            try:
+                await self._redis.set(self._alive_key(self.node_id), "1", px=_ms(self.node_ttl_s))
+            except _REDIS_FAILURES as exc:
+                self._failed("heartbeat", exc)
+                return
+            self._succeeded()
+            return
         # `free` and `acked` are read together, with no await between: the script subtracts the calls claimed
         # in Redis that this `free` does not count yet (held, not acked), however the round trips interleave.
         free, acked = self._free_here(), self._acked_now()
@@ -663,7 +680,8 @@ class RedisCluster:
         if self._failing:
             return None  # a Redis that fails us may have lost no node: say nothing
         try:
-            return bool(await self._redis.exists(self._node_key(node_id)))  # expires node_ttl_s after its last beat
+            # Either key expires node_ttl_s after the node's last beat (alive:<id>: a node out of routing).
+            return bool(await self._redis.exists(self._node_key(node_id), self._alive_key(node_id)))
         except _REDIS_FAILURES as exc:
             self._failed("node_alive", exc)
             return None
@@ -674,9 +692,11 @@ def _ms(seconds: float) -> int:
 
 
 def open_cluster(
-    config: ServiceConfig, capacity_fn: CapacityFn, stream_url: str, seats_fn: CapacityFn | None = None
+    config: ServiceConfig, capacity_fn: CapacityFn, stream_url: str, seats_fn: CapacityFn | None = None,
+    routable: bool = True,
 ) -> Cluster:
-    """A `RedisCluster` when REDIS_URL is set, else a single-node `LocalCluster`. Never blocks."""
+    """A `RedisCluster` when REDIS_URL is set, else a single-node `LocalCluster`. Never blocks.
+    Not `routable`: in Redis only to say it is up (see `RedisCluster.routable`)."""
     if not config.redis_url:
         return LocalCluster(config.node_id, stream_url, capacity_fn, config.reservation_ttl_s)
     client = aioredis.Redis.from_url(
@@ -698,4 +718,5 @@ def open_cluster(
         reservation_ttl_s=config.reservation_ttl_s,
         key_prefix=config.redis_prefix,
         seats_fn=seats_fn,
+        routable=routable,
     )

@@ -35,6 +35,7 @@ from .cluster import Cluster, LocalCluster, open_cluster
 from .config import ServiceConfig
 from .connection_cap import cap_connections
 from .logs import LogSampler, call_id_var
+from .lost_calls import LostCallSweep
 from .media_session import AGENT_PARAMETER, TOKEN_PARAMETER, MediaStreamSession
 from .metrics_http import MetricsListener
 from .signatures import (
@@ -625,12 +626,17 @@ async def run_service(
     if ctx.twilio_rest is None and any(a.dtmf_transfer for a in ctx.agents.agents.by_name.values()):
         log.warning("agents have dtmf_transfer but there are no Twilio REST credentials: those keys do nothing")
     handle = await ServiceHandle(ctx).start()
-    if config.twilio_auth_token or config.insecure_dev:
-        ctx.cluster = open_cluster(ctx.config, ctx.free_slots, ctx.config.ws_base_url + MEDIA_PATH,
-                                   seats_fn=ctx.engine_seats_free)
-    else:  # AudioSocket only: it refuses Twilio, so it must not be offered Twilio's calls by the other nodes
+    # AudioSocket only (no token): it refuses Twilio, so it must not be offered Twilio's calls by the other nodes;
+    # it still heartbeats, so their sweep (lost_calls) leaves its calls alone.
+    routable = bool(config.twilio_auth_token or config.insecure_dev)
+    if not routable:
         log.warning("no TWILIO_AUTH_TOKEN: answering AudioSocket only; every Twilio webhook is refused (403)")
+    ctx.cluster = open_cluster(ctx.config, ctx.free_slots, ctx.config.ws_base_url + MEDIA_PATH,
+                               seats_fn=ctx.engine_seats_free, routable=routable)
     await ctx.cluster.start()
+    sweep = LostCallSweep(store, ctx.cluster, config.node_id)
+    if config.redis_url:  # without Redis there are no other nodes
+        sweep.start()
     if config.insecure_dev:
         log.warning("!!! --insecure-dev: Twilio signatures are NOT checked; listening on %s only !!!", config.host)
     log.info("listening on %s:%d (public %s)", config.host, handle.port, config.base_url)
@@ -670,6 +676,7 @@ async def run_service(
         await handle.drain(config.drain_timeout_s, cut=cut)
         return 0
     finally:
+        await sweep.aclose()
         await ctx.cluster.aclose()  # other nodes stop seeing this one now, not after node_ttl_s
         if engine is not None:
             await engine.stop()

@@ -137,6 +137,33 @@ async def test_brief_reads_state_node_and_agent_with_our_unflushed_writes(kind: 
         await store.aclose()
 
 
+async def test_streaming_lists_the_calls_streaming_and_end_lost_ends_each_once(kind: str, prefix: str) -> None:
+    """The sweep of a crashed node's calls (lost_calls) reads every call streaming on any node, without their
+    lists, and ends one only once however many nodes find it."""
+    store = make_store(kind, prefix)
+    try:
+        for sid, node in (("AS-a", "node-1"), ("AS-b", "node-2"), ("AS-ringing", "node-1")):
+            await store.create(CallRecord(call_sid=sid, node=node, agent="sales"))
+            await store.append_turn(sid, "caller", "hello")
+        for sid in ("AS-a", "AS-b"):
+            await store.update(sid, state="streaming")
+        await flushed(store)
+        assert await store.streaming() == {"AS-a": CallBrief("streaming", "node-1", "sales"),
+                                           "AS-b": CallBrief("streaming", "node-2", "sales")}  # fmt: skip
+        await store.end("AS-b", "completed")
+        await flushed(store)
+        assert list(await store.streaming()) == ["AS-a"]
+        assert not await store.end_lost("AS-b", "node_lost")  # ended by its node: left as it is
+        assert await store.end_lost("AS-a", "node_lost")
+        assert not await store.end_lost("AS-a", "node_lost")  # another node's sweep found it too
+        await flushed(store)
+        assert await store.streaming() == {}
+        got = {sid: (r.state, r.end_reason) for sid in ("AS-a", "AS-b") if (r := await store.get(sid))}
+        assert got == {"AS-a": ("ended", "node_lost"), "AS-b": ("ended", "completed")}
+    finally:
+        await store.aclose()
+
+
 async def test_a_node_whose_clock_runs_fast_does_not_hide_the_other_nodes_calls(
     prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

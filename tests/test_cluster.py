@@ -24,9 +24,11 @@ from twilio.request_validator import RequestValidator
 
 from telephony import admission
 from telephony.admission import CallSidUsed
+from telephony.audiosocket_session import call_id_for
 from telephony.call_store import CallRecord, open_call_store
 from telephony.cluster import LocalCluster, RedisCluster, Reservation, open_cluster
 from telephony.config import ServiceConfig
+from telephony.lost_calls import LostCallSweep
 from telephony.server import CALL_STATUS_PATH, MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
 from telephony.sim_caller import CallReport, simulate_call
 from telephony.twiml import parse_connect_stream
@@ -754,6 +756,52 @@ async def test_the_final_call_status_ends_a_call_left_streaming_by_a_node_that_i
         await store.aclose()
     got = {sid: (r.state, r.end_reason) for sid, r in records.items() if r is not None}
     assert got == {lost: ("ended", "node_lost"), live: ("streaming", None), ours: ("streaming", None)}
+    assert metric("kame_calls_total", outcome="node_lost") == before + 1
+
+
+async def test_the_sweep_ends_audiosocket_calls_left_streaming_by_a_node_that_is_gone(prefix: str) -> None:
+    """An AudioSocket call has no status callback: a node that crashed mid-call left its record "streaming"
+    until it expired (24 h). Now every node sweeps the calls streaming and ends, once, those on a node gone on
+    two sweeps in a row (node_lost). An AudioSocket-only node, out of Twilio's routing, still heartbeats: its
+    calls are left alone. Twilio's calls are left to their status callback (the test above)."""
+    store = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")
+
+    def node(name: str, free: int, routable: bool) -> RedisCluster:
+        return RedisCluster(client(), name, f"ws://127.0.0.1/{name}{MEDIA_PATH}", lambda: free, key_prefix=prefix,
+                            heartbeat_s=0.1, node_ttl_s=0.6, routable=routable)  # fmt: skip
+
+    async def crashed_is_gone() -> bool:
+        return await here.node_alive("crashed") is False
+
+    here, pbx, crashed = node("here", 1, True), node("pbx", 5, False), node("crashed", 5, False)
+    lost, live, ours = (call_id_for(uuid.uuid4()) for _ in range(3))
+    twilio = new_call_sid()
+    try:
+        for c in (here, pbx, crashed):
+            await c.start()
+        assert await here.node_alive("pbx") and await here.node_alive("crashed")
+        assert where(await reserve_many(here, 2)) == ["here", None]  # never routed to the AudioSocket-only nodes
+        for sid, node in ((lost, "crashed"), (live, "pbx"), (ours, "here"), (twilio, "crashed")):
+            await store.create(CallRecord(call_sid=sid, node=node, agent="default"))
+            await store.update(sid, state="streaming")
+        await store.flush()
+        assert crashed._task is not None
+        crashed._task.cancel()  # it crashed: no more heartbeats, nothing ended
+        await until(crashed_is_gone, "the crashed node's heartbeat expires")
+        sweeps = [LostCallSweep(store, here, "here"), LostCallSweep(store, pbx, "pbx")]
+        before = metric("kame_calls_total", outcome="node_lost")
+        assert [await s.sweep() for s in sweeps] == [0, 0]  # gone once: maybe only a pause in its heartbeats
+        assert sorted([await s.sweep() for s in sweeps]) == [0, 1]  # gone twice: ended by one node, once
+        await store.flush()
+        records = {sid: await store.get(sid) for sid in (lost, live, ours, twilio)}
+    finally:
+        for c in (here, pbx):
+            await c.aclose()
+        await crashed._redis.aclose()
+        await store.aclose()
+    got = {sid: (r.state, r.end_reason) for sid, r in records.items() if r is not None}
+    assert got == {lost: ("ended", "node_lost"), live: ("streaming", None), ours: ("streaming", None),
+                   twilio: ("streaming", None)}  # fmt: skip
     assert metric("kame_calls_total", outcome="node_lost") == before + 1
 
 

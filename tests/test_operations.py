@@ -299,8 +299,9 @@ async def test_an_audiosocket_only_node_answers_its_pbx_and_stays_out_of_twilio_
     tiny_checkpoint: Path, tmp_path: Path, prefix: str,
 ) -> None:
     """No TWILIO_AUTH_TOKEN, AudioSocket only, beside a Redis the Twilio nodes share: it answers Asterisk, refuses
-    Twilio's webhook (403, never an unchecked one), and never lists itself in Redis, so no other node routes
-    a Twilio call to a seat whose stream it would refuse."""
+    Twilio's webhook (403, never an unchecked one), and never lists itself among Redis's nodes, so no other node routes
+    a Twilio call to a seat whose stream it would refuse. It still heartbeats (alive:<id>), so the other nodes
+    never take its calls for a crashed node's."""
     port = free_port()
     env = {"KAME_AUDIOSOCKET": f"127.0.0.1:{port}", "REDIS_URL": REDIS_URL, "KAME_REDIS_PREFIX": prefix,
            "KAME_NODE_ID": "pbx-only"}  # fmt: skip
@@ -314,6 +315,7 @@ async def test_an_audiosocket_only_node_answers_its_pbx_and_stays_out_of_twilio_
             await asyncio.sleep(1.5)  # past a heartbeat, had there been one
             assert not await redis.exists(f"{prefix}node:pbx-only")
             assert "pbx-only" not in await redis.zrange(f"{prefix}nodes", 0, -1)
+            assert await redis.exists(f"{prefix}alive:pbx-only")  # up: the other nodes' sweep leaves its calls be
             assert "answering AudioSocket only" in serve.said()
     finally:
         await redis.aclose()
