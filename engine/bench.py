@@ -46,6 +46,8 @@ class BatchResult:
     # The collector over the measured ticks, the heap frozen as the engine process serves (engine/heap.py).
     gc_full_collections: int | None = None
     gc_longest_pause_ms: float | None = None
+    # Every measured tick, in order: where the slow ones fall (a period says which clock to suspect).
+    tick_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -215,7 +217,19 @@ def _bench_batch(
         warmup_s=warmup_s,
         gc_full_collections=collector.full_collections,
         gc_longest_pause_ms=collector.longest_pause_ms,
+        tick_ms=[round(float(t), 3) for t in ms],
     )
+
+
+SLOW_FACTOR = 1.5
+
+
+def slow_ticks(tick_ms: list[float], factor: float = SLOW_FACTOR) -> list[int]:
+    """The indices of the ticks over `factor` times the median: the tail, by position."""
+    if not tick_ms:
+        return []
+    limit = factor * float(np.median(tick_ms))
+    return [i for i, t in enumerate(tick_ms) if t > limit]
 
 
 def bench_dtype(device: torch.device, name: str | None) -> torch.dtype:
@@ -308,6 +322,11 @@ def run_engine_bench(
         if r.phases_p50_ms is not None:
             log("      phases p50 ms (device synchronised around each): "
                 + ", ".join(f"{p} {ms:.2f}" for p, ms in r.phases_p50_ms.items()))
+        if slow := slow_ticks(r.tick_ms):
+            gaps = np.diff(slow)
+            period = f"; median gap {float(np.median(gaps)):.0f} ticks" if len(gaps) else ""
+            log(f"      {len(slow)} ticks over {SLOW_FACTOR} x p50, at ticks {', '.join(map(str, slow[:12]))}"
+                f"{' ...' if len(slow) > 12 else ''}{period}")
         if r.gc_full_collections:  # the heap frozen as served: a full collection now is the run's own garbage
             log(f"      {r.gc_full_collections} full garbage collections in the measured ticks, longest "
                 f"pause {r.gc_longest_pause_ms:.1f} ms")

@@ -21,6 +21,14 @@ def test_engine_bench_reports_each_batch(tmp_path) -> None:
         assert r["realtime_factor"] > 0 and r["peak_gpu_mem_gb"] is None
     assert report["size"] == "tiny" and report["context"] == 64
     assert all(r["gc_full_collections"] == 0 for r in report["results"])  # the heap frozen as served
+    assert all(len(r["tick_ms"]) == 4 and abs(max(r["tick_ms"]) - r["max_ms"]) < 1e-3 for r in report["results"])
+
+
+def test_slow_ticks_are_found_by_position() -> None:
+    from engine.bench import slow_ticks
+
+    assert slow_ticks([10.0, 10.0, 30.0, 10.0, 15.5, 31.0]) == [2, 5]  # over 1.5 x the median (10.0)
+    assert slow_ticks([]) == []
 
 
 def test_the_measured_ticks_see_the_heap_as_served_and_leave_it_as_found() -> None:
