@@ -634,7 +634,7 @@ async def run_service(
     ctx.cluster = open_cluster(ctx.config, ctx.free_slots, ctx.config.ws_base_url + MEDIA_PATH,
                                seats_fn=ctx.engine_seats_free, routable=routable)
     await ctx.cluster.start()
-    sweep = LostCallSweep(store, ctx.cluster, config.node_id)
+    sweep = LostCallSweep(store, ctx.cluster, config.node_id, live=ctx.streams.keys)
     if config.redis_url:  # without Redis there are no other nodes
         sweep.start()
     if config.insecure_dev:

@@ -805,6 +805,41 @@ async def test_the_sweep_ends_audiosocket_calls_left_streaming_by_a_node_that_is
     assert metric("kame_calls_total", outcome="node_lost") == before + 1
 
 
+async def test_a_node_restarted_under_its_id_ends_the_calls_its_last_run_left_streaming(prefix: str) -> None:
+    """A container restarted keeps its hostname, the default node id: it heartbeats again before any other
+    node sees it gone, so nobody ended the calls its last run left "streaming", of either carrier (24 h in
+    the records and on the dashboards). The restarted node ends them as it starts; a call live here, and
+    another node's, are left alone."""
+    store = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")
+    again = RedisCluster(client(), "again", "ws://127.0.0.1/again" + MEDIA_PATH, lambda: 1, key_prefix=prefix,
+                         heartbeat_s=0.1, node_ttl_s=0.6)  # fmt: skip
+    left_as, left_twilio, live, other = call_id_for(uuid.uuid4()), new_call_sid(), new_call_sid(), new_call_sid()
+    sweep = LostCallSweep(store, again, "again", every_s=3600, live=lambda: {live})
+    try:
+        await again.start()
+        for sid, node in ((left_as, "again"), (left_twilio, "again"), (live, "again"), (other, "elsewhere")):
+            await store.create(CallRecord(call_sid=sid, node=node, agent="default"))
+            await store.update(sid, state="streaming")
+        await store.flush()
+        before = metric("kame_calls_total", outcome="node_lost")
+        sweep.start()  # as run_service does: the pass runs first, the sweeps every_s after
+
+        async def ended() -> bool:
+            return metric("kame_calls_total", outcome="node_lost") == before + 2
+
+        await until(ended, "the restarted node ends its last run's calls")
+        await store.flush()
+        records = {sid: await store.get(sid) for sid in (left_as, left_twilio, live, other)}
+        assert await sweep.end_own_leftovers() == 0  # once ended, never again
+    finally:
+        await sweep.aclose()
+        await again.aclose()
+        await store.aclose()
+    got = {sid: (r.state, r.end_reason) for sid, r in records.items() if r is not None}
+    assert got == {left_as: ("ended", "node_lost"), left_twilio: ("ended", "node_lost"), live: ("streaming", None),
+                   other: ("streaming", None)}  # fmt: skip
+
+
 async def test_an_edge_whose_shared_engine_is_down_stays_in_rotation_to_answer_busy(prefix: str) -> None:
     """The split layout: every edge shares one engine-serve, so all lose it at once (a drain, a crash, a
     restart). Not ready, each left the load balancer without endpoints, and Twilio got its 503 for every
