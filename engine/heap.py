@@ -38,14 +38,17 @@ class CollectorWatch:
 @contextmanager
 def served_heap() -> Iterator[CollectorWatch]:
     """The heap as the engine process serves with it (frozen after start-up), for a benchmark's measured
-    ticks, unfrozen at the end so what the run leaves can be collected; the watch says whether any
-    collection still fell in them. A full collection over torch's and the model's objects takes 15-190 ms
-    on dev-2c (tiny model): one in a measured window would be a tail a served tick never has."""
+    ticks; unfrozen at the end unless it was frozen before, so what the run leaves can be collected. The
+    watch says whether any collection still fell in them. A full collection over torch's and the model's
+    objects takes 15-190 ms on dev-2c (tiny model): one in a measured window would be a tail a served tick
+    never has."""
     watch = CollectorWatch()
+    frozen_before = gc.get_freeze_count() > 0  # someone else's freeze: not ours to undo
     freeze_startup_heap()
     gc.callbacks.append(watch._callback)
     try:
         yield watch
     finally:
         gc.callbacks.remove(watch._callback)
-        gc.unfreeze()
+        if not frozen_before:
+            gc.unfreeze()

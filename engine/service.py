@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -61,6 +62,11 @@ class BackendProvider(Protocol):
         setup: CallSetup | None = None,
         on_tool: Callable[[ToolUse], None] | None = None,  # the agent's tool calls, for the edge
     ) -> CallBackendHooks: ...
+
+    def follow_engine_ticks(self, pace: threading.Event) -> bool:
+        """Pace the back-end's own GPU loop (a batched STT) by the engine's ticks: `pace` is set after each.
+        False if it has none."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -224,6 +230,7 @@ class LocalEngine:
         self._backend_closes: set[asyncio.Task[None]] = set()  # hung-up calls whose back-end is still closing
         self._behind = False  # the frame loop was falling behind when last asked
         self._hung = False  # said once
+        self._ticked = threading.Event()  # set after each tick: the back-end's STT steps then (ticker.follow)
 
     @classmethod
     async def load(cls, config: EngineConfig, backend: BackendProvider | None = None) -> LocalEngine:
@@ -245,6 +252,8 @@ class LocalEngine:
             self.frame_loop.abort_start()
             raise
         self._ready = True
+        if self.backend is not None:
+            self.backend.follow_engine_ticks(self._ticked)
         log.info("engine ready: %d call slots on %s; sampling: %s", self.max_calls, self.config.device,
                  self.frame_loop.sampling.describe() if self.frame_loop.sampling else "?")
 
@@ -263,6 +272,7 @@ class LocalEngine:
     # ---- audio, one batch per tick ----
 
     def _on_tick(self, delivered: list[tuple[str, SlotOutput]]) -> None:  # frame-loop thread
+        self._ticked.set()  # first: the GPU is free now, and the STT's step should start at once
         loop = self._loop
         if loop is None or loop.is_closed():
             return

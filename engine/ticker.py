@@ -3,6 +3,10 @@
 Used by the KAME frame loop and the batched Kyutai STT. A step that overruns makes the next one start
 late rather than skip; a loop that falls more than a frame behind re-anchors its deadline instead of
 bursting through steps to catch up.
+
+A ticker can instead `follow` another loop: step right after each of its ticks. The batched STT follows the
+KAME engine so that, sharing one GPU, the two take turns: stepping on their own clocks, at unrelated
+phases, the STT's kernels ran inside the engine's ticks (docs/benchmarks.md, section 4).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class FrameTicker:
         self.period_s = period_s
         self._running = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pace: threading.Event | None = None
 
     @property
     def running(self) -> bool:
@@ -44,8 +49,20 @@ class FrameTicker:
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
 
+    def follow(self, pace: threading.Event | None) -> None:
+        """Step each time `pace` is set (the other loop's tick just ended; this clears it), or on this
+        thread's own clock again (None). While `pace` stays quiet for a period and a half (the other loop
+        idle, or gone), steps go on at that interval."""
+        self._pace = pace
+
+    @property
+    def following(self) -> threading.Event | None:
+        return self._pace
+
     def stop(self, timeout_s: float = 5.0) -> None:
         self._running.clear()
+        if self._pace is not None:
+            self._pace.set()  # a follower waiting for it wakes now
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
             self._thread = None
@@ -56,6 +73,19 @@ class FrameTicker:
         torch.set_grad_enabled(False)  # grad mode is per thread
         deadline = self.clock()
         while self._running.is_set():
+            pace = self._pace
+            if pace is not None:
+                pace.wait(timeout=1.5 * self.period_s)
+                pace.clear()
+                if not self._running.is_set():
+                    break
+                started = self.clock()
+                self.step()
+                finished = self.clock()
+                if self.on_timing is not None:
+                    self.on_timing(finished - started, finished - started > self.period_s)
+                deadline = finished  # on this clock from here if no longer following
+                continue
             now = self.clock()
             if now < deadline:
                 time.sleep(deadline - now)

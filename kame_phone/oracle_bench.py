@@ -25,6 +25,7 @@ import multiprocessing
 import platform
 import random
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -124,6 +125,9 @@ class _Provider:
         self.llm, self.executor = llm, executor
         self.first_draft: dict[tuple[str, int], tuple[float, float]] = {}  # (call, cand) -> (trigger, arrival)
         self._rng = random.Random(seed)
+
+    def follow_engine_ticks(self, pace: threading.Event) -> bool:
+        return False  # its STT is the scripted caller's text: nothing on the GPU
 
     def open_call(self, call_id, on_transcript, on_oracle, on_error, setup=None, on_tool=None):  # type: ignore[no-untyped-def]
         def tapped(text: str, triggered_at: float | None, candidate_id: int, complete: bool) -> None:

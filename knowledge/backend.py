@@ -174,6 +174,17 @@ class BackendServices:
             DECODER_POOL.max_idle = max(DECODER_POOL.max_idle, calls)
             await asyncio.get_running_loop().run_in_executor(self.executor, DECODER_POOL.prewarm, calls)
 
+    def follow_engine_ticks(self, pace: threading.Event) -> bool:
+        """The batched Kyutai STT steps after each tick of the engine in this process (`pace`, set at each):
+        the two share the GPU, and on unrelated clocks the STT's steps ran inside the engine's ticks. False:
+        no such STT (pocketsphinx runs on the CPU, a decoder per call)."""
+        if self.config.stt != "kyutai":
+            return False
+        from .stt_kyutai import shared_engine
+
+        shared_engine(self.config.stt_rows).follow(pace)
+        return True
+
     async def aclose(self) -> None:
         if self.llm is not None:
             await self.llm.aclose()

@@ -23,7 +23,9 @@ What is verified and what is assumed (public sources read, no real weights here)
 
 Design:
 - `KyutaiSttEngine` owns Mimi + `LMGen(support_out_of_sync=True, use_sampling=False)` in streaming mode
-  for `max_streams` rows and one thread that ticks every 80 ms. A clock, not frame arrival, drives it:
+  for `max_streams` rows and one thread that ticks every 80 ms, right after each tick of the KAME engine
+  when one runs in this process (`follow`: on one GPU the two then take turns instead of running into
+  each other's frames), else on its own clock. A clock, not frame arrival, drives it:
   calls' frames reach the engine at jittered times through the back-end's thread pool, and stepping per
   arrival would cost one whole-batch step per call per frame. Each tick steps once for every row that
   has a frame; a row without one sits out (exec mask off) instead of holding the batch. A row whose
@@ -246,6 +248,9 @@ class KyutaiSttEngine:
         # model state must be reset first (a call left it, or a step failed).
         self._prime_left = [self.prefix_frames] * B
         self._prime_reset = [True] * B
+        # Priming rides on a sound model only: after a failed step it waits for a step that works (a call's),
+        # or an idle engine with a broken GPU would fail a whole-batch step every tick, for ever.
+        self._priming = True
         self._leases = 0
         self._lock = threading.Lock()
         self._model_lock = threading.Lock()  # one step at a time (thread vs. direct callers)
@@ -364,7 +369,7 @@ class KyutaiSttEngine:
             with self._lock:
                 for index, row in enumerate(self._rows):
                     if row is None:
-                        if self._prime_left[index] > 0:  # a free row priming: silence, its tokens dropped
+                        if self._priming and self._prime_left[index] > 0:  # priming: silence, tokens dropped
                             active[index] = True
                             self._prime_left[index] -= 1
                             reset[index], self._prime_reset[index] = self._prime_reset[index], False
@@ -387,6 +392,7 @@ class KyutaiSttEngine:
             self.last_step_s = time.perf_counter() - started
             self.steps += 1
             with self._lock:
+                self._priming = True
                 for index, row in enumerate(self._rows):
                     if row is None or not active[index] or row.lease != leases[index]:
                         continue  # left during the step: its output is dropped
@@ -426,6 +432,7 @@ class KyutaiSttEngine:
     def _fail(self, active: np.ndarray, leases: list[int], exc: Exception) -> None:
         """A failed step leaves model state unknown: its rows report the error and get reset on reuse."""
         with self._lock:
+            self._priming = False
             for index, row in enumerate(self._rows):
                 if not active[index]:
                     continue
@@ -476,6 +483,12 @@ class KyutaiSttEngine:
             return
         self.warmup()
         self._ticker.start()
+
+    def follow(self, pace: threading.Event | None) -> None:
+        """Step right after each KAME engine tick (`pace`, set by the engine) instead of on this engine's own
+        clock: on one GPU, the STT's steps then fall between the engine's ticks, not inside them."""
+        self._ticker.follow(pace)
+        log.info("Kyutai STT steps %s", "after each KAME engine tick" if pace is not None else "on its own clock")
 
     def close(self) -> None:
         with self._lock:

@@ -130,8 +130,8 @@ if [[ $what == node-48 || $what == node-64 || $what == node || $what == all ]]; 
   # 2.6B layout with random weights on the same GPU, a local LLM stand-in; the callers' voices come from
   # VOICES, default var/voices (made beforehand where flite is: scripts/gpu-carry.sh). WEIGHTS: bf16
   # (auto, the default) serves 48 calls and the STT on an H100; int8 weights, eager, are too slow to keep
-  # time beside the STT (H100, session 21), and 64 calls with this STT on bf16 weights need more than an
-  # 80 GB H100 holds: run node-64 on an H200 (docs/benchmarks.md). serve's log: OUTDIR/node-N.serve.log.
+  # time beside the STT (H100, session 21); 64 calls with this STT on bf16 weights need ~82 of an H100's
+  # 85.5 GB (docs/benchmarks.md): an H200 if that runs out. serve's log: OUTDIR/node-N.serve.log.
   case $what in node-48) counts=48 ;; node-64) counts=64 ;; *) counts="48 64" ;; esac
   for calls in $counts; do
     KAME_STT_CHECKPOINT=random:stt-2.6b-en run "node-$calls" 270 node --calls "$calls" \

@@ -9,7 +9,8 @@ Redis layout (prefix `kame:` by default), every key with the retention TTL refre
   <p>call:<sid>                 hash of scalar fields, plus `seq:<writer>` (last op applied per writer)
   <p>call:<sid>:turns|oracle|dtmf|turn_latencies|tools   lists, appended with RPUSH
   <p>calls                      sorted set of CallSids scored by last write, for `list_recent`
-  <p>streaming                  set of the CallSids whose state is "streaming", for `streaming`
+  <p>streaming                  set of the nodes with calls streaming (node ids), for `streaming_nodes`
+  <p>streaming:<node>           set of the CallSids streaming on that node, for `streaming_on`
 """
 
 from __future__ import annotations
@@ -156,8 +157,9 @@ class CallStore(Protocol):
     async def get(self, call_sid: str) -> CallRecord | None: ...
     async def brief(self, call_sid: str) -> CallBrief | None: ...
     async def list_recent(self, limit: int = 50) -> list[CallRecord]: ...
-    async def streaming(self) -> dict[str, CallBrief]: ...
-    async def end_lost(self, call_sid: str, reason: str) -> bool: ...
+    async def streaming_nodes(self) -> set[str]: ...
+    async def streaming_on(self, node: str) -> dict[str, CallBrief]: ...
+    async def end_lost(self, call_sid: str, node: str, reason: str) -> bool: ...
     def adopt(self, call_sid: str) -> None: ...
     async def ping(self) -> bool: ...
     async def flush(self) -> None: ...
@@ -356,16 +358,21 @@ class MemoryCallStore(_OpStore):
         newest = itertools.islice(reversed(self._records.values()), limit)
         return [CallRecord.from_dict(record.to_dict()) for record, _ in newest]
 
-    async def streaming(self) -> dict[str, CallBrief]:
-        """The calls streaming now, by call id."""
+    async def streaming_nodes(self) -> set[str]:
+        """The nodes with calls streaming."""
+        self._expire()
+        return {r.node for r, _ in self._records.values() if r.state == "streaming" and r.node is not None}
+
+    async def streaming_on(self, node: str) -> dict[str, CallBrief]:
+        """The calls streaming on `node`, by call id."""
         self._expire()
         return {sid: CallBrief(r.state, r.node, r.agent) for sid, (r, _) in self._records.items()
-                if r.state == "streaming"}  # fmt: skip
+                if r.state == "streaming" and r.node == node}  # fmt: skip
 
-    async def end_lost(self, call_sid: str, reason: str) -> bool:
-        """End a call still streaming that its node left behind; False if it is not streaming (any more)."""
+    async def end_lost(self, call_sid: str, node: str, reason: str) -> bool:
+        """End a call still streaming on `node`, which left it behind; False if it is not (any more)."""
         entry = self._records.get(call_sid)
-        if entry is None or entry[0].state != "streaming":
+        if entry is None or entry[0].state != "streaming" or entry[0].node != node:
             return False
         await self.end(call_sid, reason)
         return True
@@ -384,7 +391,7 @@ class MemoryCallStore(_OpStore):
 
 
 # Applies one _Op atomically. KEYS: 1 hash, 2 turns, 3 oracle, 4 dtmf, 5 turn_latencies, 6 tools, 7 index,
-# 8 streaming set.
+# 8 the set of nodes with calls streaming (each node's calls in the set KEYS[8] .. ':' .. node).
 # ARGV: 1 kind, 2 writer seq field, 3 seq, 4 ttl ms, 5 call sid, 6 activity time (epoch s),
 # 7 payload (JSON fields, or the list item), 8 list KEYS position (push).
 # The index is scored by last activity, so entries older than the TTL are exactly the expired calls.
@@ -406,11 +413,15 @@ elseif kind ~= 'noop' then
   for f, v in pairs(cjson.decode(ARGV[7])) do
     if v == cjson.null then redis.call('HDEL', h, f) else redis.call('HSET', h, f, v) end
   end
-  -- the set of calls streaming: a crashed node's calls are found without reading every call's record
-  if redis.call('HGET', h, 'state') == 'streaming' then
-    redis.call('SADD', KEYS[8], ARGV[5])
-  else
-    redis.call('SREM', KEYS[8], ARGV[5])
+  -- Each node's calls streaming: a gone node's are found by reading its set alone, however many calls the
+  -- other nodes carry. (A set left naming a call whose node changed is pruned where it is read.)
+  local r = redis.call('HMGET', h, 'state', 'node')
+  if r[1] == 'streaming' and r[2] then
+    redis.call('SADD', KEYS[8] .. ':' .. r[2], ARGV[5])
+    redis.call('PEXPIRE', KEYS[8] .. ':' .. r[2], ARGV[4])
+    redis.call('SADD', KEYS[8], r[2])
+  elseif r[2] then
+    redis.call('SREM', KEYS[8] .. ':' .. r[2], ARGV[5])
   end
 end
 redis.call('HSET', h, ARGV[2], ARGV[3])
@@ -440,26 +451,47 @@ for i = 1, 5 do
 end
 local t = redis.call('TIME')
 redis.call('ZADD', KEYS[7], 'GT', math.min(tonumber(ARGV[5]), tonumber(t[1]) + tonumber(t[2]) / 1000000), ARGV[4])
-if redis.call('HGET', KEYS[1], 'state') == 'streaming' then redis.call('SADD', KEYS[8], ARGV[4]) end
+local r = redis.call('HMGET', KEYS[1], 'state', 'node')
+if r[1] == 'streaming' and r[2] then
+  redis.call('SADD', KEYS[8] .. ':' .. r[2], ARGV[4])
+  redis.call('PEXPIRE', KEYS[8] .. ':' .. r[2], ARGV[3])
+  redis.call('SADD', KEYS[8], r[2])
+end
 for i = 1, 8 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
 return 1
 """
 
-# The calls streaming now: {call id, node, agent} each, from their hashes (never their lists). KEYS 1 streaming
-# set; ARGV 1 the call hash prefix. Ids whose record has expired (quiet past the retention), or was ended by a
-# writer that keeps no set (an older version, mid-upgrade), leave the set here, in the same step: a record
-# written back meanwhile (_RESTORE_LUA) must not lose its place.
-_STREAMING_LUA = """
+# The calls streaming on one node: {call id, agent} each, from their hashes (never their lists). KEYS 1 the
+# nodes set (see _APPLY_LUA); ARGV 1 the call hash prefix, 2 the node. Ids whose record has expired, moved
+# to another node, or was ended by a writer that keeps no set (an older version, mid-upgrade) leave the set
+# here, in the same step (a record written back meanwhile by _RESTORE_LUA must not lose its place); a node
+# with none left leaves the nodes set.
+_STREAMING_ON_LUA = """
+local s = KEYS[1] .. ':' .. ARGV[2]
 local out = {}
-for _, sid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+for _, sid in ipairs(redis.call('SMEMBERS', s)) do
   local r = redis.call('HMGET', ARGV[1] .. sid, 'state', 'node', 'agent')
-  if r[1] == 'streaming' then
-    table.insert(out, {sid, r[2], r[3]})
+  if r[1] == 'streaming' and r[2] == ARGV[2] then
+    table.insert(out, {sid, r[3]})
   else
-    redis.call('SREM', KEYS[1], sid)
+    redis.call('SREM', s, sid)
   end
 end
+if #out == 0 then redis.call('SREM', KEYS[1], ARGV[2]) end
 return out
+"""
+
+# Ends a call its node left streaming, in one step: the check (still streaming, on that node), the fields
+# `end` writes and the set. Not through the write-behind queue: a call taken off its node's set must not wait
+# there for its end (a sweeping node that crashed next would leave it streaming, and in no set). KEYS 1 hash,
+# 2 the nodes set; ARGV 1 node, 2 reason, 3 ended at (epoch s), 4 ttl ms, 5 call sid.
+_END_LOST_LUA = """
+local r = redis.call('HMGET', KEYS[1], 'state', 'node')
+if r[1] ~= 'streaming' or r[2] ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'ended', 'end_reason', ARGV[2], 'ended_at', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('SREM', KEYS[2] .. ':' .. ARGV[1], ARGV[5])
+return 1
 """
 
 _KEY_SUFFIXES = ("", ":turns", ":oracle", ":dtmf", ":turn_latencies", ":tools")  # KEYS 1-6, see _APPLY_LUA
@@ -579,7 +611,8 @@ class RedisCallStore(_OpStore):
         self._evicted: set[int] = set()
         self._by_call: dict[str, collections.deque[_Op]] = {}  # each call's live pending ops, in order
         self._restore = client.register_script(_RESTORE_LUA)
-        self._streaming = client.register_script(_STREAMING_LUA)
+        self._streaming_on = client.register_script(_STREAMING_ON_LUA)
+        self._end_lost = client.register_script(_END_LOST_LUA)
         # Live calls' records as written here, so a Redis that comes back empty gets them back whole.
         self._shadows: collections.OrderedDict[str, _Shadow] = collections.OrderedDict()
         self.max_shadows = DEFAULT_MAX_RECORDS
@@ -876,19 +909,24 @@ class RedisCallStore(_OpStore):
                 return records
             start += len(sids)
 
-    async def streaming(self) -> dict[str, CallBrief]:
-        """The calls Redis has streaming, on any node, by call id: one script, no call's lists read (the sweep
-        of a crashed node's calls asks every few seconds). This store's unflushed writes are not laid over."""
-        rows = await self._guard(self._streaming(keys=[self._streaming_key], args=[f"{self.key_prefix}call:"]))
-        return {sid: CallBrief("streaming", node, agent) for sid, node, agent in rows}
+    async def streaming_nodes(self) -> set[str]:
+        """The nodes Redis has calls streaming on (the sweep of crashed nodes' calls asks every few seconds:
+        one small set, whatever the calls)."""
+        return set(await self._guard(self._redis.smembers(self._streaming_key)))
 
-    async def end_lost(self, call_sid: str, reason: str) -> bool:
-        """End a call that a node gone from the cluster left streaming, once however many nodes find it: the one
-        whose SREM takes it off the streaming set ends it (True: count it); False for the others."""
-        if not await self._guard(self._redis.srem(self._streaming_key, call_sid)):
-            return False
-        await self.end(call_sid, reason)
-        return True
+    async def streaming_on(self, node: str) -> dict[str, CallBrief]:
+        """The calls Redis has streaming on `node`, by call id: one script, no call's lists read. This store's
+        unflushed writes are not laid over."""
+        rows = await self._guard(self._streaming_on(keys=[self._streaming_key],
+                                                    args=[f"{self.key_prefix}call:", node]))  # fmt: skip
+        return {sid: CallBrief("streaming", node, agent or None) for sid, agent in rows}
+
+    async def end_lost(self, call_sid: str, node: str, reason: str) -> bool:
+        """End a call that `node`, gone, left streaming: once however many nodes find it (True: the one that
+        ended it, to count it), written at once. False if it is not streaming on `node` (any more)."""
+        args = [node, reason, repr(time.time()), max(1, round(self.ttl_s * 1000)), call_sid]
+        keys = [self._call_keys(call_sid)[0], self._streaming_key]
+        return bool(await self._guard(self._end_lost(keys=keys, args=args)))
 
     @staticmethod
     def _merge(record: CallRecord | None, applied: int, ops: Iterable[_Op]) -> CallRecord | None:

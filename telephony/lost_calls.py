@@ -33,7 +33,8 @@ SWEEP_S = 5.0  # how often a node sweeps: a crashed node's calls end within node
 @dataclass(eq=False)
 class LostCallSweep:
     """Ends the AudioSocket calls of nodes found gone on two sweeps in a row: a node whose heartbeats only
-    paused (a slow Redis) past node_ttl_s keeps its live calls' records."""
+    paused (a slow Redis) past node_ttl_s keeps its live calls' records. A sweep reads which nodes have calls
+    streaming (a small set) and only a gone node's calls, so its cost does not grow with the fleet's calls."""
 
     store: CallStore
     cluster: Cluster
@@ -41,6 +42,7 @@ class LostCallSweep:
     every_s: float = SWEEP_S
     live: Callable[[], Collection[str]] = tuple  # this run's calls now (ServerContext.streams)
     _gone: set[str] = field(default_factory=set)  # nodes found gone by the last sweep
+    _leftovers_done: bool = False  # the last run's calls ended (retried each sweep until Redis answers)
     _task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -52,54 +54,67 @@ class LostCallSweep:
         await cancel_and_wait(task)
 
     async def _run(self) -> None:
-        try:
-            await self.end_own_leftovers()
-        except Exception:
-            log.exception("ending this node's calls left streaming by its last run failed")
+        first = True
         while True:
-            await asyncio.sleep(self.every_s * random.uniform(0.8, 1.2))  # the nodes' sweeps drift apart
+            if not first:
+                await asyncio.sleep(self.every_s * random.uniform(0.8, 1.2))  # the nodes' sweeps drift apart
+            first = False
             try:
+                if not self._leftovers_done:
+                    await self.end_own_leftovers()
                 await self.sweep()
             except Exception:  # a bug must not stop the sweeps for good
                 log.exception("sweeping calls of lost nodes failed")
 
     async def end_own_leftovers(self) -> int:
-        """At start: end the calls Redis has streaming on this node id that are not live here (a previous run
-        of this node left them). Returns how many."""
+        """At start, and each sweep until it went through: end the calls Redis has streaming on this node id
+        that are not live here (a previous run of this node left them). Returns how many."""
         try:
-            calls = await self.store.streaming()
+            calls = await self.store.streaming_on(self.node_id)
         except CallStoreUnavailable:
-            return 0  # counted by the store; they expire with their TTL
+            return 0  # counted by the store; tried again next sweep
         live = set(self.live())
-        mine = [(sid, c) for sid, c in calls.items() if c.node == self.node_id and sid not in live]
-        return await self._end(mine, "was streaming on this node's last run")
-
-    async def _end(self, calls: list[tuple[str, CallBrief]], why: str) -> int:
-        ended = 0
-        for sid, call in calls:
-            try:
-                if not await self.store.end_lost(sid, "node_lost"):
-                    continue  # another node's sweep took it: each call is ended, and counted, once
-            except CallStoreUnavailable:
-                break
-            log.warning("call %s %s (node %s): ended as node_lost", sid, why, call.node)
-            metrics.CALLS_TOTAL.labels(outcome="node_lost", agent=call.agent or "default").inc()
-            ended += 1
+        ended, complete = await self._end(self.node_id, [(sid, c) for sid, c in calls.items() if sid not in live],
+                                          "was streaming on this node's last run")  # fmt: skip
+        self._leftovers_done = complete
         return ended
 
     async def sweep(self) -> int:
         """One sweep; returns how many calls this node ended."""
         try:
-            calls = await self.store.streaming()
+            nodes = await self.store.streaming_nodes()
         except CallStoreUnavailable:
             return 0  # counted by the store; the next sweep tries again
-        # Twilio's calls are left to its status callback: ended here too, one could be counted twice.
-        calls = {sid: c for sid, c in calls.items()
-                 if sid.startswith(CALL_ID_PREFIX) and c.node not in (None, self.node_id)}  # fmt: skip
         gone: set[str] = set()
-        for node in {c.node for c in calls.values() if c.node is not None}:
+        for node in nodes - {self.node_id}:
             if await self.cluster.node_alive(node) is False:  # None (Redis failing): left alone
                 gone.add(node)
         confirmed, self._gone = gone & self._gone, gone
-        return await self._end([(sid, c) for sid, c in calls.items() if c.node in confirmed],
-                               "was streaming on a node that is gone")
+        ended = 0
+        for node in sorted(confirmed):
+            try:
+                calls = await self.store.streaming_on(node)
+            except CallStoreUnavailable:
+                break
+            # Twilio's calls are left to its status callback: ended here too, one could be counted twice.
+            mine = [(sid, c) for sid, c in calls.items() if sid.startswith(CALL_ID_PREFIX)]
+            n, complete = await self._end(node, mine, "was streaming on a node that is gone")
+            ended += n
+            if not complete:
+                break
+        return ended
+
+    async def _end(self, node: str, calls: list[tuple[str, CallBrief]], why: str) -> tuple[int, bool]:
+        """End `calls` (streaming on `node`) as node_lost, each once across the nodes; (how many this node
+        ended, whether it went through them all)."""
+        ended = 0
+        for sid, call in calls:
+            try:
+                if not await self.store.end_lost(sid, node, "node_lost"):
+                    continue  # another node's sweep took it: each call is ended, and counted, once
+            except CallStoreUnavailable:
+                return ended, False
+            log.warning("call %s %s (node %s): ended as node_lost", sid, why, node)
+            metrics.CALLS_TOTAL.labels(outcome="node_lost", agent=call.agent or "default").inc()
+            ended += 1
+        return ended, True

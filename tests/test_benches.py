@@ -39,6 +39,7 @@ def test_the_measured_ticks_see_the_heap_as_served_and_leave_it_as_found() -> No
 
     from engine.heap import served_heap
 
+    gc.unfreeze()  # whatever an earlier test froze (the oracle bench freezes, as serve does)
     before, callbacks = gc.get_freeze_count(), list(gc.callbacks)
     with served_heap() as watch:
         assert gc.get_freeze_count() > before  # everything alive at the start is beyond the collector
@@ -46,6 +47,14 @@ def test_the_measured_ticks_see_the_heap_as_served_and_leave_it_as_found() -> No
         gc.collect()
         assert watch.full_collections == 1 and watch.longest_pause_ms > 0
     assert gc.get_freeze_count() == before and gc.callbacks == callbacks
+    gc.freeze()  # a freeze that was there before (a serve process): left in place
+    try:
+        frozen = gc.get_freeze_count()
+        with served_heap():
+            pass
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_full_size_needs_a_gpu() -> None:

@@ -137,29 +137,36 @@ async def test_brief_reads_state_node_and_agent_with_our_unflushed_writes(kind: 
         await store.aclose()
 
 
-async def test_streaming_lists_the_calls_streaming_and_end_lost_ends_each_once(kind: str, prefix: str) -> None:
-    """The sweep of a crashed node's calls (lost_calls) reads every call streaming on any node, without their
-    lists, and ends one only once however many nodes find it."""
+async def test_each_nodes_streaming_calls_are_read_alone_and_end_lost_ends_each_once(kind: str, prefix: str) -> None:
+    """The sweep of a crashed node's calls (lost_calls) reads which nodes have calls streaming, then one gone
+    node's calls, without their lists: its cost grows with that node's calls, not the fleet's. end_lost ends a
+    call at once (not through the write-behind queue), only while it still streams on that node, once however
+    many nodes find it."""
     store = make_store(kind, prefix)
     try:
-        for sid, node in (("AS-a", "node-1"), ("AS-b", "node-2"), ("AS-ringing", "node-1")):
+        for sid, node in (("AS-a", "node-1"), ("AS-b", "node-2"), ("AS-c", "node-1"), ("AS-ringing", "node-1")):
             await store.create(CallRecord(call_sid=sid, node=node, agent="sales"))
             await store.append_turn(sid, "caller", "hello")
-        for sid in ("AS-a", "AS-b"):
+        for sid in ("AS-a", "AS-b", "AS-c"):
             await store.update(sid, state="streaming")
         await flushed(store)
-        assert await store.streaming() == {"AS-a": CallBrief("streaming", "node-1", "sales"),
-                                           "AS-b": CallBrief("streaming", "node-2", "sales")}  # fmt: skip
+        assert await store.streaming_nodes() == {"node-1", "node-2"}
+        assert await store.streaming_on("node-1") == {"AS-a": CallBrief("streaming", "node-1", "sales"),
+                                                      "AS-c": CallBrief("streaming", "node-1", "sales")}  # fmt: skip
+        await store.update("AS-c", node="node-3")  # its stream moved (a node behind a shared URL took it)
         await store.end("AS-b", "completed")
         await flushed(store)
-        assert list(await store.streaming()) == ["AS-a"]
-        assert not await store.end_lost("AS-b", "node_lost")  # ended by its node: left as it is
-        assert await store.end_lost("AS-a", "node_lost")
-        assert not await store.end_lost("AS-a", "node_lost")  # another node's sweep found it too
-        await flushed(store)
-        assert await store.streaming() == {}
-        got = {sid: (r.state, r.end_reason) for sid in ("AS-a", "AS-b") if (r := await store.get(sid))}
-        assert got == {"AS-a": ("ended", "node_lost"), "AS-b": ("ended", "completed")}
+        assert list(await store.streaming_on("node-1")) == ["AS-a"]
+        assert await store.streaming_on("node-2") == {}
+        assert await store.streaming_nodes() == {"node-1", "node-3"}  # node-2: none left, so not listed
+        assert not await store.end_lost("AS-b", "node-2", "node_lost")  # ended by its node: left as it is
+        assert not await store.end_lost("AS-c", "node-1", "node_lost")  # streaming, but on another node now
+        assert await store.end_lost("AS-a", "node-1", "node_lost")
+        assert not await store.end_lost("AS-a", "node-1", "node_lost")  # another node's sweep found it too
+        assert await store.brief("AS-a") == CallBrief("ended", "node-1", "sales")  # no flush needed
+        assert await store.streaming_on("node-1") == {}
+        got = {sid: (r.state, r.end_reason) for sid in ("AS-a", "AS-b", "AS-c") if (r := await store.get(sid))}
+        assert got == {"AS-a": ("ended", "node_lost"), "AS-b": ("ended", "completed"), "AS-c": ("streaming", None)}
     finally:
         await store.aclose()
 

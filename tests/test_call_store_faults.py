@@ -230,3 +230,36 @@ async def test_a_stream_flooding_the_store_cannot_push_out_another_calls_writes(
     finally:
         await handle.aclose()
         await store.aclose()
+
+
+async def test_a_node_that_starts_before_its_redis_still_ends_its_last_runs_calls(redis_server: RedisServer) -> None:
+    """The host rebooted: the node restarts under its id (its hostname) a moment before Redis is back. Its
+    start-up pass over the calls its last run left streaming failed on Redis and never ran again; the other
+    nodes see this id alive, so nobody ended them (24 h in the records). It is retried each sweep until it
+    goes through."""
+    from telephony.cluster import LocalCluster
+    from telephony.lost_calls import LostCallSweep
+
+    sid = "AS" + "7" * 32
+    store = open_call_store(redis_server.url, socket_timeout_s=0.5, retry_max_s=0.2)
+    sweep = LostCallSweep(store, LocalCluster("me", "ws://127.0.0.1/me", lambda: 1), "me", every_s=0.2)
+    try:
+        await store.create(CallRecord(call_sid=sid, node="me", agent="default"))
+        await store.update(sid, state="streaming")
+        await store.flush()
+        await redis_server.kill()  # (append-only file, fsync always: nothing written is lost)
+        before = metric("kame_calls_total", outcome="node_lost")
+        sweep.start()
+        await asyncio.sleep(0.6)  # the start-up pass and a sweep or two, on a Redis that is down
+        assert not sweep._leftovers_done
+        await redis_server.start()
+
+        async def ended() -> bool:
+            return metric("kame_calls_total", outcome="node_lost") == before + 1
+
+        await until(ended, "the pass retried once Redis is back")
+        record = await _redis_record(redis_server.url, sid)
+        assert record is not None and (record.state, record.end_reason) == ("ended", "node_lost")
+    finally:
+        await sweep.aclose()
+        await store.aclose()

@@ -6,6 +6,7 @@ rule and the `StreamingSTT` contract, not accuracy.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import time
 from pathlib import Path
@@ -455,3 +456,122 @@ def test_ungenerated_steps_do_not_count_and_flush_and_max_length() -> None:
 def test_options_defaults_match_the_documented_rules() -> None:
     opts = KyutaiSttOptions()
     assert (opts.end_of_turn_head, opts.end_of_turn_threshold, opts.final_gap_s) == (2, 0.5, 0.8)
+
+
+async def test_the_stt_steps_right_after_each_engine_tick(
+    stt_checkpoint: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On one GPU the KAME engine and the batched STT stepped on their own 80 ms clocks, at unrelated phases,
+    so the STT's kernels ran inside the engine's ticks and made them late (H100, docs/benchmarks.md section 4).
+    Once the engine is up, the STT steps when an engine tick has just ended."""
+    import threading
+
+    import knowledge.stt_kyutai as mod
+    from engine.service import EngineConfig, LocalEngine
+
+    monkeypatch.setenv("KAME_STT_CHECKPOINT", str(stt_checkpoint))
+    monkeypatch.setenv("KAME_STT_DEVICE", "cpu")
+    monkeypatch.setattr(mod, "_SHARED", None)
+    services = BackendServices(BackendConfig(stt="kyutai", llm_enabled=False, stt_rows=2))
+    stt = mod._SHARED
+    assert stt is not None and stt._ticker.following is None  # its own clock until an engine is up
+    engine = await LocalEngine.load(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", max_calls=2,
+                                                 warmup_ticks=1), services)  # fmt: skip
+
+    class Recorded(threading.Event):
+        def __init__(self) -> None:
+            super().__init__()
+            self.times: list[float] = []
+
+        def set(self) -> None:
+            self.times.append(time.monotonic())
+            super().set()
+
+    ticked = engine._ticked = Recorded()
+    steps: list[float] = []
+    real_step = stt.step
+
+    def step():  # type: ignore[no-untyped-def]
+        steps.append(time.monotonic())
+        return real_step()
+
+    stt.step = step  # type: ignore[method-assign]
+    try:
+        await engine.start()
+        assert stt._ticker.following is ticked
+        call = await engine.open_call("CA-paced")
+        began = time.monotonic()
+        for frame in audio(12, 25):  # 2 s of a call, in real time
+            call.push_audio(frame)
+            await asyncio.sleep(0.08)
+        await call.close()
+    finally:
+        await engine.stop()  # closes the back-end, and the STT with it
+    mine = [s for s in steps if s > began + 0.2]
+    after_a_tick = [s for s in mine if any(0 <= s - t < 0.03 for t in ticked.times)]
+    # On its own clock a step would land in the 30 ms after a tick about 3 times in 8.
+    assert len(mine) >= 15 and len(after_a_tick) >= 0.8 * len(mine), (len(mine), len(after_a_tick))
+    assert mod._SHARED is None
+
+
+def test_a_call_joining_a_row_during_its_first_priming_step_gets_the_same_tokens(make_engine) -> None:
+    """The row's reset and first silence frame are in the step under way: the call takes the rest of the prefix
+    and no second reset (found by review, session 21)."""
+    a = audio(7, 10)
+    cold = make_engine(max_streams=2)
+    ref, _ = run_rows(cold, {i: [(0, a[i])] for i in range(10)}, 10)
+    engine = make_engine(max_streams=2)
+    other = engine.open_stream()  # row 0
+    joined: dict[str, KyutaiStreamingSTT] = {}
+    real = engine._model_step
+
+    def joining(pcm, active, reset):  # type: ignore[no-untyped-def]
+        if active[1] and reset[1] and not joined:
+            joined["call"] = engine.open_stream()  # row 1, while its first priming step runs
+        return real(pcm, active, reset)
+
+    engine._model_step = joining  # type: ignore[method-assign]
+    other.feed(audio(8, 1)[0])
+    engine.step()
+    engine._model_step = real  # type: ignore[method-assign]
+    call = joined["call"]
+    assert call.row == 1 and not engine._rows[1].needs_reset
+    assert len(engine._rows[1].inbox) == engine.prefix_frames - 1
+    tokens = []
+    for frame in a:
+        call.feed(frame)
+        while engine.backlog():
+            tokens.append(int(engine.step().tokens[1]))
+    assert tokens[engine.prefix_frames - 1 :] == ref[0][cold.prefix_frames :]
+
+
+def test_priming_stops_after_a_failed_step_until_a_step_works(make_engine) -> None:
+    """A free row's priming re-armed on every failure: with no call and a broken GPU, a whole-batch step failed
+    (and was logged) every tick for ever, where an idle engine used to leave the model alone. Now priming waits
+    for a step that works: a call's, which runs its prefix itself meanwhile."""
+    engine = make_engine(max_streams=2)  # never warmed: both rows still to prime
+    failures = 0
+    real = engine._model_step
+
+    def broken(pcm, active, reset):  # type: ignore[no-untyped-def]
+        nonlocal failures
+        failures += 1
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    engine._model_step = broken  # type: ignore[method-assign]
+    for _ in range(50):  # 4 s of ticks, no call
+        try:
+            engine.tick()
+        except RuntimeError:
+            pass
+    assert failures == 1 and engine._prime_left == [engine.prefix_frames] * 2
+    engine._model_step = real  # type: ignore[method-assign]  (the GPU works again)
+    call = engine.open_stream()
+    assert len(engine._rows[call.row].inbox) == engine.prefix_frames  # the prefix in the call, as unprimed
+    call.feed(audio(9, 1)[0])
+    assert engine.step() is not None  # a step that works: the free row primes from the next one on
+    other = 1 - call.row
+    assert engine._prime_left[other] == engine.prefix_frames
+    call.feed(audio(10, 1)[0])
+    engine.step()
+    assert engine._prime_left[other] == engine.prefix_frames - 1 and not engine._prime_reset[other]
