@@ -194,7 +194,7 @@ def _bench(args: argparse.Namespace) -> int:
         from .node_bench import run_node_bench
 
         result = asyncio.run(run_node_bench(calls=args.calls, serve_args=args.serve_arg, checkpoint=args.checkpoint,
-                                            ttft_ms=args.llm_ttft_ms,
+                                            ttft_ms=args.llm_ttft_ms, hold_s=max(0.0, args.hold),
                                             voices=Path(args.voices) if args.voices else None,
                                             serve_log=Path(args.json).with_suffix(".serve.log") if args.json else None))
         if args.json:
@@ -382,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--checkpoint", default=None,
                        help="node bench: the service's checkpoint (default: tiny); kv bench: measure this "
                             "checkpoint's weights instead of --size's random ones")
+    bench.add_argument("--hold", type=float, default=5.0, metavar="SECONDS",
+                       help="node bench: each caller stays on this long after its question (the figures' steady "
+                            "part: the first seconds hold every call's start)")
     bench.add_argument("--voices", default=None, metavar="DIR",
                        help="node bench: the callers' WAVs (q0.wav ...), used if there, else spoken with flite and "
                             "kept there (make them where flite is, carry them to a GPU box)")

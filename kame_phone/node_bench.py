@@ -208,7 +208,8 @@ async def run_node_bench(
                     await sampler
                 await asyncio.sleep(0.5)  # the last calls' metrics
                 after = await _scrape(session, metrics_url)
-    return _summarise(calls, serve_args, reports, before, after, ready, log)
+    # hold_s: each caller on the line this long after its question
+    return {**_summarise(calls, serve_args, reports, before, after, ready, log), "hold_s": hold_s}
 
 
 def _summarise(calls, serve_args, reports, before, after, ready, log) -> dict[str, Any]:  # type: ignore[no-untyped-def]

@@ -134,7 +134,8 @@ if [[ $what == node-48 || $what == node-64 || $what == node || $what == all ]]; 
   # 85.5 GB (docs/benchmarks.md): an H200 if that runs out. serve's log: OUTDIR/node-N.serve.log.
   case $what in node-48) counts=48 ;; node-64) counts=64 ;; *) counts="48 64" ;; esac
   for calls in $counts; do
-    KAME_STT_CHECKPOINT=random:stt-2.6b-en run "node-$calls" 270 node --calls "$calls" \
+    # --hold: 25 s on the line after the question (HOLD), so most of a call is past the burst of starts.
+    KAME_STT_CHECKPOINT=random:stt-2.6b-en run "node-$calls" 270 node --calls "$calls" --hold "${HOLD:-25}" \
       --checkpoint random:moshi-7b --voices "${VOICES:-var/voices}" --serve-arg=--stt=kyutai \
       --serve-arg=--kv-dtype=int8 --serve-arg=--weights-dtype="${WEIGHTS:-auto}" --serve-arg=--context=3000 \
       --json "$out/node-$calls.json"

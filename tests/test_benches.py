@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 from engine.bench import run_engine_bench
 from kame_phone.cli import main
@@ -91,9 +92,12 @@ def test_node_bench_runs_the_service_as_deployed(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(node_bench, "_scrape", recording)
     out = tmp_path / "node.json"
-    assert main(["bench", "node", "--calls", "2", "--llm-ttft-ms", "100", "--json", str(out)]) == 0
+    assert main(["bench", "node", "--calls", "2", "--llm-ttft-ms", "100", "--hold", "3", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert r["calls"] == 2 and r["outcomes"] == ["completed", "completed"]
+    assert r["calls"] == 2 and r["outcomes"] == ["completed", "completed"] and r["hold_s"] == 3.0
+    log = out.with_suffix(".serve.log").read_text()
+    held = [int(m) for m in re.findall(r"stream ended \(completed\): (\d+) packets in", log)]
+    assert len(held) == 2 and min(held) >= 150  # the question, then 3 s (150 packets) on the line
     assert r["served"] == 2 and r["not_served"] == 0 and r["outcome_counts"] == {"completed": 2}
     assert len(r["realtime_share"]) == 2 and all(0 < x <= 1.05 for x in r["realtime_share"])
     assert abs(r["realtime_share_min"] - min(r["realtime_share"])) < 1e-3  # the list is rounded, the minimum not
