@@ -72,14 +72,19 @@ class FrameTicker:
 
         torch.set_grad_enabled(False)  # grad mode is per thread
         deadline = self.clock()
+        last = deadline - self.period_s  # when the last step started (following)
         while self._running.is_set():
             pace = self._pace
             if pace is not None:
-                pace.wait(timeout=1.5 * self.period_s)
+                paced = pace.wait(timeout=max(0.0, last + 1.5 * self.period_s - self.clock()))
                 pace.clear()
                 if not self._running.is_set():
                     break
-                started = self.clock()
+                if paced and self.clock() - last < 0.5 * self.period_s:
+                    # A tick of the other loop that ended just after a step of ours (taken when it was late):
+                    # that step was this tick's, or a slow engine would get two steps a tick of it.
+                    continue
+                started = last = self.clock()
                 self.step()
                 finished = self.clock()
                 if self.on_timing is not None:

@@ -370,7 +370,8 @@ class MemoryCallStore(_OpStore):
                 if r.state == "streaming" and r.node == node}  # fmt: skip
 
     async def end_lost(self, call_sid: str, node: str, reason: str) -> bool:
-        """End a call still streaming on `node`, which left it behind; False if it is not (any more)."""
+        """End a call still streaming on `node`, which left it behind; False if it is not (any more). (One
+        process: no other node's calls, so no rule about this store's own, as RedisCallStore has.)"""
         entry = self._records.get(call_sid)
         if entry is None or entry[0].state != "streaming" or entry[0].node != node:
             return False
@@ -413,16 +414,18 @@ elseif kind ~= 'noop' then
   for f, v in pairs(cjson.decode(ARGV[7])) do
     if v == cjson.null then redis.call('HDEL', h, f) else redis.call('HSET', h, f, v) end
   end
-  -- Each node's calls streaming: a gone node's are found by reading its set alone, however many calls the
-  -- other nodes carry. (A set left naming a call whose node changed is pruned where it is read.)
-  local r = redis.call('HMGET', h, 'state', 'node')
-  if r[1] == 'streaming' and r[2] then
-    redis.call('SADD', KEYS[8] .. ':' .. r[2], ARGV[5])
-    redis.call('PEXPIRE', KEYS[8] .. ':' .. r[2], ARGV[4])
-    redis.call('SADD', KEYS[8], r[2])
-  elseif r[2] then
-    redis.call('SREM', KEYS[8] .. ':' .. r[2], ARGV[5])
-  end
+end
+-- Each node's calls streaming: a gone node's are found by reading its set alone, however many calls the
+-- other nodes carry. Every write, pushes too, keeps the set as long-lived as the record (a long call whose
+-- only writes are its turns must not outlive its node's set). A set left naming a call whose node changed
+-- is pruned where it is read.
+local r = redis.call('HMGET', h, 'state', 'node')
+if r[1] == 'streaming' and r[2] then
+  redis.call('SADD', KEYS[8] .. ':' .. r[2], ARGV[5])
+  redis.call('PEXPIRE', KEYS[8] .. ':' .. r[2], ARGV[4])
+  redis.call('SADD', KEYS[8], r[2])
+elseif r[2] then
+  redis.call('SREM', KEYS[8] .. ':' .. r[2], ARGV[5])
 end
 redis.call('HSET', h, ARGV[2], ARGV[3])
 -- Scored by the write's own time, but never past Redis's clock, and pruned by Redis's clock: a node whose
@@ -481,15 +484,16 @@ if #out == 0 then redis.call('SREM', KEYS[1], ARGV[2]) end
 return out
 """
 
-# Ends a call its node left streaming, in one step: the check (still streaming, on that node), the fields
-# `end` writes and the set. Not through the write-behind queue: a call taken off its node's set must not wait
-# there for its end (a sweeping node that crashed next would leave it streaming, and in no set). KEYS 1 hash,
-# 2 the nodes set; ARGV 1 node, 2 reason, 3 ended at (epoch s), 4 ttl ms, 5 call sid.
+# Ends a call its node left streaming, in one step: the check (still streaming, on that node, and never
+# written by this store: a call of this run that just hung up is ended by its own `end`, still queued), the
+# fields `end` writes and the set. Not through the write-behind queue: a call taken off its node's set must
+# not wait there for its end (a sweeping node that crashed next would leave it streaming, and in no set).
+# The keys' expiry is left as the call's last write set it (its lists and index entry with it).
+# KEYS 1 hash, 2 the nodes set; ARGV 1 node, 2 reason, 3 ended at (epoch s), 4 this store's seq field, 5 sid.
 _END_LOST_LUA = """
-local r = redis.call('HMGET', KEYS[1], 'state', 'node')
-if r[1] ~= 'streaming' or r[2] ~= ARGV[1] then return 0 end
+local r = redis.call('HMGET', KEYS[1], 'state', 'node', ARGV[4])
+if r[1] ~= 'streaming' or r[2] ~= ARGV[1] or r[3] then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'ended', 'end_reason', ARGV[2], 'ended_at', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
 redis.call('SREM', KEYS[2] .. ':' .. ARGV[1], ARGV[5])
 return 1
 """
@@ -923,8 +927,9 @@ class RedisCallStore(_OpStore):
 
     async def end_lost(self, call_sid: str, node: str, reason: str) -> bool:
         """End a call that `node`, gone, left streaming: once however many nodes find it (True: the one that
-        ended it, to count it), written at once. False if it is not streaming on `node` (any more)."""
-        args = [node, reason, repr(time.time()), max(1, round(self.ttl_s * 1000)), call_sid]
+        ended it, to count it), written at once. False if it is not streaming on `node` (any more), or if this
+        store has written to it: a call of this run is ended by this run."""
+        args = [node, reason, repr(time.time()), self._seq_field, call_sid]
         keys = [self._call_keys(call_sid)[0], self._streaming_key]
         return bool(await self._guard(self._end_lost(keys=keys, args=args)))
 

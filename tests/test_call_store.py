@@ -141,8 +141,10 @@ async def test_each_nodes_streaming_calls_are_read_alone_and_end_lost_ends_each_
     """The sweep of a crashed node's calls (lost_calls) reads which nodes have calls streaming, then one gone
     node's calls, without their lists: its cost grows with that node's calls, not the fleet's. end_lost ends a
     call at once (not through the write-behind queue), only while it still streams on that node, once however
-    many nodes find it."""
-    store = make_store(kind, prefix)
+    many nodes find it, and never a call the sweeping node's own store wrote (its own `end` is on its way).
+    (One process, the memory store has no other node's calls: it has no such rule.)"""
+    store = make_store(kind, prefix)  # the nodes that wrote the calls
+    sweeper = store if kind == "memory" else make_store(kind, prefix)
     try:
         for sid, node in (("AS-a", "node-1"), ("AS-b", "node-2"), ("AS-c", "node-1"), ("AS-ringing", "node-1")):
             await store.create(CallRecord(call_sid=sid, node=node, agent="sales"))
@@ -150,25 +152,47 @@ async def test_each_nodes_streaming_calls_are_read_alone_and_end_lost_ends_each_
         for sid in ("AS-a", "AS-b", "AS-c"):
             await store.update(sid, state="streaming")
         await flushed(store)
-        assert await store.streaming_nodes() == {"node-1", "node-2"}
-        assert await store.streaming_on("node-1") == {"AS-a": CallBrief("streaming", "node-1", "sales"),
-                                                      "AS-c": CallBrief("streaming", "node-1", "sales")}  # fmt: skip
+        assert await sweeper.streaming_nodes() == {"node-1", "node-2"}
+        assert await sweeper.streaming_on("node-1") == {"AS-a": CallBrief("streaming", "node-1", "sales"),
+                                                        "AS-c": CallBrief("streaming", "node-1", "sales")}  # fmt: skip
+        if kind == "redis":
+            assert not await store.end_lost("AS-a", "node-1", "node_lost")  # the writer's own: left to it
         await store.update("AS-c", node="node-3")  # its stream moved (a node behind a shared URL took it)
         await store.end("AS-b", "completed")
         await flushed(store)
-        assert list(await store.streaming_on("node-1")) == ["AS-a"]
-        assert await store.streaming_on("node-2") == {}
-        assert await store.streaming_nodes() == {"node-1", "node-3"}  # node-2: none left, so not listed
-        assert not await store.end_lost("AS-b", "node-2", "node_lost")  # ended by its node: left as it is
-        assert not await store.end_lost("AS-c", "node-1", "node_lost")  # streaming, but on another node now
-        assert await store.end_lost("AS-a", "node-1", "node_lost")
-        assert not await store.end_lost("AS-a", "node-1", "node_lost")  # another node's sweep found it too
-        assert await store.brief("AS-a") == CallBrief("ended", "node-1", "sales")  # no flush needed
-        assert await store.streaming_on("node-1") == {}
+        assert list(await sweeper.streaming_on("node-1")) == ["AS-a"]
+        assert await sweeper.streaming_on("node-2") == {}
+        assert await sweeper.streaming_nodes() == {"node-1", "node-3"}  # node-2: none left, so not listed
+        assert not await sweeper.end_lost("AS-b", "node-2", "node_lost")  # ended by its node: left as it is
+        assert not await sweeper.end_lost("AS-c", "node-1", "node_lost")  # streaming, but on another node now
+        assert await sweeper.end_lost("AS-a", "node-1", "node_lost")
+        assert not await sweeper.end_lost("AS-a", "node-1", "node_lost")  # another node's sweep found it too
+        assert await sweeper.brief("AS-a") == CallBrief("ended", "node-1", "sales")  # no flush needed
+        assert await sweeper.streaming_on("node-1") == {}
         got = {sid: (r.state, r.end_reason) for sid in ("AS-a", "AS-b", "AS-c") if (r := await store.get(sid))}
         assert got == {"AS-a": ("ended", "node_lost"), "AS-b": ("ended", "completed"), "AS-c": ("streaming", None)}
     finally:
         await store.aclose()
+        if sweeper is not store:
+            await sweeper.aclose()
+
+
+async def test_a_long_calls_node_set_lives_as_long_as_its_record(prefix: str) -> None:
+    """A call whose only writes are its turns (pushes) kept its record alive but not its node's set: past the
+    retention the set expired under a call still streaming, and had its node crashed then, no sweep found it."""
+    store = make_store("redis", prefix, ttl_s=1.0)
+    sweeper = make_store("redis", prefix)
+    try:
+        await store.create(CallRecord(call_sid="AS-long", node="node-1", agent="sales"))
+        await store.update("AS-long", state="streaming")
+        for _ in range(6):  # 1.8 s of turns, past the 1 s retention
+            await store.append_turn("AS-long", "caller", "still here")
+            await flushed(store)
+            await asyncio.sleep(0.3)
+        assert list(await sweeper.streaming_on("node-1")) == ["AS-long"]
+    finally:
+        await store.aclose()
+        await sweeper.aclose()
 
 
 async def test_a_node_whose_clock_runs_fast_does_not_hide_the_other_nodes_calls(

@@ -244,9 +244,10 @@ async def test_a_node_that_starts_before_its_redis_still_ends_its_last_runs_call
     store = open_call_store(redis_server.url, socket_timeout_s=0.5, retry_max_s=0.2)
     sweep = LostCallSweep(store, LocalCluster("me", "ws://127.0.0.1/me", lambda: 1), "me", every_s=0.2)
     try:
-        await store.create(CallRecord(call_sid=sid, node="me", agent="default"))
-        await store.update(sid, state="streaming")
-        await store.flush()
+        last_run = open_call_store(redis_server.url)
+        await last_run.create(CallRecord(call_sid=sid, node="me", agent="default"))
+        await last_run.update(sid, state="streaming")
+        await last_run.aclose()
         await redis_server.kill()  # (append-only file, fsync always: nothing written is lost)
         before = metric("kame_calls_total", outcome="node_lost")
         sweep.start()

@@ -781,10 +781,11 @@ async def test_the_sweep_ends_audiosocket_calls_left_streaming_by_a_node_that_is
             await c.start()
         assert await here.node_alive("pbx") and await here.node_alive("crashed")
         assert where(await reserve_many(here, 2)) == ["here", None]  # never routed to the AudioSocket-only nodes
+        writer = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")  # the nodes' own stores
         for sid, node in ((lost, "crashed"), (live, "pbx"), (ours, "here"), (twilio, "crashed")):
-            await store.create(CallRecord(call_sid=sid, node=node, agent="default"))
-            await store.update(sid, state="streaming")
-        await store.flush()
+            await writer.create(CallRecord(call_sid=sid, node=node, agent="default"))
+            await writer.update(sid, state="streaming")
+        await writer.aclose()
         assert crashed._task is not None
         crashed._task.cancel()  # it crashed: no more heartbeats, nothing ended
         await until(crashed_is_gone, "the crashed node's heartbeat expires")
@@ -808,8 +809,9 @@ async def test_the_sweep_ends_audiosocket_calls_left_streaming_by_a_node_that_is
 async def test_a_node_restarted_under_its_id_ends_the_calls_its_last_run_left_streaming(prefix: str) -> None:
     """A container restarted keeps its hostname, the default node id: it heartbeats again before any other
     node sees it gone, so nobody ended the calls its last run left "streaming", of either carrier (24 h in
-    the records and on the dashboards). The restarted node ends them as it starts; a call live here, and
-    another node's, are left alone."""
+    the records and on the dashboards). The restarted node ends them as it starts; a call live here, one of
+    this run that has just hung up (out of the live calls, its own `end` still queued), and another node's are
+    left alone."""
     store = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")
     again = RedisCluster(client(), "again", "ws://127.0.0.1/again" + MEDIA_PATH, lambda: 1, key_prefix=prefix,
                          heartbeat_s=0.1, node_ttl_s=0.6)  # fmt: skip
@@ -817,9 +819,14 @@ async def test_a_node_restarted_under_its_id_ends_the_calls_its_last_run_left_st
     sweep = LostCallSweep(store, again, "again", every_s=3600, live=lambda: {live})
     try:
         await again.start()
+        last_run = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")  # the node's last run (and another)
         for sid, node in ((left_as, "again"), (left_twilio, "again"), (live, "again"), (other, "elsewhere")):
-            await store.create(CallRecord(call_sid=sid, node=node, agent="default"))
-            await store.update(sid, state="streaming")
+            await last_run.create(CallRecord(call_sid=sid, node=node, agent="default"))
+            await last_run.update(sid, state="streaming")
+        await last_run.aclose()
+        hung_up = new_call_sid()  # this run's: written by this run's store
+        await store.create(CallRecord(call_sid=hung_up, node="again", agent="default"))
+        await store.update(hung_up, state="streaming")
         await store.flush()
         before = metric("kame_calls_total", outcome="node_lost")
         sweep.start()  # as run_service does: the pass runs first, the sweeps every_s after
@@ -829,7 +836,7 @@ async def test_a_node_restarted_under_its_id_ends_the_calls_its_last_run_left_st
 
         await until(ended, "the restarted node ends its last run's calls")
         await store.flush()
-        records = {sid: await store.get(sid) for sid in (left_as, left_twilio, live, other)}
+        records = {sid: await store.get(sid) for sid in (left_as, left_twilio, live, other, hung_up)}
         assert await sweep.end_own_leftovers() == 0  # once ended, never again
     finally:
         await sweep.aclose()
@@ -837,7 +844,7 @@ async def test_a_node_restarted_under_its_id_ends_the_calls_its_last_run_left_st
         await store.aclose()
     got = {sid: (r.state, r.end_reason) for sid, r in records.items() if r is not None}
     assert got == {left_as: ("ended", "node_lost"), left_twilio: ("ended", "node_lost"), live: ("streaming", None),
-                   other: ("streaming", None)}  # fmt: skip
+                   other: ("streaming", None), hung_up: ("streaming", None)}  # fmt: skip
 
 
 async def test_an_edge_whose_shared_engine_is_down_stays_in_rotation_to_answer_busy(prefix: str) -> None:

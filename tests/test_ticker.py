@@ -23,10 +23,10 @@ def test_a_follower_steps_after_each_pace_and_on_its_own_when_the_pace_is_quiet(
         time.sleep(0.05)
         assert steps == []  # waits for the pace, not its own clock
         sets = []
-        for _ in range(5):  # faster than its own clock (0.2 s): it keeps up, one step each
+        for _ in range(5):  # sooner than its own clock would (0.2 s): one step right after each
             sets.append(time.monotonic())
             pace.set()
-            time.sleep(0.06)
+            time.sleep(0.12)
         assert len(steps) == 5
         assert all(0 <= step - at < 0.05 for step, at in zip(steps, sets, strict=True))  # right after each
         time.sleep(0.75)  # quiet: 0.3 s apart on its own
@@ -39,3 +39,24 @@ def test_a_follower_steps_after_each_pace_and_on_its_own_when_the_pace_is_quiet(
     finally:
         ticker.stop()
     assert not ticker.running
+
+
+def test_a_follower_of_a_slow_loop_steps_once_per_tick_of_it() -> None:
+    """The other loop late (its ticks 1.7 periods apart, an overloaded engine): the follower steps on its own
+    after a period and a half, and the late tick that ends just after must not make it step again."""
+    steps: list[float] = []
+    ticker = FrameTicker("follower", lambda: steps.append(time.monotonic()), period_s=0.1)
+    pace = threading.Event()
+    ticker.follow(pace)
+    ticker.start()
+    try:
+        pace.set()
+        time.sleep(0.02)
+        for _ in range(12):  # 12 ticks, 0.17 s apart
+            time.sleep(0.17)
+            pace.set()
+        time.sleep(0.02)
+    finally:
+        ticker.stop()
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+    assert 12 <= len(steps) <= 19 and min(gaps) > 0.045, (len(steps), min(gaps))  # (two a tick: ~24, 0.02 s)
