@@ -256,6 +256,10 @@ def _summarise(calls, serve_args, reports, before, after, ready, log) -> dict[st
         "deadline_misses": delta("kame_engine_deadline_misses_total"),
         "input_overruns": delta("kame_engine_input_overruns_total"),
         "stt_dropped_frames": delta("kame_stt_dropped_frames_total"),
+        # The batched STT's steps (none with pocketsphinx): its share of a GPU it shares with the engine.
+        "stt_step_p50_ms": quantile("kame_stt_step_seconds", 0.5),
+        "stt_step_p99_ms": quantile("kame_stt_step_seconds", 0.99),
+        "stt_catchup_steps": delta("kame_stt_catchup_steps_total"),
         "stt_errors": delta("kame_stt_errors_total"),
         "oracle_lag_p50_ms": quantile("kame_oracle_lag_seconds", 0.5),
         "oracle_lag_p99_ms": quantile("kame_oracle_lag_seconds", 0.99),
@@ -278,7 +282,9 @@ def _summarise(calls, serve_args, reports, before, after, ready, log) -> dict[st
     tick = f"{_whole_ms(result['tick_p50_ms'])}/{_whole_ms(result['tick_p99_ms'])}"
     log(f"engine tick p50/p99 ms: {tick}, deadline misses "
         f"{result['deadline_misses']:.0f}, input overruns {result['input_overruns']:.0f}; STT dropped frames "
-        f"{result['stt_dropped_frames']:.0f}, errors {result['stt_errors']:.0f}; oracle lag p50/p99 ms: "
+        f"{result['stt_dropped_frames']:.0f}, errors {result['stt_errors']:.0f}, step p50/p99 ms "
+        f"{_whole_ms(result['stt_step_p50_ms'])}/{_whole_ms(result['stt_step_p99_ms'])}, catch-up steps "
+        f"{result['stt_catchup_steps']:.0f}; oracle lag p50/p99 ms: "
         f"{_whole_ms(result['oracle_lag_p50_ms'])}/{_whole_ms(result['oracle_lag_p99_ms'])}; /readyz not ready "
         f"{result['readyz_not_ready']}/{result['readyz_samples']}")
     held = result["model_bytes"]

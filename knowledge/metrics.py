@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Histogram
 
 # The same buckets as the oracle lag: the LLM's share of it compares directly.
-from engine.metrics import LAG_BUCKETS_MS, zero_series
+from engine.metrics import LAG_BUCKETS_MS, TICK_BUCKETS_MS, zero_series
 
 LLM_TTFT_SECONDS = Histogram(
     "kame_llm_ttft_seconds",
@@ -29,6 +29,16 @@ STT_ERRORS = Counter("kame_stt_errors_total", "Speech-to-text failures.")
 STT_DROPPED_FRAMES = Counter(
     "kame_stt_dropped_frames_total",
     "Caller frames dropped because the STT fell behind real time.",
+)
+# The batched Kyutai STT's GPU work, beside the engine's tick on the same GPU: what it takes from the engine.
+STT_STEP_SECONDS = Histogram(
+    "kame_stt_step_seconds",
+    "Wall time of one batched Kyutai STT step (every row at once).",
+    buckets=[b / 1000 for b in TICK_BUCKETS_MS],
+)
+STT_CATCHUP_STEPS = Counter(
+    "kame_stt_catchup_steps_total",
+    "Batched Kyutai STT steps beyond one a tick, taken to work off a backlog (each a whole-batch step).",
 )
 STT_PARTIAL_SECONDS = Histogram(
     "kame_stt_partial_latency_seconds",

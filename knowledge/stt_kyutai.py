@@ -390,6 +390,7 @@ class KyutaiSttEngine:
                 self._fail(active, leases, exc)
                 raise
             self.last_step_s = time.perf_counter() - started
+            metrics.STT_STEP_SECONDS.observe(self.last_step_s)
             self.steps += 1
             with self._lock:
                 self._priming = True
@@ -456,6 +457,8 @@ class KyutaiSttEngine:
             if self.step() is None:
                 break
             steps += 1
+        if steps > 1:
+            metrics.STT_CATCHUP_STEPS.inc(steps - 1)
         return steps
 
     def warmup(self, steps: int | None = None) -> None:

@@ -220,8 +220,11 @@ def test_node_bench_with_the_stt_shaped_like_kyutais_and_voices_made_beforehand(
     assert r["serve_args"] == ["--stt=kyutai", "--weights-dtype=int8"]
     assert 0 < r["model_bytes"]["weights"] < 0.75 * weights_bytes(load_kame("random:tiny").lm)  # int8, as served
     assert r["stt_errors"] == 0 and r["stt_dropped_frames"] == 0
+    assert r["stt_step_p50_ms"] is not None and r["stt_catchup_steps"] >= 0  # the batched STT's share, read
     assert r["oracle_lag_p50_ms"] is not None  # the random STT's words reached the LLM, its drafts the oracle
-    assert "random:tiny" in (tmp_path / "node.serve.log").read_text()  # the service's log, kept beside the figures
+    serve_log = (tmp_path / "node.serve.log").read_text()
+    assert "random:tiny" in serve_log  # the service's log, kept beside the figures
+    assert "Kyutai STT steps after each KAME engine tick" in serve_log  # the two take turns on one device
 
 
 def test_engine_bench_json_holds_each_finished_batch_when_cut_short(tmp_path) -> None:

@@ -575,3 +575,18 @@ def test_priming_stops_after_a_failed_step_until_a_step_works(make_engine) -> No
     call.feed(audio(10, 1)[0])
     engine.step()
     assert engine._prime_left[other] == engine.prefix_frames - 1 and not engine._prime_reset[other]
+
+
+def test_steps_and_catch_up_steps_are_exported(make_engine) -> None:
+    """What the batched STT takes from a GPU it shares with the engine: each step's time, and the extra
+    whole-batch steps of a catch-up (the dashboard's engine row; bench node reads both)."""
+    from .phone_fixtures import metric
+
+    engine = make_engine(max_streams=2)
+    steps, catchups = metric("kame_stt_step_seconds_count"), metric("kame_stt_catchup_steps_total")
+    stt = engine.open_stream()
+    for frame in audio(13, 6):  # a stall's worth of frames at once: backlog past catchup_backlog_frames
+        stt.feed(frame)
+    assert engine.tick() == engine.options.max_steps_per_tick == 2
+    assert metric("kame_stt_step_seconds_count") == steps + 2
+    assert metric("kame_stt_catchup_steps_total") == catchups + 1
