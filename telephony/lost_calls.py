@@ -2,13 +2,13 @@
 
 A node ends its own calls; one that crashes ends none. A Twilio call's final status callback lands on another
 node, which ends it there (server.handle_call_status). An AudioSocket call has no such callback, so each node
-now and then reads the calls Redis has streaming and ends those on a node that no longer heartbeats. Every
-node heartbeats while up, an AudioSocket-only one too (out of routing: `RedisCluster.routable`).
+now and then reads which nodes have calls streaming, and a gone node's calls, and ends them. Every node
+heartbeats while up, an AudioSocket-only one too (out of routing: `RedisCluster.routable`).
 
 A node that restarts under the same id (a container keeps its hostname, the default node id) is alive again
 to the others before they see it gone, so the calls its last run left streaming, of either carrier, are ended
-by the node itself when it starts: no call of this run can be among them (call ids are never reused; the
-ones live here are skipped all the same).
+by the node itself when it starts. None of this run's is touched: the ones live here are skipped, and the
+store never ends as lost a call it wrote (one that just hung up has its own `end` on the way).
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ class LostCallSweep:
             except CallStoreUnavailable:
                 break
             # Twilio's calls are left to its status callback: ended here too, one could be counted twice.
-            mine = [(sid, c) for sid, c in calls.items() if sid.startswith(CALL_ID_PREFIX)]
-            n, complete = await self._end(node, mine, "was streaming on a node that is gone")
+            audiosocket = [(sid, c) for sid, c in calls.items() if sid.startswith(CALL_ID_PREFIX)]
+            n, complete = await self._end(node, audiosocket, "was streaming on a node that is gone")
             ended += n
             if not complete:
                 break
