@@ -24,6 +24,8 @@ tests/test_compiled_step.py checks the tokens against the uncompiled step, and t
 settings (the latter autotunes kernels: minutes of warm-up). `max-autotune-lm` autotunes the LM's matmul
 templates only (where int8 weights' conversion can fuse into the matmul), without coordinate-descent tuning
 of every fused kernel, and compiles Mimi as `default`: a warm-up short enough for a bench's 10 minutes.
+`default-no-main` compiles the depformer's steps and Mimi (`default`) and leaves the main transformer as the
+official step: on the H100 compiling made it slower and the rest faster.
 """
 
 from __future__ import annotations
@@ -40,14 +42,18 @@ from moshi.modules.transformer import StreamingMultiheadAttention, _LayerState, 
 from moshi.utils.compile import no_compile
 from moshi.utils.sampling import sample_token
 
-COMPILE_MODES = ("off", "default", "max-autotune", "max-autotune-lm")
+COMPILE_MODES = ("off", "default", "max-autotune", "max-autotune-lm", "default-no-main")
 # torch.compile's "max-autotune-no-cudagraphs" as inductor options (a mode and options do not mix).
 _INDUCTOR_OPTIONS: dict[str, dict[str, bool]] = {
     "default": {},
+    "default-no-main": {},
     "max-autotune": {"max_autotune": True, "coordinate_descent_tuning": True},
     "max-autotune-lm": {"max_autotune": True},  # for the LM; Mimi as below
 }
-_MIMI_MODE = {"max-autotune-lm": "default"}  # Mimi's mode where it is not the LM's
+_MIMI_MODE = {"max-autotune-lm": "default", "default-no-main": "default"}  # Mimi's mode where not the LM's
+# Modes that leave the main transformer as the official step: on an H100 it ran 2 ms slower compiled (10.76
+# against 8.80 ms at batch 1, context 3000) while the depformer's steps ran twice as fast (docs/benchmarks.md).
+_EAGER_MAIN = frozenset({"default-no-main"})
 
 
 def _states(module: torch.nn.Module) -> list[State]:
@@ -159,7 +165,8 @@ def compile_tick(lm_gen: LMGen, mimi: MimiModel, batch_size: int, mode: str) -> 
     depformer = PersistentDepformerStep(lm_gen, batch_size, stack)
     depformer.steps = _compile(depformer.steps, options)  # type: ignore[assignment]
     lm_state.graphed_depth.func = depformer
-    lm_state.graphed_main.func = _Pinned(lm.forward_text, lm.transformer, options)
+    if mode not in _EAGER_MAIN:
+        lm_state.graphed_main.func = _Pinned(lm.forward_text, lm.transformer, options)
     for graphed in (mimi_state.graphed_encoder, mimi_state.graphed_decoder,
                     mimi_state.graphed_tr_enc, mimi_state.graphed_tr_dec):
         if graphed is not None:

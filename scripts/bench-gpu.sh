@@ -15,10 +15,11 @@ set -uo pipefail
 # dies at timeout's SIGTERM: none traps it; the SIGKILL 10 s later is for one that would not).
 declare -A budget=(
   [batch1]=430 [node-48]=275 [node-64]=275 [node]=550 [weights]=305 [kv-cache]=285 [kv-weights]=285 [kv]=570
-  [compiled-int8]=575 [weights-autotune]=575 [batch1-autotune]=575 [capacity]=575 [engine]=545 [oracle]=410
+  [compiled-int8]=575 [weights-autotune]=575 [batch1-autotune]=575 [batch1-no-main]=255 [capacity]=575
+  [engine]=545 [oracle]=410
   [media]=375
 )
-parts="batch1 node-48 node-64 node weights kv-cache kv-weights kv compiled-int8 weights-autotune batch1-autotune capacity engine oracle media"
+parts="batch1 node-48 node-64 node weights kv-cache kv-weights kv compiled-int8 weights-autotune batch1-autotune batch1-no-main capacity engine oracle media"
 usage="usage: scripts/bench-gpu.sh OUTDIR PART | --budget PART | --parts (PART: ${parts// /|}|all)"
 case ${1:-} in
   --budget) [[ -n ${budget[${2:-}]:-} ]] || { echo "$usage" >&2; exit 2; }; echo "${budget[$2]}"; exit 0 ;;
@@ -98,6 +99,12 @@ if [[ $what == batch1-autotune ]]; then
   # that may fit; all of max-autotune does not): only worth a deployment's start-up if it beats default.
   run batch1-max-autotune-lm 570 engine --size moshi-7b --batch 1 --context 3000 --ticks 300 \
     --compile max-autotune-lm --phases --json "$out/batch1-max-autotune-lm.json"
+fi
+if [[ $what == batch1-no-main ]]; then
+  # Everything but the main transformer compiled: on the H100 compiling it cost 2 ms (8.80 -> 10.76) while
+  # the depformer's steps halved (session 21). Against batch1's off and default rows (same machine kind).
+  run batch1-default-no-main 250 engine --size moshi-7b --batch 1 --context 3000 --ticks 300 \
+    --compile default-no-main --phases --json "$out/batch1-default-no-main.json"
 fi
 if [[ $what == weights || $what == all ]]; then
   # 8-bit weights (engine/weight_quant.py): ~7.4 GB freed for KV caches (calls past 64 on an H100 with the
