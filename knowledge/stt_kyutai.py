@@ -30,7 +30,7 @@ Design:
   arrival would cost one whole-batch step per call per frame. Each tick steps once for every row that
   has a frame; a row without one sits out (exec mask off) instead of holding the batch. A row whose
   backlog grows past `catchup_backlog_frames` (a stalled tick) gets extra steps in the same tick, at
-  most `max_steps_per_tick`. An idle engine does not touch the model.
+  most `max_steps_per_tick`. An idle engine does not touch the model once its free rows are primed.
 - Rows are primed while free: a row no call holds is reset and fed its `audio_silence_prefix_seconds`
   of silence one frame a tick, riding the steps the other rows take anyway (a batch step computes every
   row), its tokens dropped. A call then joins a primed row with no backlog. Fed in the call, the prefix
