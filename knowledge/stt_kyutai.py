@@ -437,11 +437,9 @@ class KyutaiSttEngine:
             for index, row in enumerate(self._rows):
                 if not active[index]:
                     continue
-                if leases[index] == 0 and row is None:  # a free row priming: start its priming over
+                if row is None:  # a free row priming: start its priming over
                     self._prime_left[index], self._prime_reset[index] = self.prefix_frames, True
-                elif leases[index] == 0 and row is not None:  # taken while it primed: the call's row is unsound
-                    row.failure = f"{type(exc).__name__}: {exc}"
-                elif row is not None and row.lease == leases[index]:
+                elif row.lease == leases[index] or leases[index] == 0:  # its call's, or taken while it primed
                     row.failure = f"{type(exc).__name__}: {exc}"
 
     def backlog(self) -> int:

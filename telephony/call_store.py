@@ -391,6 +391,23 @@ class MemoryCallStore(_OpStore):
         self._records.clear()
 
 
+# Keeps the call's place in its node's set of calls streaming (KEYS[8] .. ':' .. node), and the node's in the
+# nodes set (KEYS[8]), from the record `h` as it now is; `sid` and `ttl` (ms) set by the script around it.
+# A gone node's calls are then found by reading its set alone, however many calls the other nodes carry.
+# Every write, pushes too, keeps the set as long-lived as the record (a long call whose only writes are its
+# turns must not outlive its node's set). A set left naming a call whose node changed is pruned where it is
+# read (_STREAMING_ON_LUA).
+_TRACK_STREAMING_LUA = """
+local r = redis.call('HMGET', h, 'state', 'node')
+if r[1] == 'streaming' and r[2] then
+  redis.call('SADD', KEYS[8] .. ':' .. r[2], sid)
+  redis.call('PEXPIRE', KEYS[8] .. ':' .. r[2], ttl)
+  redis.call('SADD', KEYS[8], r[2])
+elseif r[2] then
+  redis.call('SREM', KEYS[8] .. ':' .. r[2], sid)
+end
+"""
+
 # Applies one _Op atomically. KEYS: 1 hash, 2 turns, 3 oracle, 4 dtmf, 5 turn_latencies, 6 tools, 7 index,
 # 8 the set of nodes with calls streaming (each node's calls in the set KEYS[8] .. ':' .. node).
 # ARGV: 1 kind, 2 writer seq field, 3 seq, 4 ttl ms, 5 call sid, 6 activity time (epoch s),
@@ -415,18 +432,8 @@ elseif kind ~= 'noop' then
     if v == cjson.null then redis.call('HDEL', h, f) else redis.call('HSET', h, f, v) end
   end
 end
--- Each node's calls streaming: a gone node's are found by reading its set alone, however many calls the
--- other nodes carry. Every write, pushes too, keeps the set as long-lived as the record (a long call whose
--- only writes are its turns must not outlive its node's set). A set left naming a call whose node changed
--- is pruned where it is read.
-local r = redis.call('HMGET', h, 'state', 'node')
-if r[1] == 'streaming' and r[2] then
-  redis.call('SADD', KEYS[8] .. ':' .. r[2], ARGV[5])
-  redis.call('PEXPIRE', KEYS[8] .. ':' .. r[2], ARGV[4])
-  redis.call('SADD', KEYS[8], r[2])
-elseif r[2] then
-  redis.call('SREM', KEYS[8] .. ':' .. r[2], ARGV[5])
-end
+local sid, ttl = ARGV[5], ARGV[4]
+""" + _TRACK_STREAMING_LUA + """
 redis.call('HSET', h, ARGV[2], ARGV[3])
 -- Scored by the write's own time, but never past Redis's clock, and pruned by Redis's clock: a node whose
 -- clock runs a day fast must not prune every other node's calls from the index.
@@ -454,12 +461,8 @@ for i = 1, 5 do
 end
 local t = redis.call('TIME')
 redis.call('ZADD', KEYS[7], 'GT', math.min(tonumber(ARGV[5]), tonumber(t[1]) + tonumber(t[2]) / 1000000), ARGV[4])
-local r = redis.call('HMGET', KEYS[1], 'state', 'node')
-if r[1] == 'streaming' and r[2] then
-  redis.call('SADD', KEYS[8] .. ':' .. r[2], ARGV[4])
-  redis.call('PEXPIRE', KEYS[8] .. ':' .. r[2], ARGV[3])
-  redis.call('SADD', KEYS[8], r[2])
-end
+local h, sid, ttl = KEYS[1], ARGV[4], ARGV[3]
+""" + _TRACK_STREAMING_LUA + """
 for i = 1, 8 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
 return 1
 """
@@ -635,8 +638,12 @@ class RedisCallStore(_OpStore):
     def pending_ops(self) -> int:
         return len(self._pending) - len(self._evicted)
 
+    @property
+    def _call_prefix(self) -> str:
+        return f"{self.key_prefix}call:"
+
     def _call_keys(self, call_sid: str) -> list[str]:
-        base = f"{self.key_prefix}call:{call_sid}"
+        base = self._call_prefix + call_sid
         return [base + suffix for suffix in _KEY_SUFFIXES]
 
     @property
@@ -922,7 +929,7 @@ class RedisCallStore(_OpStore):
         """The calls Redis has streaming on `node`, by call id: one script, no call's lists read. This store's
         unflushed writes are not laid over."""
         rows = await self._guard(self._streaming_on(keys=[self._streaming_key],
-                                                    args=[f"{self.key_prefix}call:", node]))  # fmt: skip
+                                                    args=[self._call_prefix, node]))  # fmt: skip
         return {sid: CallBrief("streaming", node, agent or None) for sid, agent in rows}
 
     async def end_lost(self, call_sid: str, node: str, reason: str) -> bool:
