@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from .heap import served_heap
 from .interface import FRAME_SAMPLES, FRAME_SECONDS
 from .model import KameLM
 from .sampling import SamplingConfig
+from .tick_profile import SLOW_FACTOR, profile_ticks
 from .weight_quant import Int8Linear, set_int8_matmul, weights_bytes
 
 
@@ -48,6 +50,11 @@ class BatchResult:
     gc_longest_pause_ms: float | None = None
     # Every measured tick, in order: where the slow ones fall (a period says which clock to suspect).
     tick_ms: list[float] = field(default_factory=list)
+    # With --profile: the profiled ticks, slow against the rest (engine/tick_profile.py ProfileSummary).
+    profile: dict | None = None
+
+
+PROFILE_TICKS = 60  # profiled ticks per batch: a few slow ones at a 2-5 % tail, a trace under 16 MB at batch 1
 
 
 @dataclass
@@ -142,11 +149,13 @@ def _leave_streaming(lm: KameLM, mimi) -> None:  # type: ignore[no-untyped-def]
 def bench_batch(
     lm: KameLM, mimi, batch: int, ticks: int, warmup: int, kv_dtype: str = "auto",  # type: ignore[no-untyped-def]
     compile_mode: str = "off", phases: bool = False, log: Callable[[str], None] | None = None,
+    profile_dir: Path | None = None,
 ) -> BatchResult:
     kb = None
     try:
         kb = KameBatch(lm, mimi, batch, SamplingConfig(), kv_dtype=kv_dtype, compile_mode=compile_mode)
-        return _bench_batch(kb, lm, batch, ticks, warmup, phases, log)
+        trace = None if profile_dir is None else profile_dir / f"engine-{compile_mode}-b{batch}.trace.json.gz"
+        return _bench_batch(kb, lm, batch, ticks, warmup, phases, log, trace)
     finally:
         if kb is not None:
             kb.close()
@@ -160,7 +169,7 @@ def bench_batch(
 
 def _bench_batch(
     kb: KameBatch, lm: KameLM, batch: int, ticks: int, warmup: int, phases: bool,
-    log: Callable[[str], None] | None,
+    log: Callable[[str], None] | None, profile_trace: Path | None = None,
 ) -> BatchResult:
     device = lm.device
     started = time.perf_counter()
@@ -201,6 +210,13 @@ def _bench_batch(
             phases_p50 = {p: float(np.median(clock.ms[p])) for p in PHASES}
             phases_p50["other"] = float(
                 np.median(np.array(totals) - sum(np.array(clock.ms[p]) for p in PHASES)))
+        profiled = None
+        if profile_trace is not None:  # after the figures: the profiler's own cost stays out of them
+            n = min(ticks, PROFILE_TICKS)
+            progress(f"{n} ticks under the profiler")
+            first = warmup + 2 * ticks
+            _, summary = profile_ticks(lambda i: tick(kb, first + i), n, device, profile_trace)
+            profiled = asdict(summary) | {"verdict": summary.verdict()}
     kv_bytes = kb.memory.kv_cache_bytes  # what the batch sized its caches at
     ms = np.array(times) * 1000
     return BatchResult(
@@ -218,10 +234,8 @@ def _bench_batch(
         gc_full_collections=collector.full_collections,
         gc_longest_pause_ms=collector.longest_pause_ms,
         tick_ms=[round(float(t), 3) for t in ms],
+        profile=profiled,
     )
-
-
-SLOW_FACTOR = 1.5
 
 
 def slow_ticks(tick_ms: list[float], factor: float = SLOW_FACTOR) -> list[int]:
@@ -254,6 +268,7 @@ def run_engine_bench(
     int8_matmul: str = "auto",
     log=print,
     on_batch: Callable[[BenchReport], None] | None = None,
+    profile_dir: str | None = None,
 ) -> BenchReport:
     """`on_batch(report)`, if given, after loading and after each batch (measured or out of memory), with
     the figures so far: a run cut short (a timeout) keeps every finished batch's figures."""
@@ -305,7 +320,7 @@ def run_engine_bench(
             continue
         try:
             r = bench_batch(lm, mimi, b, ticks, warmup, kv_dtype, compile_mode, phases,
-                            log if compile_mode != "off" else None)
+                            log if compile_mode != "off" else None, Path(profile_dir) if profile_dir else None)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not is_out_of_memory(e):
                 raise
@@ -327,6 +342,14 @@ def run_engine_bench(
             period = f"; median gap {float(np.median(gaps)):.0f} ticks" if len(gaps) else ""
             log(f"      {len(slow)} ticks over {SLOW_FACTOR} x p50, at ticks {', '.join(map(str, slow[:12]))}"
                 f"{' ...' if len(slow) > 12 else ''}{period}")
+        if (p := r.profile) is not None:
+            log(f"      profiled {p['ticks']} ticks ({p['work']}): the rest p50 {p['normal_wall_ms']:.1f} ms, "
+                f"{p['normal_busy_ms']:.1f} busy; {len(p['slow'])} slow, p50 "
+                + (f"{p['slow_wall_ms']:.1f} ms, {p['slow_busy_ms']:.1f} busy" if p["slow"] else "-"))
+            log(f"      {p['verdict']}")
+            for name, base, late in p["grew"]:
+                log(f"        grew {base:.2f} -> {late:.2f} ms a tick: {name[:100]}")
+            log(f"      trace: {p['trace']}")
         if r.gc_full_collections:  # the heap frozen as served: a full collection now is the run's own garbage
             log(f"      {r.gc_full_collections} full garbage collections in the measured ticks, longest "
                 f"pause {r.gc_longest_pause_ms:.1f} ms")

@@ -146,6 +146,7 @@ def _bench(args: argparse.Namespace) -> int:
             int8_matmul=args.int8_matmul,
             compile_mode=args.compile,
             phases=args.phases,
+            profile_dir=args.profile,
             # After each batch, so a run its timeout cuts short keeps every finished batch's figures.
             on_batch=(lambda r: _write_atomically(Path(args.json), r.to_json() + "\n")) if args.json else None,
         )
@@ -365,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="engine bench: torch.compile the LM step (engine/compiled_step.py)")
     bench.add_argument("--phases", action="store_true",
                        help="engine bench: then time each phase of a tick (device synchronised between them)")
+    bench.add_argument("--profile", default=None, metavar="DIR",
+                       help="engine bench: then profile 60 more ticks per batch: the device's busy and idle time in "
+                            "the slow ticks against the rest, the kernels that grew, and a Chrome trace in DIR")
     bench.add_argument("--steps", type=int, default=500, help="kv bench: greedy steps per run")
     bench.add_argument("--calls", type=int, default=200, help="media/oracle bench: concurrent calls")
     bench.add_argument("--seconds", type=float, default=20.0, help="media/oracle bench: how long")

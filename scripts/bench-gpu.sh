@@ -81,11 +81,12 @@ fi
 if [[ $what == batch1 || $what == all ]]; then
   # Batch-1 latency (issue 15): the official step against --compile (engine/compiled_step.py), phase by
   # phase, at the 4-minute context. On an H100 (session 21) `off` took 47 s in all, `default` ~180 s (137 s
-  # of it the compile warm-up).
+  # of it the compile warm-up). --profile: whether the slow ticks (p99 twice p50 there) are the GPU busier
+  # or idle waiting on the host, and a trace of them (engine-<compile>-b1.trace.json.gz, a few MB).
   for c in off default; do
     case $c in off) t=120 ;; default) t=300 ;; esac
     run "batch1-$c" "$t" engine --size moshi-7b --batch 1 --context 3000 --ticks 300 --compile "$c" --phases \
-      --json "$out/batch1-$c.json"
+      --profile "$out" --json "$out/batch1-$c.json"
   done
 fi
 if [[ $what == compiled-int8 || $what == all ]]; then

@@ -31,6 +31,10 @@ WARMUP_S = min(60.0, SOAK_S / 5)  # decoder pools, allocator arenas and caches f
 CALLERS = 2  # at once, each dialling again as soon as its call ends
 RSS_SLACK_MIB = 32.0  # allocator noise; a leak of 150 KiB a call would pass this only under ~200 calls
 FD_SLACK = 2
+# redis-py keeps every connection its pool opened: how many follows the most commands the node had in flight at
+# once (a heartbeat, the store's writer, a sweep, a record read), not the number of calls. Bounded, not flat: a
+# leak of one a call would pass this within the first few dozen calls.
+REDIS_CONNECTIONS_MAX = 12
 
 
 def _rss_mib(pid: int) -> float:
@@ -40,8 +44,22 @@ def _rss_mib(pid: int) -> float:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+def _fd_targets(pid: int) -> dict[int, str]:
+    """Each open file's target, sockets named by their TCP peers (what a failed bound prints: which kind grew)."""
+    peers = {}
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+                f = line.split()
+                peers[f[9]] = f"tcp {int(f[1].rsplit(':', 1)[1], 16)}->{int(f[2].rsplit(':', 1)[1], 16)} st{f[3]}"
+    out = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                target = peers.get(target[8:-1], target)
+            out[int(fd)] = target
+    return out
 
 
 def _children(pid: int) -> list[int]:
@@ -67,8 +85,14 @@ def _serve_pid(port: int) -> int:
     raise AssertionError("serve process not found")
 
 
-def _usage(pids: list[int]) -> dict[int, tuple[float, int]]:
-    return {pid: (_rss_mib(pid), _fds(pid)) for pid in pids}
+def _usage(pids: list[int], redis_port: int) -> dict[int, tuple[float, int, int]]:
+    """Per process: (RSS MiB, open files but Redis connections, Redis connections)."""
+    out = {}
+    for pid in pids:
+        targets = list(_fd_targets(pid).values())
+        redis = sum(t.startswith("tcp ") and t.split()[1].endswith(f"->{redis_port}") for t in targets)
+        out[pid] = (_rss_mib(pid), len(targets) - redis, redis)
+    return out
 
 
 async def _seats_back(redis_url: str, node_key: str, slots: float) -> float:
@@ -126,14 +150,17 @@ async def test_calls_in_a_loop_keep_memory_and_files_flat_and_every_record(tmp_p
             env = dict(os.environ, OPENAI_BASE_URL=llm_url, OPENAI_API_KEY="none", KAME_LLM_MODEL="soak",
                        REDIS_URL=redis.url, ADMIN_TOKEN="soak-admin", KAME_NODE_ID="soak")  # fmt: skip
             env.pop("TWILIO_AUTH_TOKEN", None)
-            async with serve_process(argv, env, base, tmp_path / "serve.log"), aiohttp.ClientSession() as session:
+            async with serve_process(argv, env, base, tmp_path / "serve.log"), aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True)  # none of the test's own connections stays open
+            ) as session:
                 serve = _serve_pid(port)
                 engine_pids = _children(serve)
                 await asyncio.gather(*(caller(i, time.monotonic() + WARMUP_S) for i in range(CALLERS)))
                 await _idle(session, metrics_url)
                 pids = [serve, *_children(serve)]
                 assert len(pids) > len(engine_pids) - 1 >= 0
-                baseline = _usage(pids)
+                baseline = _usage(pids, redis.port)
+                baseline_files = {pid: _fd_targets(pid) for pid in pids}
                 # Counters from here, like memory: start-up on a 2-core box (the model loading, the STT
                 # decoders built) can delay one Redis heartbeat past its timeout; the soak is about what follows.
                 warm_metrics = await _scrape(session, metrics_url)
@@ -142,11 +169,12 @@ async def test_calls_in_a_loop_keep_memory_and_files_flat_and_every_record(tmp_p
                 soak_end = time.monotonic() + SOAK_S - WARMUP_S
                 loops = asyncio.gather(*(caller(i, soak_end) for i in range(CALLERS)))
                 while not loops.done():
-                    curve.append(_usage(pids))
+                    curve.append(_usage(pids, redis.port))
                     await asyncio.wait({loops}, timeout=15)
                 await loops
                 await _idle(session, metrics_url)
-                final = _usage(pids)
+                final = _usage(pids, redis.port)
+                final_files = {pid: _fd_targets(pid) for pid in pids}
                 metrics = await _scrape(session, metrics_url)
                 free_seats = await _seats_back(redis.url, "kame:node:soak", metrics["kame_engine_slots"])
                 headers = {"Authorization": "Bearer soak-admin"}
@@ -158,9 +186,15 @@ async def test_calls_in_a_loop_keep_memory_and_files_flat_and_every_record(tmp_p
         await redis.kill()
 
     soaked = len(reports) - warm
-    print(f"\n{len(reports)} calls ({soaked} after warm-up); pid: (RSS MiB, fds) baseline {baseline} final {final}")
+    print(f"\n{len(reports)} calls ({soaked} after warm-up); pid: (RSS MiB, files, Redis connections) baseline "
+          f"{baseline} final {final}")
     for sample in curve[:: max(1, len(curve) // 10)]:
         print("  ", sample)
+    for pid in final_files:
+        print(f"pid {pid} files opened/closed since the baseline:",
+              {fd: (baseline_files[pid].get(fd), t) for fd, t in final_files[pid].items()
+               if baseline_files[pid].get(fd) != t},
+              sorted(set(baseline_files[pid]) - set(final_files[pid])))  # fmt: skip
     outcomes = [r.outcome for r in reports]
     completed = outcomes.count("completed")
     misses = "kame_engine_deadline_misses_total"
@@ -176,11 +210,13 @@ async def test_calls_in_a_loop_keep_memory_and_files_flat_and_every_record(tmp_p
         f"seats not back once idle: {metrics['kame_engine_slots_busy']:.0f} engine slots busy, "
         f"{free_seats:.0f} of {metrics['kame_engine_slots']:.0f} free in Redis"
     )
-    for pid, (rss, fds) in final.items():
+    for pid, (rss, fds, redis_connections) in final.items():
         peak = max(s[pid][0] for s in curve)
         assert rss - baseline[pid][0] <= RSS_SLACK_MIB, f"pid {pid}: RSS {baseline[pid][0]:.0f} -> {rss:.0f} MiB"
         assert peak - baseline[pid][0] <= 2 * RSS_SLACK_MIB, f"pid {pid}: RSS peaked at {peak:.0f} MiB"
-        assert fds - baseline[pid][1] <= FD_SLACK, f"pid {pid}: {baseline[pid][1]} -> {fds} open files"
+        grown = {fd: t for fd, t in final_files[pid].items() if baseline_files[pid].get(fd) != t}
+        assert fds - baseline[pid][1] <= FD_SLACK, f"pid {pid}: {baseline[pid][1]} -> {fds} open files; new: {grown}"
+        assert redis_connections <= REDIS_CONNECTIONS_MAX, f"pid {pid}: {redis_connections} Redis connections"
     for name in ("kame_call_store_dropped_ops_total", "kame_redis_errors_total"):
         assert metrics.get(name, 0) == warm_metrics.get(name, 0), name
     lost = [(r.call_sid, status) for r, status, _ in records if status != 200]

@@ -1,0 +1,173 @@
+"""`bench engine --profile DIR`: where a slow tick's time goes, from one device call.
+
+The batch-1 tail (p99 twice p50 on the H100) has two candidate homes: the device doing more or slower work in
+those ticks (clocks, a different kernel, the ring's mask), or the host being late to launch it (the thread
+descheduled, Python, a lock), the device idle meanwhile. A profile of ticks under torch.profiler tells them
+apart: for each tick, how much of its wall time the device was busy (kernels, copies) and how much it sat idle;
+then the slow ticks against the rest, and the kernels that gained most in the slow ones. On CPU the "work" is
+the tick's top-level aten ops (the rest is Python), which tests the arithmetic and the trace without a GPU.
+
+The Chrome trace of the profiled ticks is written beside the summary (gzip; open it in Perfetto): ticks are
+`kame_tick` ranges on the host timeline.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+TICK = "kame_tick"
+SLOW_FACTOR = 1.5  # the same rule as the bench's slow_ticks: over 1.5 x the median tick
+
+
+@dataclass
+class TickBreakdown:
+    index: int
+    wall_ms: float
+    busy_ms: float  # the union of the work's intervals within the tick
+    idle_ms: float  # wall - busy: the device waiting on the host (or, on CPU, Python between ops)
+
+
+@dataclass
+class ProfileSummary:
+    work: str  # "device kernels" or "cpu ops"
+    ticks: int
+    slow: list[int]  # indices (within the profiled ticks) over SLOW_FACTOR x the median wall time
+    normal_wall_ms: float  # medians over the ticks that are not slow
+    normal_busy_ms: float
+    slow_wall_ms: float | None  # medians over the slow ticks (None: none)
+    slow_busy_ms: float | None
+    # The work whose time per tick grew most in the slow ticks: (name, ms per normal tick, ms per slow tick).
+    grew: list[tuple[str, float, float]] = field(default_factory=list)
+    trace: str | None = None  # the gzipped Chrome trace
+
+    def verdict(self) -> str:
+        """One line: whether the slow ticks are the device busier or the device idle (the host late)."""
+        if not self.normal_busy_ms and not self.slow_busy_ms:  # e.g. a CUDA graph's kernels not traced
+            return f"the profiler saw no {self.work}: no breakdown (the trace still has the host's side)"
+        if self.slow_wall_ms is None or self.slow_busy_ms is None:
+            return "no slow tick among the profiled ones"
+        extra = self.slow_wall_ms - self.normal_wall_ms
+        busier = self.slow_busy_ms - self.normal_busy_ms
+        share = busier / extra if extra > 0 else 0.0
+        where = "more work" if share >= 0.5 else "waiting on the host"
+        return (f"slow ticks are {extra:.1f} ms longer, {busier:.1f} ms of it {self.work} busy: mostly {where} "
+                f"({share:.0%} of the extra time busy)")
+
+
+def union_ms(span: tuple[float, float], intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of `intervals` clipped to `span`, in ms (the profiler's times are µs)."""
+    lo, hi = span
+    clipped = sorted((max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi)
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in clipped:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total / 1000.0
+
+
+def summarise(ticks: list[tuple[float, float]], work: list[tuple[str, float, float]], kind: str,
+              top: int = 5) -> tuple[list[TickBreakdown], ProfileSummary]:
+    """Per-tick breakdown and the slow-against-normal summary, from tick spans and named work intervals
+    (both in µs on one clock)."""
+    starts = np.array([s for s, _ in ticks])
+    per_tick: list[list[tuple[str, float, float]]] = [[] for _ in ticks]
+    for name, s, e in work:  # each piece of work to the tick it starts in (ticks do not overlap)
+        i = int(np.searchsorted(starts, s, side="right")) - 1
+        if 0 <= i < len(ticks) and s < ticks[i][1]:
+            per_tick[i].append((name, s, e))
+    rows = []
+    for i, (span, items) in enumerate(zip(ticks, per_tick, strict=True)):
+        wall = (span[1] - span[0]) / 1000.0
+        busy = union_ms(span, [(s, e) for _, s, e in items])
+        rows.append(TickBreakdown(i, wall, busy, wall - busy))
+    walls = np.array([r.wall_ms for r in rows])
+    limit = SLOW_FACTOR * float(np.median(walls))
+    slow = [r.index for r in rows if r.wall_ms > limit]
+    normal = [r for r in rows if r.index not in set(slow)]
+    slow_rows = [rows[i] for i in slow]
+
+    def per_name(indices: list[int]) -> dict[str, float]:
+        sums: dict[str, float] = defaultdict(float)
+        for i in indices:
+            for name, s, e in per_tick[i]:
+                sums[name] += (e - s) / 1000.0
+        return {k: v / max(1, len(indices)) for k, v in sums.items()}
+
+    grew: list[tuple[str, float, float]] = []
+    if slow:
+        base, late = per_name([r.index for r in normal]), per_name(slow)
+        names = sorted(set(base) | set(late), key=lambda n: late.get(n, 0) - base.get(n, 0), reverse=True)
+        grew = [(n, round(base.get(n, 0.0), 3), round(late.get(n, 0.0), 3)) for n in names[:top]]
+    summary = ProfileSummary(
+        work=kind,
+        ticks=len(rows),
+        slow=slow,
+        normal_wall_ms=float(np.median([r.wall_ms for r in normal])),
+        normal_busy_ms=float(np.median([r.busy_ms for r in normal])),
+        slow_wall_ms=float(np.median([r.wall_ms for r in slow_rows])) if slow_rows else None,
+        slow_busy_ms=float(np.median([r.busy_ms for r in slow_rows])) if slow_rows else None,
+        grew=grew,
+    )
+    return rows, summary
+
+
+def _top_level_cpu_op(event) -> bool:  # type: ignore[no-untyped-def]
+    parent = event.cpu_parent
+    return event.name.startswith("aten::") and (parent is None or parent.name == TICK)
+
+
+def profile_ticks(tick: Callable[[int], object], n: int, device: torch.device, trace: Path | None = None,
+                  ) -> tuple[list[TickBreakdown], ProfileSummary]:
+    """Run `tick(i)` n times under the profiler; the per-tick breakdown and its summary. With `trace`, the
+    Chrome trace is gzipped there."""
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for i in range(n):
+            with record_function(TICK):
+                tick(i)
+        if cuda:
+            torch.cuda.synchronize(device)
+    events = prof.events()
+    # The host's ranges: kineto mirrors a range holding kernels onto the device timeline as well (a user
+    # annotation there), which is neither a tick nor work.
+    ticks = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.name == TICK and e.device_type == DeviceType.CPU)  # fmt: skip
+    if cuda:  # kernels and copies on the device timeline (a CUDA graph's replayed kernels included)
+        work = [(e.name, e.time_range.start, e.time_range.end) for e in events
+                if e.device_type == DeviceType.CUDA and e.name != TICK and not e.is_user_annotation]  # fmt: skip
+        kind = "device kernels"
+    else:
+        work = [(e.name, e.time_range.start, e.time_range.end) for e in events if _top_level_cpu_op(e)]
+        kind = "cpu ops"
+    rows, summary = summarise(ticks, work, kind)
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        fd, raw = tempfile.mkstemp(suffix=".json", dir=trace.parent)
+        os.close(fd)
+        try:
+            prof.export_chrome_trace(raw)
+            with open(raw, "rb") as src, gzip.open(trace, "wb", compresslevel=6) as dst:
+                shutil.copyfileobj(src, dst)
+        finally:
+            os.unlink(raw)
+        summary.trace = str(trace)
+    return rows, summary

@@ -1,0 +1,71 @@
+"""`bench engine --profile`: the slow ticks told apart, host late or device busier, from a real profiler run."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+
+import torch
+
+from engine.tick_profile import TICK, profile_ticks, summarise, union_ms
+from kame_phone.cli import main
+
+
+def test_union_merges_overlaps_and_clips_to_the_tick() -> None:
+    # µs in, ms out: [0,1000] and [500,1500] merge; [2000,9000] is clipped to the span's end at 3000.
+    assert union_ms((0, 3000), [(500, 1500), (0, 1000), (2000, 9000), (4000, 5000)]) == 2.5
+    assert union_ms((0, 3000), []) == 0.0
+
+
+def test_summary_says_which_slow_ticks_were_more_work_and_which_waited() -> None:
+    ticks = [(i * 100_000.0, i * 100_000.0 + 10_000) for i in range(10)]
+    work = [("main", s, s + 8_000) for s, _ in ticks]
+    ticks[3] = (ticks[3][0], ticks[3][0] + 30_000)  # the host late: wall 30 ms, the same 8 ms of work
+    _, late = summarise(ticks, work, "device kernels")
+    assert late.slow == [3] and late.slow_wall_ms == 30.0 and late.slow_busy_ms == 8.0
+    assert "waiting on the host" in late.verdict() and late.normal_busy_ms == 8.0
+
+    ticks[3] = (ticks[3][0], ticks[3][0] + 10_000)
+    work.append(("attention", 700_000 + 8_000, 700_000 + 28_000))  # tick 7: 20 ms more of one kernel
+    ticks[7] = (700_000.0, 700_000.0 + 30_000)
+    _, busy = summarise(ticks, work, "device kernels")
+    assert busy.slow == [7] and "more work" in busy.verdict()
+    assert busy.grew[0] == ("attention", 0.0, 20.0)
+
+    _, blind = summarise(ticks, [], "device kernels")  # no kernel seen: no verdict on them
+    assert blind.slow == [7] and "saw no device kernels" in blind.verdict()
+
+
+def test_a_real_profile_finds_the_stalled_tick_and_the_heavier_one(tmp_path) -> None:
+    a = torch.randn(256, 256)
+
+    def tick(i: int) -> None:
+        for _ in range(4):
+            torch.mm(a, a)
+        if i == 5:
+            time.sleep(0.05)  # the host late: no op runs
+        if i == 9:
+            for _ in range(40):
+                torch.mm(a, a)  # more work
+
+    rows, summary = profile_ticks(tick, 12, torch.device("cpu"), tmp_path / "t.trace.json.gz")
+    assert summary.work == "cpu ops" and len(rows) == 12
+    assert all(0 <= r.busy_ms <= r.wall_ms + 1e-6 for r in rows)
+    assert 5 in summary.slow and 9 in summary.slow
+    assert rows[5].idle_ms > 40 and rows[9].busy_ms > 5 * summary.normal_busy_ms
+    assert summary.grew[0][0] == "aten::mm"
+    events = json.loads(gzip.decompress((tmp_path / "t.trace.json.gz").read_bytes()))["traceEvents"]
+    assert sum(e.get("name") == TICK for e in events) == 12
+
+
+def test_engine_bench_profiles_the_tiny_model_and_writes_the_trace(tmp_path, capsys) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "engine", "--size", "tiny", "--batch", "2", "--ticks", "6", "--warmup", "2",
+                 "--device", "cpu", "--profile", str(tmp_path), "--json", str(out)]) == 0  # fmt: skip
+    p = json.loads(out.read_text())["results"][0]["profile"]
+    assert p["ticks"] == 6 and p["work"] == "cpu ops" and 0 < p["normal_busy_ms"] <= p["normal_wall_ms"]
+    assert p["trace"] == str(tmp_path / "engine-off-b2.trace.json.gz") and p["verdict"]
+    events = json.loads(gzip.decompress((tmp_path / "engine-off-b2.trace.json.gz").read_bytes()))["traceEvents"]
+    assert sum(e.get("name") == TICK for e in events) == 6
+    assert "profiled 6 ticks (cpu ops)" in capsys.readouterr().out
