@@ -51,8 +51,8 @@ class FrameTicker:
 
     def follow(self, pace: threading.Event | None) -> None:
         """Step each time `pace` is set (the other loop's tick just ended; this clears it), or on this
-        thread's own clock again (None). While `pace` stays quiet for a period and a half (the other loop
-        idle, or gone), steps go on at that interval."""
+        thread's own clock again (None). When `pace` stays quiet for a period and a half (a late tick, the
+        other loop idle or gone), a step goes on without it, then one every period while it stays quiet."""
         self._pace = pace
 
     @property
@@ -73,17 +73,24 @@ class FrameTicker:
         torch.set_grad_enabled(False)  # grad mode is per thread
         deadline = self.clock()
         last = deadline - self.period_s  # when the last step started (following)
+        stood_in = False  # the last step was taken on the timeout, standing in for a late tick of the other loop
         while self._running.is_set():
             pace = self._pace
             if pace is not None:
-                paced = pace.wait(timeout=max(0.0, last + 1.5 * self.period_s - self.clock()))
+                # A period and a half for a tick that is late; once quiet (the other loop idle, gone), a step
+                # every period: the audio comes at that rate, slower steps would grow every row's backlog.
+                wait = (1.0 if stood_in else 1.5) * self.period_s
+                paced = pace.wait(timeout=max(0.0, last + wait - self.clock()))
                 pace.clear()
                 if not self._running.is_set():
                     break
-                if paced and self.clock() - last < 0.5 * self.period_s:
-                    # A tick of the other loop that ended just after a step of ours (taken when it was late):
-                    # that step was this tick's, or a slow engine would get two steps a tick of it.
+                if paced and stood_in and self.clock() - last < 0.5 * self.period_s:
+                    # The late tick that step stood in for: stepping for it too would give a slow engine two
+                    # steps a tick. Only that one: two ticks close together (an overrun, then the catch-up
+                    # tick that starts at once) are two frames, each its step.
+                    stood_in = False
                     continue
+                stood_in = not paced
                 started = last = self.clock()
                 self.step()
                 finished = self.clock()

@@ -37,7 +37,8 @@ Design:
   (13 frames for stt-2.6b-en) made each join a catch-up of whole-batch steps: a burst of call starts ran
   4 steps a tick for seconds, and the KAME engine sharing the GPU missed its frames and turned calls
   away (H100, docs/benchmarks.md section 4). A call that finds no primed row takes the most primed one
-  and its remaining prefix frames. At start the warm-up primes every row.
+  and its remaining prefix frames. At start the warm-up primes every row. A failed step pauses priming
+  until a step works (a call's), or for `PRIMING_RETRY_S`.
 - A row's reset is per row (moshi resets KV caches, conv state and offsets in place); a call leaves by
   simply not executing; -2 rows are never decoded. Batch shape never changes, so CUDA graphs stay valid.
 - Finals: when the end-of-turn head fires, the final waits `audio_delay_seconds` more steps so the last
@@ -80,6 +81,10 @@ log = logging.getLogger(__name__)
 UNGENERATED = -2  # moshi's "this row produced nothing"
 TEXT_PADDING, END_OF_PADDING = 3, 0  # Kyutai STT text ids that carry no text
 DEFAULT_CHECKPOINT = "kyutai/stt-1b-en_fr"
+# Priming paused by a failed step is tried again after this long without a call's step to re-arm it: a transient
+# fault on an idle node would otherwise leave every row unprimed for the next burst of calls (the catch-up that
+# priming removes), where a GPU that stays broken costs one failed step this often.
+PRIMING_RETRY_S = 30.0
 
 
 class SttCapacityError(RuntimeError):
@@ -99,6 +104,10 @@ class KyutaiSttOptions:
     # away (docs/benchmarks.md, section 4). 2 catches up one frame a tick after a stall at half that load.
     max_steps_per_tick: int = 2
     warmup_steps: int = 2  # on CUDA the second step captures the graphs
+
+    def __post_init__(self) -> None:
+        if self.max_steps_per_tick < 1:  # 0 would never step: every call's transcript silent
+            raise ValueError(f"max_steps_per_tick must be >= 1 (got {self.max_steps_per_tick})")
 
 
 def _frames(seconds: float) -> int:
@@ -180,6 +189,7 @@ class _Row:
     inbox: deque[np.ndarray] = field(default_factory=deque)
     outbox: list[SttResult] = field(default_factory=list)
     needs_reset: bool = True
+    prefix_queued: int = 0  # silence-prefix frames still at the head of the inbox (not the call's audio)
     steps: int = 0
     dropped_frames: int = 0
     failure: str | None = None
@@ -251,6 +261,7 @@ class KyutaiSttEngine:
         # Priming rides on a sound model only: after a failed step it waits for a step that works (a call's),
         # or an idle engine with a broken GPU would fail a whole-batch step every tick, for ever.
         self._priming = True
+        self._priming_failed_at = 0.0  # monotonic time of the failure that paused it
         self._leases = 0
         self._lock = threading.Lock()
         self._model_lock = threading.Lock()  # one step at a time (thread vs. direct callers)
@@ -298,7 +309,8 @@ class KyutaiSttEngine:
                 # The most primed free row: a primed one adds no backlog, so no catch-up steps.
                 index = min(free, key=lambda i: (self._prime_reset[i], self._prime_left[i]))
                 self._leases += 1
-                new = _Row(self._leases, self._new_assembler(), needs_reset=self._prime_reset[index])
+                new = _Row(self._leases, self._new_assembler(), needs_reset=self._prime_reset[index],
+                           prefix_queued=self._prime_left[index])  # fmt: skip
                 new.inbox.extend(np.zeros(FRAME_SAMPLES, np.float32) for _ in range(self._prime_left[index]))
                 self._prime_left[index], self._prime_reset[index] = 0, False
                 self._rows[index] = new
@@ -322,6 +334,7 @@ class KyutaiSttEngine:
             row.inbox.extend(frames)
             while len(row.inbox) > self._max_backlog:  # the engine fell behind: keep the newest audio
                 row.inbox.popleft()
+                row.prefix_queued = max(0, row.prefix_queued - 1)
                 row.dropped_frames += 1
                 metrics.STT_DROPPED_FRAMES.inc()
                 if row.dropped_frames in (1, 100) or row.dropped_frames % 1000 == 0:
@@ -344,6 +357,7 @@ class KyutaiSttEngine:
             row = self._row(index, lease)
             row.inbox.clear()
             row.inbox.extend(np.zeros(FRAME_SAMPLES, np.float32) for _ in range(self.prefix_frames))
+            row.prefix_queued = self.prefix_frames
             row.outbox.clear()
             row.assembler.reset()
             row.needs_reset = True
@@ -367,6 +381,8 @@ class KyutaiSttEngine:
         leases = [0] * B
         with self._model_lock:
             with self._lock:
+                if not self._priming and time.monotonic() - self._priming_failed_at > PRIMING_RETRY_S:
+                    self._priming = True
                 for index, row in enumerate(self._rows):
                     if row is None:
                         if self._priming and self._prime_left[index] > 0:  # priming: silence, tokens dropped
@@ -377,6 +393,7 @@ class KyutaiSttEngine:
                     if not row.inbox or row.failure is not None:
                         continue
                     pcm[index] = row.inbox.popleft()
+                    row.prefix_queued = max(0, row.prefix_queued - 1)
                     active[index] = True
                     leases[index] = row.lease
                     if row.needs_reset:
@@ -433,18 +450,26 @@ class KyutaiSttEngine:
     def _fail(self, active: np.ndarray, leases: list[int], exc: Exception) -> None:
         """A failed step leaves model state unknown: its rows report the error and get reset on reuse."""
         with self._lock:
-            self._priming = False
+            self._priming, self._priming_failed_at = False, time.monotonic()
             for index, row in enumerate(self._rows):
                 if not active[index]:
                     continue
                 if row is None:  # a free row priming: start its priming over
                     self._prime_left[index], self._prime_reset[index] = self.prefix_frames, True
-                elif row.lease == leases[index] or leases[index] == 0:  # its call's, or taken while it primed
+                elif leases[index] == 0:
+                    # Taken by a call while the step primed it: none of the call's audio went through the
+                    # model, so the row starts over (reset, the whole prefix) rather than failing the call,
+                    # which would lose its first second or more of speech.
+                    stepped = self.prefix_frames - row.prefix_queued
+                    row.inbox.extendleft(np.zeros(FRAME_SAMPLES, np.float32) for _ in range(stepped))
+                    row.prefix_queued, row.needs_reset = self.prefix_frames, True
+                elif row.lease == leases[index]:  # its call's audio was in the step
                     row.failure = f"{type(exc).__name__}: {exc}"
 
     def backlog(self) -> int:
         with self._lock:
-            return max((len(r.inbox) for r in self._rows if r is not None), default=0)
+            # A failed row is never stepped again: counted, its inbox would buy catch-up steps every tick.
+            return max((len(r.inbox) for r in self._rows if r is not None and r.failure is None), default=0)
 
     def tick(self) -> int:
         """One 80 ms tick: a step, plus catch-up steps while some row is behind. Returns the steps run."""

@@ -590,3 +590,77 @@ def test_steps_and_catch_up_steps_are_exported(make_engine) -> None:
     assert engine.tick() == engine.options.max_steps_per_tick == 2
     assert metric("kame_stt_step_seconds_count") == steps + 2
     assert metric("kame_stt_catchup_steps_total") == catchups + 1
+
+
+def test_a_call_joining_a_row_while_its_priming_step_fails_starts_over_instead_of_failing(make_engine) -> None:
+    """A call took a free row while the step priming it failed: none of its audio was in that step, so the row
+    starts over (reset, the whole prefix) and the call goes on. Failing it lost the caller's first second or
+    more (the back-end waits, then clears the queued audio). Found by review, session 22."""
+    a = audio(7, 10)
+    cold = make_engine(max_streams=2)
+    ref, _ = run_rows(cold, {i: [(0, a[i])] for i in range(10)}, 10)
+    engine = make_engine(max_streams=2)
+    other = engine.open_stream()  # row 0
+    joined: dict[str, KyutaiStreamingSTT] = {}
+    real = engine._model_step
+
+    def failing(pcm, active, reset):  # type: ignore[no-untyped-def]
+        if active[1] and not joined:
+            joined["call"] = engine.open_stream()  # row 1, while its priming step runs
+            raise RuntimeError("CUDA error: launch failure")
+        return real(pcm, active, reset)
+
+    engine._model_step = failing  # type: ignore[method-assign]
+    other.feed(audio(8, 1)[0])
+    try:
+        engine.step()
+    except RuntimeError:
+        pass
+    engine._model_step = real  # type: ignore[method-assign]
+    call = joined["call"]
+    row = engine._rows[call.row]
+    assert call.row == 1 and row.failure is None and row.needs_reset
+    assert len(row.inbox) == row.prefix_queued == engine.prefix_frames
+    with pytest.raises(RuntimeError):
+        other.feed(a[0])  # row 0's audio was in the failed step: its call fails, as before
+    tokens = []
+    for frame in a:
+        call.feed(frame)
+        while engine.backlog():
+            tokens.append(int(engine.step().tokens[1]))
+    assert tokens == ref[0]  # the prefix then the call's audio, as on a cold row
+
+
+def test_a_failed_row_buys_no_catch_up_steps_and_priming_is_tried_again_later(make_engine, monkeypatch) -> None:
+    """A failed row is never stepped again: its queued frames must not count as backlog (each tick would run
+    `max_steps_per_tick` whole-batch steps for nothing). Priming paused by a failure resumes after
+    PRIMING_RETRY_S even with no call to re-arm it, so the next burst of calls finds primed rows."""
+    import knowledge.stt_kyutai as mod
+
+    engine = make_engine(max_streams=2)
+    call = engine.open_stream()
+    real = engine._model_step
+
+    def broken(pcm, active, reset):  # type: ignore[no-untyped-def]
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    engine._model_step = broken  # type: ignore[method-assign]
+    for frame in audio(11, 6):
+        call.feed(frame)
+    with pytest.raises(RuntimeError):
+        engine.step()
+    assert engine._rows[call.row].failure is not None and engine._rows[call.row].inbox
+    assert engine.backlog() == 0
+    engine._model_step = real  # type: ignore[method-assign]
+    call.close()  # the call leaves; no call's step re-arms priming
+    assert engine.step() is None  # paused: the model is left alone
+    monkeypatch.setattr(mod, "PRIMING_RETRY_S", 0.0)
+    assert engine.step() is not None  # tried again: both free rows prime
+    assert engine._prime_left == [engine.prefix_frames - 1] * 2
+
+
+def test_catch_up_of_zero_steps_a_tick_is_refused() -> None:
+    from knowledge.stt_kyutai import KyutaiSttOptions
+
+    with pytest.raises(ValueError, match="max_steps_per_tick"):
+        KyutaiSttOptions(max_steps_per_tick=0)

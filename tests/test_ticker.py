@@ -29,8 +29,10 @@ def test_a_follower_steps_after_each_pace_and_on_its_own_when_the_pace_is_quiet(
             time.sleep(0.12)
         assert len(steps) == 5
         assert all(0 <= step - at < 0.05 for step, at in zip(steps, sets, strict=True))  # right after each
-        time.sleep(0.75)  # quiet: 0.3 s apart on its own
-        assert 6 <= len(steps) <= 8
+        time.sleep(0.75)  # quiet: on its own, 0.3 s after the last, then every 0.2 s (the audio's rate)
+        assert 7 <= len(steps) <= 9
+        quiet = [b - a for a, b in zip(steps[4:], steps[5:], strict=False)]
+        assert 0.25 < quiet[0] < 0.4 and all(0.15 < gap < 0.27 for gap in quiet[1:]), quiet
         ticker.follow(None)  # its own clock again: every 0.2 s
         time.sleep(0.35)  # (the wait under way ends first, at most 0.3 s)
         before = len(steps)
@@ -60,3 +62,24 @@ def test_a_follower_of_a_slow_loop_steps_once_per_tick_of_it() -> None:
         ticker.stop()
     gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
     assert 12 <= len(steps) <= 19 and min(gaps) > 0.045, (len(steps), min(gaps))  # (two a tick: ~24, 0.02 s)
+
+
+def test_a_follower_steps_for_each_of_two_ticks_close_together() -> None:
+    """The other loop's tick overran and the next one started at once (a late tick starts late, it is not
+    skipped): two ticks 30 ms apart are two frames of audio, each its step. Skipping the second left every
+    call's transcript a frame further behind for each overrun."""
+    steps: list[float] = []
+    ticker = FrameTicker("follower", lambda: steps.append(time.monotonic()), period_s=0.1)
+    pace = threading.Event()
+    ticker.follow(pace)
+    ticker.start()
+    try:
+        for _ in range(4):  # 4 x (an overrun tick of 0.12 s, then a catch-up tick of 0.03 s)
+            time.sleep(0.12 if steps else 0.02)
+            pace.set()
+            time.sleep(0.03)
+            pace.set()
+        time.sleep(0.05)
+    finally:
+        ticker.stop()
+    assert len(steps) == 8, len(steps)
