@@ -159,7 +159,7 @@ class CallStore(Protocol):
     async def list_recent(self, limit: int = 50) -> list[CallRecord]: ...
     async def streaming_nodes(self) -> set[str]: ...
     async def streaming_on(self, node: str) -> dict[str, CallBrief]: ...
-    async def end_lost(self, call_sid: str, node: str, reason: str) -> bool: ...
+    async def end_lost(self, call_sid: str, node: str, reason: str, alive_keys: Sequence[str] = ()) -> bool: ...
     def adopt(self, call_sid: str) -> None: ...
     async def ping(self) -> bool: ...
     async def flush(self) -> None: ...
@@ -369,9 +369,10 @@ class MemoryCallStore(_OpStore):
         return {sid: CallBrief(r.state, r.node, r.agent) for sid, (r, _) in self._records.items()
                 if r.state == "streaming" and r.node == node}  # fmt: skip
 
-    async def end_lost(self, call_sid: str, node: str, reason: str) -> bool:
+    async def end_lost(self, call_sid: str, node: str, reason: str, alive_keys: Sequence[str] = ()) -> bool:
         """End a call still streaming on `node`, which left it behind; False if it is not (any more). (One
-        process: no other node's calls, so no rule about this store's own, as RedisCallStore has.)"""
+        process: no other node's calls, so no rule about this store's own, as RedisCallStore has, and no
+        heartbeat keys to check.)"""
         entry = self._records.get(call_sid)
         if entry is None or entry[0].state != "streaming" or entry[0].node != node:
             return False
@@ -496,6 +497,9 @@ return out
 _END_LOST_LUA = """
 local r = redis.call('HMGET', KEYS[1], 'state', 'node', ARGV[4])
 if r[1] ~= 'streaming' or r[2] ~= ARGV[1] or r[3] then return 0 end
+for i = 3, #KEYS do  -- the node's heartbeat keys: back (restarted under its id) since it was found gone
+  if redis.call('EXISTS', KEYS[i]) == 1 then return 0 end
+end
 redis.call('HSET', KEYS[1], 'state', 'ended', 'end_reason', ARGV[2], 'ended_at', ARGV[3])
 redis.call('SREM', KEYS[2] .. ':' .. ARGV[1], ARGV[5])
 return 1
@@ -932,12 +936,13 @@ class RedisCallStore(_OpStore):
                                                     args=[self._call_prefix, node]))  # fmt: skip
         return {sid: CallBrief("streaming", node, agent or None) for sid, agent in rows}
 
-    async def end_lost(self, call_sid: str, node: str, reason: str) -> bool:
+    async def end_lost(self, call_sid: str, node: str, reason: str, alive_keys: Sequence[str] = ()) -> bool:
         """End a call that `node`, gone, left streaming: once however many nodes find it (True: the one that
-        ended it, to count it), written at once. False if it is not streaming on `node` (any more), or if this
-        store has written to it: a call of this run is ended by this run."""
+        ended it, to count it), written at once. False if it is not streaming on `node` (any more), if this
+        store has written to it (a call of this run is ended by this run), or if any of `alive_keys` (the
+        node's heartbeat keys) exists: the node is back, and its calls of the new run are its own."""
         args = [node, reason, repr(time.time()), self._seq_field, call_sid]
-        keys = [self._call_keys(call_sid)[0], self._streaming_key]
+        keys = [self._call_keys(call_sid)[0], self._streaming_key, *alive_keys]
         return bool(await self._guard(self._end_lost(keys=keys, args=args)))
 
     @staticmethod

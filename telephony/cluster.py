@@ -120,6 +120,11 @@ class Cluster(Protocol):
         """Whether node `node_id` still heartbeats (its node hash has not expired). None: cannot tell."""
         ...
 
+    def heartbeat_keys(self, node_id: str) -> tuple[str, ...]:
+        """The Redis keys whose presence says `node_id` heartbeats (none without Redis): ending a gone node's
+        call checks them in the same script, so a node back in the meantime keeps its calls."""
+        ...
+
 
 class LocalCluster:
     """One node, in process: the per-call tokens of `Admission` plus this node's free slots."""
@@ -181,6 +186,9 @@ class LocalCluster:
 
     async def node_alive(self, node_id: str) -> bool | None:
         return True if node_id == self.node_id else None  # no registry of other nodes here
+
+    def heartbeat_keys(self, node_id: str) -> tuple[str, ...]:
+        return ()
 
 
 _NOW_MS_LUA = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
@@ -681,10 +689,13 @@ class RedisCluster:
             return None  # a Redis that fails us may have lost no node: say nothing
         try:
             # Either key expires node_ttl_s after the node's last beat (alive:<id>: a node out of routing).
-            return bool(await self._redis.exists(self._node_key(node_id), self._alive_key(node_id)))
+            return bool(await self._redis.exists(*self.heartbeat_keys(node_id)))
         except _REDIS_FAILURES as exc:
             self._failed("node_alive", exc)
             return None
+
+    def heartbeat_keys(self, node_id: str) -> tuple[str, ...]:
+        return self._node_key(node_id), self._alive_key(node_id)
 
 
 def _ms(seconds: float) -> int:

@@ -394,11 +394,18 @@ async def handle_call_status(request: web.Request) -> web.Response:
         elif record is not None and record.state == "streaming" and record.node is not None:
             # A live node ends its own calls. One that no longer heartbeats crashed with the call: without
             # this its record said "streaming" until it expired (24 h). None (Redis failing): left alone.
+            # (Its heartbeat may not have expired yet: then the lost-call sweep ends it, lost_calls.py.) Ended in
+            # one script with the sweep's check: once, counted once, and not if the node is back meanwhile.
             if await ctx.cluster.node_alive(record.node) is False:
-                log.warning("call status %s for a call streaming on node %s, which is gone: ended as node_lost",
-                            status, record.node)  # fmt: skip
-                metrics.CALLS_TOTAL.labels(outcome="node_lost", agent=record.agent or "default").inc()
-                await ctx.store.end(call_sid, "node_lost")
+                try:
+                    ended = await ctx.store.end_lost(call_sid, record.node, "node_lost",
+                                                     ctx.cluster.heartbeat_keys(record.node))  # fmt: skip
+                except CallStoreUnavailable:
+                    return web.Response(status=204)  # the sweeps end it once Redis answers
+                if ended:
+                    log.warning("call status %s for a call streaming on node %s, which is gone: ended as "
+                                "node_lost", status, record.node)  # fmt: skip
+                    metrics.CALLS_TOTAL.labels(outcome="node_lost", agent=record.agent or "default").inc()
     return web.Response(status=204)
 
 
@@ -677,10 +684,13 @@ async def run_service(
         return 0
     finally:
         await sweep.aclose()
-        await ctx.cluster.aclose()  # other nodes stop seeing this one now, not after node_ttl_s
         if engine is not None:
             await engine.stop()
+        # The drained calls' ends are written (the store's close flushes, bounded) before this node leaves the
+        # cluster: gone, its calls still "streaming" in Redis would be ended by the other nodes' sweeps as
+        # node_lost, and counted twice.
         await store.aclose()
+        await ctx.cluster.aclose()  # other nodes stop seeing this one now, not after node_ttl_s
         if ctx.twilio_rest is not None:
             await ctx.twilio_rest.aclose()
         await handle.aclose()

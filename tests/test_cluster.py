@@ -717,7 +717,8 @@ async def test_the_final_call_status_ends_a_call_left_streaming_by_a_node_that_i
     """A node that crashes mid-call ends nothing: its calls' records said "streaming" until they expired (24 h),
     and the status callback (which may land on any node) only closed calls still ringing. Now a call streaming
     on a node that no longer heartbeats is ended there (node_lost); one on a live node is left to that node.
-    The check reads the record's state and node only, never the whole record (every turn of a long call)."""
+    The check reads the record's state and node only, never the whole record (every turn of a long call). The
+    records are the nodes' own (another store wrote them): the end is the sweep's one script (`end_lost`)."""
     token = "t" * 32
     store = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")
     config = ServiceConfig(host="127.0.0.1", port=0, twilio_auth_token=token, redis_url=REDIS_URL, redis_prefix=prefix,
@@ -733,11 +734,12 @@ async def test_the_final_call_status_ends_a_call_left_streaming_by_a_node_that_i
 
     try:
         async with nodes(prefix, {"alive": 1}):
+            writer = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")  # the nodes' own stores
             for sid, node in ((lost, "crashed"), (live, "alive"), (ours, "here")):
-                await store.create(CallRecord(call_sid=sid, node=node, agent="default"))
-                await store.update(sid, state="streaming")
-                await store.append_turn(sid, "caller", "hello")
-            await store.flush()
+                await writer.create(CallRecord(call_sid=sid, node=node, agent="default"))
+                await writer.update(sid, state="streaming")
+                await writer.append_turn(sid, "caller", "hello")
+            await writer.aclose()
             store.get = whole_record  # type: ignore[method-assign]
             before = metric("kame_calls_total", outcome="node_lost")
             url = handle.http_url + CALL_STATUS_PATH
@@ -759,11 +761,12 @@ async def test_the_final_call_status_ends_a_call_left_streaming_by_a_node_that_i
     assert metric("kame_calls_total", outcome="node_lost") == before + 1
 
 
-async def test_the_sweep_ends_audiosocket_calls_left_streaming_by_a_node_that_is_gone(prefix: str) -> None:
-    """An AudioSocket call has no status callback: a node that crashed mid-call left its record "streaming"
-    until it expired (24 h). Now every node sweeps the calls streaming and ends, once, those on a node gone on
-    two sweeps in a row (node_lost). An AudioSocket-only node, out of Twilio's routing, still heartbeats: its
-    calls are left alone. Twilio's calls are left to their status callback (the test above)."""
+async def test_the_sweep_ends_calls_left_streaming_by_a_node_that_is_gone(prefix: str) -> None:
+    """An AudioSocket call has no status callback, and a Twilio call's may come before the crashed node's
+    heartbeat expired: a node that crashed mid-call left such records "streaming" until they expired (24 h).
+    Now every node sweeps the calls streaming and ends, once, those of either carrier on a node found gone on
+    two sweeps in a row, `confirm_s` apart (node_lost). An AudioSocket-only node, out of Twilio's routing,
+    still heartbeats: its calls are left alone."""
     store = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")
 
     def node(name: str, free: int, routable: bool) -> RedisCluster:
@@ -789,10 +792,10 @@ async def test_the_sweep_ends_audiosocket_calls_left_streaming_by_a_node_that_is
         assert crashed._task is not None
         crashed._task.cancel()  # it crashed: no more heartbeats, nothing ended
         await until(crashed_is_gone, "the crashed node's heartbeat expires")
-        sweeps = [LostCallSweep(store, here, "here"), LostCallSweep(store, pbx, "pbx")]
+        sweeps = [LostCallSweep(store, here, "here", confirm_s=0), LostCallSweep(store, pbx, "pbx", confirm_s=0)]
         before = metric("kame_calls_total", outcome="node_lost")
         assert [await s.sweep() for s in sweeps] == [0, 0]  # gone once: maybe only a pause in its heartbeats
-        assert sorted([await s.sweep() for s in sweeps]) == [0, 1]  # gone twice: ended by one node, once
+        assert sorted([await s.sweep() for s in sweeps]) == [0, 2]  # gone twice: ended by one node, once
         await store.flush()
         records = {sid: await store.get(sid) for sid in (lost, live, ours, twilio)}
     finally:
@@ -802,8 +805,105 @@ async def test_the_sweep_ends_audiosocket_calls_left_streaming_by_a_node_that_is
         await store.aclose()
     got = {sid: (r.state, r.end_reason) for sid, r in records.items() if r is not None}
     assert got == {lost: ("ended", "node_lost"), live: ("streaming", None), ours: ("streaming", None),
-                   twilio: ("streaming", None)}  # fmt: skip
-    assert metric("kame_calls_total", outcome="node_lost") == before + 1
+                   twilio: ("ended", "node_lost")}  # fmt: skip
+    assert metric("kame_calls_total", outcome="node_lost") == before + 2
+
+
+async def test_a_node_is_gone_only_after_confirm_s_of_sweeps_and_keeps_calls_it_is_back_for(prefix: str) -> None:
+    """A node whose heartbeats paused for a few seconds (a partition from Redis, Redis at maxclients, a stalled
+    process) was taken for gone on two sweeps 5 s apart, and its live calls ended as node_lost (then counted
+    again by the node itself). Now it must be found gone on every sweep for `confirm_s` (30 s): seen alive in
+    between, the clock starts over. A node back under its id in the meantime keeps its calls: the ending
+    script checks its heartbeat keys (review, session 22)."""
+    store = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")
+    now = [0.0]
+
+    def node(name: str) -> RedisCluster:
+        return RedisCluster(client(), name, f"ws://127.0.0.1/{name}{MEDIA_PATH}", lambda: 1, key_prefix=prefix,
+                            heartbeat_s=0.1, node_ttl_s=0.6, routable=False)  # fmt: skip
+
+    here, paused = node("here"), node("paused")
+    call = call_id_for(uuid.uuid4())
+    sweep = LostCallSweep(store, here, "here", confirm_s=30.0, clock=lambda: now[0])
+
+    async def alive(want: bool) -> bool:
+        return await here.node_alive("paused") is want
+
+    try:
+        await here.start()
+        await paused.start()
+        writer = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")
+        await writer.create(CallRecord(call_sid=call, node="paused", agent="default"))
+        await writer.update(call, state="streaming")
+        await writer.aclose()
+        assert paused._task is not None
+        paused._task.cancel()  # its heartbeats pause
+        await until(lambda: alive(False), "the paused node's heartbeat expires")
+        for t in (0.0, 5.0, 10.0, 29.0):
+            now[0] = t
+            assert await sweep.sweep() == 0  # gone, but not for 30 s yet
+        await paused.start()  # back (a restart under its id, or the pause over)
+        await until(lambda: alive(True), "the node heartbeats again")
+        now[0] = 31.0
+        assert await sweep.sweep() == 0 and sweep._gone == {}  # alive: the clock starts over
+        # Found gone, then back before the call is ended: the script sees its heartbeat and leaves the call.
+        assert not await store.end_lost(call, "paused", "node_lost", here.heartbeat_keys("paused"))
+        paused._task.cancel()
+        await until(lambda: alive(False), "the paused node's heartbeat expires again")
+        for t, ended in ((40.0, 0), (50.0, 0), (69.0, 0), (70.0, 1)):
+            now[0] = t
+            assert await sweep.sweep() == ended, t
+        await store.flush()
+        record = await store.get(call)
+    finally:
+        await here.aclose()
+        await paused._redis.aclose()
+        await store.aclose()
+    assert record is not None and (record.state, record.end_reason) == ("ended", "node_lost")
+
+
+async def test_a_sweep_whose_cluster_cannot_reach_redis_ends_nothing(prefix: str) -> None:
+    """Whether a node is gone is unknown while this node's cluster client fails (node_alive None): its calls are
+    left alone however many sweeps run, not taken for gone (the store, on another client, still answers)."""
+    from .redis_support import free_port
+
+    store = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")
+    blind = RedisCluster(client(f"redis://127.0.0.1:{free_port()}/0"), "here", "ws://127.0.0.1/here" + MEDIA_PATH,
+                         lambda: 1, key_prefix=prefix)  # fmt: skip
+    call = call_id_for(uuid.uuid4())
+    try:
+        writer = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")
+        await writer.create(CallRecord(call_sid=call, node="elsewhere", agent="default"))
+        await writer.update(call, state="streaming")
+        await writer.aclose()
+        sweep = LostCallSweep(store, blind, "here", confirm_s=0)
+        assert [await sweep.sweep() for _ in range(3)] == [0, 0, 0]
+        record = await store.get(call)
+    finally:
+        await blind._redis.aclose()
+        await store.aclose()
+    assert record is not None and record.state == "streaming"
+
+
+async def test_a_live_node_prunes_its_own_set_of_names_whose_record_went(prefix: str, raw: aioredis.Redis) -> None:
+    """A busy node's set of calls streaming never expires (each call's writes refresh it): a name whose record
+    went without its end (evicted, a dropped write) stayed in it for good. The sweep reads the node's own set now
+    and then, which prunes it; a live call stays."""
+    store = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")
+    here = LocalCluster("here", "ws://127.0.0.1/here", lambda: 1)
+    live, evicted = call_id_for(uuid.uuid4()), call_id_for(uuid.uuid4())
+    try:
+        for sid in (live, evicted):
+            await store.create(CallRecord(call_sid=sid, node="here", agent="default"))
+            await store.update(sid, state="streaming")
+        await store.flush()
+        own = store._streaming_key + ":here"  # type: ignore[attr-defined]
+        assert await raw.smembers(own) == {live, evicted}
+        await raw.delete(store._call_keys(evicted)[0])  # type: ignore[attr-defined]  (evicted, no end)
+        await LostCallSweep(store, here, "here", live=lambda: {live}).prune_own()
+        assert await raw.smembers(own) == {live}
+    finally:
+        await store.aclose()
 
 
 async def test_a_node_restarted_under_its_id_ends_the_calls_its_last_run_left_streaming(prefix: str) -> None:
