@@ -215,8 +215,12 @@ def _bench_batch(
             n = min(ticks, PROFILE_TICKS)
             progress(f"{n} ticks under the profiler")
             first = warmup + 2 * ticks
-            _, summary = profile_ticks(lambda i: tick(kb, first + i), n, device, profile_trace)
-            profiled = asdict(summary) | {"verdict": summary.verdict()}
+            try:
+                _, summary = profile_ticks(lambda i: tick(kb, first + i), n, device, profile_trace)
+                profiled = asdict(summary) | {"verdict": summary.verdict()}
+            except Exception as e:  # noqa: BLE001  (the figures above are kept: a GPU session may not come again)
+                progress(f"profiling failed: {type(e).__name__}: {e}")
+                profiled = {"error": f"{type(e).__name__}: {e}"}
     kv_bytes = kb.memory.kv_cache_bytes  # what the batch sized its caches at
     ms = np.array(times) * 1000
     return BatchResult(
@@ -342,7 +346,7 @@ def run_engine_bench(
             period = f"; median gap {float(np.median(gaps)):.0f} ticks" if len(gaps) else ""
             log(f"      {len(slow)} ticks over {SLOW_FACTOR} x p50, at ticks {', '.join(map(str, slow[:12]))}"
                 f"{' ...' if len(slow) > 12 else ''}{period}")
-        if (p := r.profile) is not None:
+        if (p := r.profile) is not None and "error" not in p:
             log(f"      profiled {p['ticks']} ticks ({p['work']}): the rest p50 {p['normal_wall_ms']:.1f} ms, "
                 f"{p['normal_busy_ms']:.1f} busy; {len(p['slow'])} slow, p50 "
                 + (f"{p['slow_wall_ms']:.1f} ms, {p['slow_busy_ms']:.1f} busy" if p["slow"] else "-"))

@@ -69,3 +69,18 @@ def test_engine_bench_profiles_the_tiny_model_and_writes_the_trace(tmp_path, cap
     events = json.loads(gzip.decompress((tmp_path / "engine-off-b2.trace.json.gz").read_bytes()))["traceEvents"]
     assert sum(e.get("name") == TICK for e in events) == 6
     assert "profiled 6 ticks (cpu ops)" in capsys.readouterr().out
+
+
+def test_a_profile_that_fails_keeps_the_batch_figures(tmp_path, monkeypatch) -> None:
+    """The profile comes after the figures, on a GPU lent for minutes: a profiler failure there must not lose
+    the batch's measured ticks."""
+    import engine.bench as bench
+
+    def broken(*_a, **_k):  # type: ignore[no-untyped-def]
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    monkeypatch.setattr(bench, "profile_ticks", broken)
+    report = bench.run_engine_bench("tiny", [1], "cpu", ticks=3, warmup=1, log=lambda *_: None,
+                                    profile_dir=str(tmp_path))  # fmt: skip
+    (r,) = report.results
+    assert r.ticks == 3 and len(r.tick_ms) == 3 and r.profile == {"error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"}
