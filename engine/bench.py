@@ -210,6 +210,8 @@ def _bench_batch(
             phases_p50 = {p: float(np.median(clock.ms[p])) for p in PHASES}
             phases_p50["other"] = float(
                 np.median(np.array(totals) - sum(np.array(clock.ms[p]) for p in PHASES)))
+        # The collector over the figures' ticks only: the profiler below makes garbage of its own.
+        gc_full, gc_pause = collector.full_collections, collector.longest_pause_ms
         profiled = None
         if profile_trace is not None:  # after the figures: the profiler's own cost stays out of them
             n = min(ticks, PROFILE_TICKS)
@@ -235,8 +237,8 @@ def _bench_batch(
         kv_cache_gb=kv_bytes / 1e9,
         phases_p50_ms=phases_p50,
         warmup_s=warmup_s,
-        gc_full_collections=collector.full_collections,
-        gc_longest_pause_ms=collector.longest_pause_ms,
+        gc_full_collections=gc_full,
+        gc_longest_pause_ms=gc_pause,
         tick_ms=[round(float(t), 3) for t in ms],
         profile=profiled,
     )
@@ -353,6 +355,8 @@ def run_engine_bench(
             log(f"      {p['verdict']}")
             for name, base, late in p["grew"]:
                 log(f"        grew {base:.2f} -> {late:.2f} ms a tick: {name[:100]}")
+            for name, ms, n in p["top"][:6]:
+                log(f"        usual tick: {ms:.2f} ms in {n:.0f} x {name[:100]}")
             log(f"      trace: {p['trace']}")
         if r.gc_full_collections:  # the heap frozen as served: a full collection now is the run's own garbage
             log(f"      {r.gc_full_collections} full garbage collections in the measured ticks, longest "

@@ -32,6 +32,7 @@ def test_summary_says_which_slow_ticks_were_more_work_and_which_waited() -> None
     _, busy = summarise(ticks, work, "device kernels")
     assert busy.slow == [7] and "more work" in busy.verdict()
     assert busy.grew[0] == ("attention", 0.0, 20.0)
+    assert busy.top == [("main", 8.0, 1.0)]  # a usual tick: one 8 ms kernel
 
     _, blind = summarise(ticks, [], "device kernels")  # no kernel seen: no verdict on them
     assert blind.slow == [7] and "saw no device kernels" in blind.verdict()
@@ -64,6 +65,7 @@ def test_engine_bench_profiles_the_tiny_model_and_writes_the_trace(tmp_path, cap
     assert main(["bench", "engine", "--size", "tiny", "--batch", "2", "--ticks", "6", "--warmup", "2",
                  "--device", "cpu", "--profile", str(tmp_path), "--json", str(out)]) == 0  # fmt: skip
     p = json.loads(out.read_text())["results"][0]["profile"]
+    assert json.loads(out.read_text())["results"][0]["gc_full_collections"] == 0  # the profiler's own garbage apart
     assert p["ticks"] == 6 and p["work"] == "cpu ops" and 0 < p["normal_busy_ms"] <= p["normal_wall_ms"]
     assert p["trace"] == str(tmp_path / "engine-off-b2.trace.json.gz") and p["verdict"]
     events = json.loads(gzip.decompress((tmp_path / "engine-off-b2.trace.json.gz").read_bytes()))["traceEvents"]
