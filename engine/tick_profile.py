@@ -138,6 +138,12 @@ def summarise(ticks: list[tuple[float, float]], work: list[tuple[str, float, flo
     return rows, summary
 
 
+def _device_work(event) -> bool:  # type: ignore[no-untyped-def]
+    # (is_user_annotation: not in every torch the GPU boxes may have; the name check covers ours.)
+    return (event.device_type == DeviceType.CUDA and event.name != TICK
+            and not getattr(event, "is_user_annotation", False))  # fmt: skip
+
+
 def _top_level_cpu_op(event) -> bool:  # type: ignore[no-untyped-def]
     parent = event.cpu_parent
     return event.name.startswith("aten::") and (parent is None or parent.name == TICK)
@@ -167,8 +173,7 @@ def profile_ticks(tick: Callable[[int], object], n: int, device: torch.device, t
     ticks = sorted((e.time_range.start, e.time_range.end) for e in events
                    if e.name == TICK and e.device_type == DeviceType.CPU)  # fmt: skip
     if cuda:  # kernels and copies on the device timeline (a CUDA graph's replayed kernels included)
-        work = [(e.name, e.time_range.start, e.time_range.end) for e in events
-                if e.device_type == DeviceType.CUDA and e.name != TICK and not e.is_user_annotation]  # fmt: skip
+        work = [(e.name, e.time_range.start, e.time_range.end) for e in events if _device_work(e)]
         kind = "device kernels"
     else:
         work = [(e.name, e.time_range.start, e.time_range.end) for e in events if _top_level_cpu_op(e)]
