@@ -432,7 +432,8 @@ class CallBackend:
         if self.conversation.partial:
             self._handle_transcript(SttResult(self.conversation.partial, final=True), self._clock())
         # A model that keeps failing must not spin a core or flood the log: back off, doubling to 30 s.
-        await asyncio.sleep(min(30.0, self._restart_backoff_s * 2 ** (self._stt_failures - 1)))
+        # (The exponent capped: 2 ** 1023 and up overflows a float, which killed the task after 1024 failures.)
+        await asyncio.sleep(min(30.0, self._restart_backoff_s * 2 ** min(self._stt_failures - 1, 30)))
         # Audio from before the restart would arrive late and out of context: dropped, and counted as such.
         if self._audio:
             metrics.STT_DROPPED_FRAMES.inc(len(self._audio))
@@ -573,7 +574,13 @@ class CallBackend:
                 calls = []
             # A call identical to one still running is the same request seen again by a newer draft (the
             # caller's next words came before the tool answered): run once, not twice (a booking, a refund).
-            calls = [c for c in calls if _tool_key(c) not in self._tools_running]
+            # The same call twice in one answer (parallel duplicates, which some models emit) runs once too.
+            seen, unique = set(self._tools_running), []
+            for c in calls:
+                if _tool_key(c) not in seen:
+                    seen.add(_tool_key(c))
+                    unique.append(c)
+            calls = unique
             if calls:
                 # Its own task: a newer request superseding this one must not cancel the tools' work.
                 self._spawn(self._run_tools(calls), "tools")
@@ -598,8 +605,8 @@ class CallBackend:
         # A tool round like any other: a model retrying the failed action would otherwise chain "connecting
         # you" and a REST request without end while the caller waits.
         self._tool_rounds += 1
-        if self._llm is not None:
-            self._start_request(TriggerReason.TOOL_RESULT, self._clock())
+        if self._llm is not None and self.policy.ask_now(now := self._clock()):
+            self._start_request(TriggerReason.TOOL_RESULT, now)
 
     async def _run_tools(self, calls: list[ToolCallRequest]) -> None:
         assert self._tools is not None
@@ -642,5 +649,5 @@ class CallBackend:
             self._quiet_until = now + ACTION_QUIET_S
             return
         self._tool_rounds += 1
-        if self._llm is not None and not self._closed:
+        if self._llm is not None and not self._closed and self.policy.ask_now(now):
             self._start_request(TriggerReason.TOOL_RESULT, now)  # the result, in words

@@ -82,6 +82,18 @@ def _letters(text: str) -> str:
     return "".join(ch for ch in text.lower() if ch.isalnum())
 
 
+def _said_part(text: str, letters: int) -> str:
+    """`text` up to its `letters`-th letter or digit (what of a greeting the front-end said)."""
+    if letters <= 0:
+        return ""
+    seen = 0
+    for i, ch in enumerate(text):
+        seen += ch.isalnum()
+        if seen == letters:
+            return text[: i + 1]
+    return text
+
+
 def word_count(text: str) -> int:
     return len(text.split())
 
@@ -104,10 +116,13 @@ class Conversation:
     # moved on): a caller talking over the greeting does not stop the front-end saying the rest of it, and
     # the greeting turn already holds those words.
     _greeting_left: str | None = field(default=None, init=False, repr=False)
+    _greeting_turn: Turn | None = field(default=None, init=False, repr=False)
 
     def greet(self, greeting: str) -> None:
-        """The agent's greeting as the first assistant turn."""
-        self.turns.insert(0, Turn("assistant", _clean(greeting)))
+        """The agent's greeting as the first assistant turn (cut to what was said if the bot moves on from it
+        before the end: a caller who talked over it)."""
+        self._greeting_turn = Turn("assistant", _clean(greeting))
+        self.turns.insert(0, self._greeting_turn)
         self._greeting_spoken = True
         self._greeting_left = _letters(greeting)
 
@@ -153,8 +168,19 @@ class Conversation:
             if self._greeting_left.startswith(said):  # more of the greeting (or its punctuation)
                 self._greeting_left = self._greeting_left[len(said):]
                 return
-            if not self._greeting_spoken:
-                self._greeting_left = None  # the bot moved on from the greeting: its own words from here
+            if not self._greeting_left:
+                # All of it said: the bot's own words from here, the caller silent or not ("are you there?").
+                self._greeting_left, self._greeting_spoken = None, False
+            elif not self._greeting_spoken:
+                # The bot moved on before the end (the caller talked over it). Saying it word for word (its first
+                # word at least), the history holds what was said, not the rest the caller never heard; said in
+                # its own words, the greeting as written stands for them.
+                turn = self._greeting_turn
+                if turn is not None and turn.text:
+                    said = len(_letters(turn.text)) - len(self._greeting_left)
+                    if said >= len(_letters(turn.text.split()[0])):
+                        turn.text = _said_part(turn.text, said)
+                self._greeting_left = None  # its own words from here
         if self._greeting_spoken:
             return
         if not starts_word and self._bot_word_turn is not None:
@@ -199,20 +225,28 @@ class Conversation:
         exchanges = [i for i, group in enumerate(groups) if group[0].get("tool_calls") is not None]
         newest_exchange = exchanges[-1] if exchanges else -1
         chosen: list[list[dict[str, Any]]] = []
+        full = False  # the budget is spent (or what is left would clip a turn to nothing)
         for i in range(len(groups) - 1, -1, -1):
             group = groups[i]
-            if budget <= 0 and i != newest_exchange:
+            if i == newest_exchange:
+                # Sent whole whatever its size, even behind the caller's next words and with the budget spent by
+                # newer turns: without its result the LLM would call the tool again.
+                chosen.append(group)
+                budget -= _size(group)
+                continue
+            if full or budget <= 0:
+                if i > newest_exchange:
+                    continue  # on to the newest exchange, still to be sent
                 break
-            if i == newest_exchange or group[0].get("tool_calls") is not None:
-                # The newest exchange is sent whole whatever its size, even after the caller's next words:
-                # without its result the LLM would call the tool again.
-                if _size(group) <= budget or i == newest_exchange:
+            if group[0].get("tool_calls") is not None:
+                if _size(group) <= budget:
                     chosen.append(group)
                     budget -= _size(group)
                 continue  # an older exchange that does not fit is left out; older words may still fit
             limit = min(per_turn, budget)
             if len(group[0]["content"]) > limit and limit < MIN_CLIPPED_CHARS and chosen:
-                break
+                full = True
+                continue
             content = _tail(group[0]["content"], limit)
             chosen.append([{"role": group[0]["role"], "content": content}])
             budget -= len(content)

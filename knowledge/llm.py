@@ -131,14 +131,20 @@ def _error_param(exc: BaseException) -> str:
     return str(error.get("param") or "") if isinstance(error, dict) else ""
 
 
-def _refuses_tools(exc: BaseException) -> bool:
+def _refuses_tools(exc: BaseException, messages: Sequence[dict[str, Any]] = ()) -> bool:
     """A 4xx that names tools: the server cannot do function calling. Not one that blames a message of the
     history (`param` messages[...]: a tool name the model made up, e.g. `multi_tool_use.parallel`): that
-    is one call's request, and taken for the server's refusal it turned tools off for the whole process."""
+    is one call's request, and taken for the server's refusal it turned tools off for the whole process.
+    Nor, unless it names a tool's definition, one whose request carries tool exchanges (vLLM sends `param`
+    null): a server without function calling refuses a call's first request, which has none; a later one's
+    refusal may be that call's history (a chat template refusing its call ids, say)."""
     if not (isinstance(exc, openai.APIStatusError) and exc.status_code in (400, 422)):
         return False
+    if _blames_a_tool(exc):
+        return True
     param = _error_param(exc)
-    return not param.startswith("messages") and ("tool" in str(exc).lower() or _blames_a_tool(exc))
+    in_history = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+    return not param.startswith("messages") and not in_history and "tool" in str(exc).lower()
 
 
 def _blames_a_tool(exc: BaseException) -> bool:
@@ -292,8 +298,14 @@ def _add_tool_call_pieces(delta: dict[str, Any], calls: dict[int, _ToolCallParts
         function = piece.get("function") or {}
         if not isinstance(function, dict):
             raise TypeError("tool_calls[].function is not an object")
-        parts.id += str(piece.get("id") or "")
-        parts.name += str(function.get("name") or "")
+        # The id and name come whole in the call's first piece (OpenAI); some servers send them again with every
+        # piece, the id even renewed each time (vLLM's gpt-oss path, mlx-openai-server, LocalAI): joined, the id
+        # passed its limit and the whole answer, text and all, failed as malformed. The first id is kept, and a
+        # name repeated is not added again (one sent in fragments still joins).
+        parts.id = parts.id or str(piece.get("id") or "")
+        name = str(function.get("name") or "")
+        if name != parts.name:
+            parts.name += name
         parts.arguments += str(function.get("arguments") or "")
         if len(parts.arguments) > MAX_TOOL_ARGUMENTS or len(parts.name) > 64 or len(parts.id) > 128:
             raise ValueError("a tool call past its size limits")
@@ -469,7 +481,7 @@ class LlmClient:
                 log.warning("the LLM (%s) does not take %r: %s from now on", model, refused,
                             f"sending {instead!r} instead" if instead else "not sent")  # fmt: skip
                 retry = True
-            elif "tools" in extra and not streaming and _refuses_tools(exc):
+            elif "tools" in extra and not streaming and _refuses_tools(exc, messages):
                 self.tools_refused.add(tool_set)
                 names = ", ".join(sorted(tool_set[1]))
                 if _blames_a_tool(exc):
@@ -485,9 +497,10 @@ class LlmClient:
             else:
                 self._fail(exc, streaming, text, call_id, started)
         if retry:  # the same request, as the server takes it (counted once more)
-            async for draft in self.stream_draft(messages, call_id=call_id, request_id=request_id, model=model,
-                                                 tools=tools):
-                yield draft
+            again = self.stream_draft(messages, call_id=call_id, request_id=request_id, model=model, tools=tools)
+            async with contextlib.aclosing(again) as drafts:  # its HTTP stream closed at once if superseded
+                async for draft in drafts:
+                    yield draft
 
     def _fail(self, exc: Exception, streaming: bool, text: str, call_id: str, started: float) -> NoReturn:
         """Count, log and raise a failed request as an LlmError (`text`: what had streamed before it)."""

@@ -117,11 +117,29 @@ class OraclePolicy:
         s = self._s
         s.failures += 1
         cfg = self.config
-        backoff = min(cfg.backoff_max_s, cfg.backoff_initial_s * 2 ** (s.failures - 1))
+        # The exponent capped: past 1023 it overflows a float (an LLM down for hours of one long call).
+        backoff = min(cfg.backoff_max_s, cfg.backoff_initial_s * 2 ** min(s.failures - 1, 30))
         s.blocked_until = now + max(backoff, retry_after_s or 0.0)
         s.retry_pending = retry and s.auto_retries < cfg.max_auto_retries
 
     # --- the decision ------------------------------------------------------------------------------
+    def ask_now(self, now: float) -> bool:
+        """The back-end asks on its own (a tool's result, a call action that failed): whether it may, now.
+        Counted as a request, with what the caller said so far (a final heard meanwhile is in its history: the
+        next poll must not ask the same again, which restarted the answer from its first word). Not while
+        backed off after a failure: a retry is then due when it lifts, with the same history."""
+        s = self._s
+        if now < s.blocked_until:
+            s.retry_pending = True
+            return False
+        while s.request_times and s.request_times[0] <= now - self.config.window_s:
+            s.request_times.popleft()
+        s.request_times.append(now)
+        s.asked_at_words = self.word_count
+        s.final_pending = False
+        s.retry_pending = False
+        return True
+
     def poll(self, now: float) -> TriggerReason | None:
         """Call every `poll_interval_s`. Returns why a request must start now, or None.
 

@@ -18,7 +18,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
 from engine.interface import FRAME_SECONDS, CallAction, CallSetup, ToolUse
 
@@ -64,6 +64,9 @@ FRAMES_PER_WORD = 6
 AUDIO_AFTER_TEXT_FRAMES = 3
 LINE_MARK_WAIT_S = 5.0
 LINE_AFTER_CLEAR_S = 1.0  # a `clear` emptied the line before it played: what the bot says next, then the action
+# A stream Twilio stops because we acted on the call keeps that outcome (not "completed").
+_OUTCOMES_OF_OUR_ACTIONS = ("transferred", "ended_by_agent", "max_duration")
+CLOSE_WAIT_S = 5.0  # a close that has not gone through by then never will: the connection is dropped
 ACTION_ANSWER_WAIT_S = 11.0  # the REST client's own timeout (10 s), and a little more
 
 
@@ -102,7 +105,15 @@ class MediaStreamSession(CallLeg):
         return self.ws.closed
 
     async def close_transport(self) -> None:
-        await self.ws.close()
+        try:
+            # aiohttp waits up to 2 s (the socket's timeout) for the peer's close; this bounds the rest, a write
+            # to a peer that does not read (its window shut), which would wait for ever.
+            async with asyncio.timeout(CLOSE_WAIT_S):
+                await self.ws.close()
+        except TimeoutError:
+            log.warning("stream from %s: no clean close within %.0f s; dropped", self.peer, CLOSE_WAIT_S)
+            if self._transport is not None:
+                self._transport.abort()
 
     def queued_bot_s(self, now: float) -> float:
         return self.playout.backlog(now)
@@ -120,7 +131,7 @@ class MediaStreamSession(CallLeg):
             # Twilio's `stop` (or the socket closing) for a call we transferred or hung up travels apart from
             # the REST answer and may overtake it: the REST outcome, once known, is the call's.
             await asyncio.wait({self._action_task}, timeout=ACTION_ANSWER_WAIT_S)
-            if self._end_reason in ("transferred", "ended_by_agent"):
+            if self._end_reason in _OUTCOMES_OF_OUR_ACTIONS:
                 return self._end_reason
         return None
 
@@ -134,6 +145,8 @@ class MediaStreamSession(CallLeg):
                 self._last_message_at = time.monotonic()
                 if msg.type == WSMsgType.TEXT:
                     await self._on_text(msg.data)
+                elif msg.type in (WSMsgType.PING, WSMsgType.PONG):
+                    await self._on_ping(msg)
                 elif msg.type == WSMsgType.BINARY:
                     self.protocol_error(BINARY_FRAME, f"{len(msg.data)} bytes")
                 elif msg.type == WSMsgType.ERROR:
@@ -152,6 +165,17 @@ class MediaStreamSession(CallLeg):
             watchdog.cancel()
             await self.end(self._end_reason)
 
+    async def _on_ping(self, msg: WSMessage) -> None:
+        """Answered here, under a rate limit, and only to a peer that reads what it is sent: a pong written to
+        one that never reads waits for ever once the socket's buffer is full, and the receive loop with it."""
+        if not await self._limit("ping") or msg.type == WSMsgType.PONG:
+            return
+        transport = self._transport
+        if transport is not None and transport.get_write_buffer_size() > self.ctx.config.outbound_backlog_bytes:
+            return
+        with contextlib.suppress(ConnectionError):
+            await self.ws.pong(msg.data)
+
     async def end_at_max_length(self) -> None:
         """A call past --max-call-minutes (a line left open, a robocaller looping) gives its seat back: hung up
         through the REST API when it can be (the call ends there), else the stream is closed and Twilio asks
@@ -160,9 +184,16 @@ class MediaStreamSession(CallLeg):
         self._end_reason = "max_duration"
         if self.ctx.twilio_rest is not None and not self._acting:
             self._acting = True
-            await self._act("end", "max_duration")
-            self._end_reason = "max_duration"  # not the hang-up's own outcome
-        await self.ws.close()
+            # Its own task, as the agent's actions: Twilio's `stop` for the hang-up may come before the REST
+            # answer, and the receive loop's end then waits for it (before_end) instead of cancelling it with
+            # this watchdog.
+            self._action_task = self.ctx.spawn(self._hang_up_at_max_length())
+            await asyncio.wait({self._action_task})
+        await self.close_transport()
+
+    async def _hang_up_at_max_length(self) -> None:
+        await self._act("end", "max_duration")
+        self._end_reason = "max_duration"  # not the hang-up's own outcome
 
     async def _on_text(self, raw: str) -> None:
         try:
@@ -192,7 +223,7 @@ class MediaStreamSession(CallLeg):
         elif isinstance(message, StopMessage):
             if self._check_sid(message.stream_sid):
                 # Twilio stops the stream of a call we transferred or hung up: that is its outcome.
-                if self._end_reason not in ("transferred", "ended_by_agent"):
+                if self._end_reason not in _OUTCOMES_OF_OUR_ACTIONS:
                     self._end_reason = "completed"
                 await self.ws.close()
         elif isinstance(message, ConnectedMessage):
@@ -210,6 +241,8 @@ class MediaStreamSession(CallLeg):
         past real time (`media`, a drop each)."""
         if kind == "media":
             self.limits.drop(kind)
+            await self._end_if_flooding()
+        elif kind == "media_msgs":  # over its count: the bucket counted the drop
             await self._end_if_flooding()
         else:
             await self._limit(kind)
@@ -277,6 +310,8 @@ class MediaStreamSession(CallLeg):
         """Takes the caller's audio; returns the limit kind a refused message counts against, else None."""
         if not self._check_sid(message.stream_sid):
             return "invalid"
+        if not self.limits.allow("media_msgs"):
+            return "media_msgs"
         if message.media.track != "inbound":
             return None
         now = time.monotonic()

@@ -317,7 +317,9 @@ async def handle_media(request: web.Request) -> web.StreamResponse:
         return web.Response(status=503, text="too many streams awaiting their start")
     # No permessage-deflate: Twilio does not ask for it, and it costs CPU on every 20 ms message.
     # A peer that does not answer our close (a hostile one) is dropped after 2 s, not aiohttp's 10.
-    ws = web.WebSocketResponse(max_msg_size=ctx.config.max_message_bytes, autoping=True, compress=False,
+    # Pings are answered by the session, rate-limited (autoping answered every one, and stalled on a peer
+    # that never reads).
+    ws = web.WebSocketResponse(max_msg_size=ctx.config.max_message_bytes, autoping=False, compress=False,
                                timeout=2.0)  # fmt: skip
     await ws.prepare(request)
     sock = request.transport.get_extra_info("socket") if request.transport is not None else None

@@ -23,6 +23,12 @@ LIMITS: dict[str, tuple[float, float]] = {
     # AudioSocket's audio messages: Asterisk sends 50 a second. Tiny ones pass the real-time guard (it counts
     # seconds of audio), so a flood of them is capped by count too.
     "audio": (100.0, 200),
+    # Twilio's media messages by count (50 a second; a network stall delivers them in a burst): the real-time
+    # guard counts seconds of caller audio, so messages with none (empty, or the outbound track) pass it.
+    "media_msgs": (100.0, 500),
+    # WebSocket pings and pongs: Twilio sends none; answered by us under this cap, never by aiohttp on its own
+    # (it answered every ping at once, and a peer that never reads stalled the receive loop in that pong).
+    "ping": (5.0, 20),
 }
 END_AFTER_DROPS = 1000  # a stream this far past its limits within a window is hostile or broken: end it
 # Counted per window, not over the call's life: an honest sender whose clock runs a little fast, or the odd

@@ -61,6 +61,12 @@ class FakeLlm:
     invent_tools: bool = False  # call the trigger's tool even when it was not offered (models make names up)
     loop_tools: bool = False  # call the first trigger's tool on every request, whatever came last (a broken model)
     raw_arguments: str | None = None  # stream these as the tool call's arguments (cut off at max_tokens, say)
+    # Send the call's id (a new one each time) and name again with every piece (vLLM's gpt-oss path, LocalAI).
+    repeat_call_ids: bool = False
+    tool_copies: int = 1  # the same call this many times in one answer (parallel duplicates some models emit)
+    # Refuse a request carrying tool messages as a strict chat template does (Mistral's: its call ids): a 400
+    # naming tools, `param` null (vLLM).
+    refuse_tool_history: bool = False
     # Parameters refused as OpenAI's reasoning models refuse them (o-series, gpt-5): one per 400, in this order.
     refuse_params: tuple[str, ...] = ()
     base_url: str = ""
@@ -97,6 +103,10 @@ class FakeLlm:
                                 "pattern. Expected a string that matches the pattern '^[a-zA-Z0-9_-]+$'.",
                      "type": "invalid_request_error", "param": "messages[3].tool_calls[0].function.name",
                      "code": "invalid_value"}  # fmt: skip
+            return web.json_response({"error": error}, status=400)
+        if self.refuse_tool_history and any(m.get("role") == "tool" for m in body["messages"]):
+            error = {"message": "Tool call IDs should be alphanumeric strings with length 9", "type": "BadRequestError",
+                     "param": None, "code": 400}  # fmt: skip
             return web.json_response({"error": error}, status=400)
         for name in self.refuse_params:
             if name in body and not (name == "temperature" and body[name] == 1):
@@ -198,13 +208,19 @@ class FakeLlm:
             text = json.dumps(args, ensure_ascii=False)
             at = next(i for i, ch in enumerate(text) if ord(ch) > 0xFFFF)
             pieces = [text[:at] + "\ud83d", "\ude00" + text[at + 1:]]
-        head = {"index": 0, "id": "call_1", "type": "function", "function": {"name": name, "arguments": ""}}
         try:
             if self.tool_preamble:
                 await resp.write(chunk({"role": "assistant", "content": self.tool_preamble}))
-            await resp.write(chunk({"tool_calls": [head]}))
-            for piece in pieces:
-                await resp.write(chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}))
+            for copy in range(self.tool_copies):
+                head = {"index": copy, "id": f"call_{copy + 1}", "type": "function",
+                        "function": {"name": name, "arguments": ""}}  # fmt: skip
+                await resp.write(chunk({"tool_calls": [head]}))
+                for n, piece in enumerate(pieces):
+                    more: dict[str, Any] = {"index": copy, "function": {"arguments": piece}}
+                    if self.repeat_call_ids:
+                        more = {"index": copy, "id": f"chatcmpl-tool-{copy}-{n}-" + "x" * 24, "type": "function",
+                                "function": {"name": name, "arguments": piece}}  # fmt: skip
+                    await resp.write(chunk({"tool_calls": [more]}))
             await resp.write(chunk({}, finish="tool_calls") + b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionError:

@@ -444,6 +444,37 @@ async def test_a_split_surrogate_pair_in_tool_arguments_becomes_its_character(ll
     assert json.loads(call.arguments) == {"q": "pizza \U0001f600 please"}
 
 
+async def test_a_server_repeating_the_call_id_and_name_in_every_piece_still_gives_one_call(llm_server: FakeLlm) -> None:
+    """vLLM's gpt-oss path (and LocalAI, older mlx-openai-server) send the id, renewed, and the name again with
+    every piece of a call: joined, the id passed its limit and the whole answer failed as malformed, its text
+    too (review, session 22). The first id is kept, the name once."""
+    llm_server.tool_triggers = {"order": ("order_status", {"order_id": "4217", "note": "a" * 40})}
+    llm_server.repeat_call_ids = True
+    async with _llm(llm_server) as llm:
+        out = await _drafts(llm, "my order", _offer("order_status"))
+    (call,) = [d for d in out if isinstance(d, ToolCallRequest)]
+    assert (call.id, call.name) == ("call_1", "order_status")
+    assert json.loads(call.arguments) == {"order_id": "4217", "note": "a" * 40}
+
+
+async def test_a_refusal_of_a_calls_tool_history_leaves_tools_on_for_every_call(llm_server: FakeLlm) -> None:
+    """A 400 that mentions tools with `param` null (vLLM) on a request carrying tool exchanges may be that call's
+    history (a strict chat template refusing its call ids), not the server refusing function calling: taken for
+    that, it turned tools off for every call of the process (review, session 22). A call's first request, with
+    no exchange in it, still teaches the client a server without function calling (the test above)."""
+    llm_server.refuse_tool_history = True
+    history = [{"role": "user", "content": "my order"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_0", "type": "function", "function": {"name": "order_status", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "call_0", "content": "shipped"}]  # fmt: skip
+    async with _llm(llm_server) as llm:
+        with pytest.raises(LlmError):
+            _ = [d async for d in llm.stream_draft(history, tools=_offer("order_status"))]
+        assert not llm.tools_refused
+        assert await _drafts(llm, "hi", _offer("order_status"))  # a new call's request: tools still offered
+    assert "tools" in llm_server.requests[-1]
+
+
 async def test_a_request_refused_for_its_history_leaves_tools_on(llm_server: FakeLlm) -> None:
     """A 400 that blames a message of the history (a tool name the model made up, as OpenAI words it) is that
     call's request failing. Taken for the server refusing function calling, it turned tools off for every
@@ -612,6 +643,22 @@ async def test_a_tool_still_running_is_not_run_again_for_the_callers_next_words(
     assert tool_messages[0] == [] and tool_messages[1] == [TOOL_PENDING]
     assert "shipped on Monday" in tool_messages[-1][0]
     assert [m["role"] for m in llm_server.requests[-1]["messages"]][-3:] == ["user", "assistant", "tool"]
+
+
+async def test_the_same_call_twice_in_one_answer_runs_once(
+    llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path
+) -> None:
+    """Some models emit parallel duplicates: the same call, same arguments, twice in one answer. Only calls
+    already running were checked, so both ran (an order looked up, or a table booked, twice; review, session
+    22)."""
+    llm_server.tool_triggers = {"order": ("order_status", {"order_id": "4217"})}
+    llm_server.tool_copies = 2
+    async with _sales_backend(llm_server, tool_server, tmp_path) as (backend, used):
+        backend._handle_transcript(SttResult("where is my order 4217", final=True), time.monotonic())
+        await until(lambda: any(r["messages"][-1]["role"] == "tool" for r in llm_server.requests), within=10)
+        await asyncio.sleep(0.3)
+    assert tool_server.received == [{"order_id": "4217"}]
+    assert [(u.name, u.outcome) for u in used] == [("order_status", "ok")]
 
 
 async def test_arguments_that_are_not_json_go_into_the_history_as_an_empty_object(

@@ -312,7 +312,8 @@ def test_a_caller_talking_over_the_greeting_does_not_repeat_it() -> None:
         {"role": "user", "content": "hi i need help"},
         {"role": "assistant", "content": "Sure, what with?"},
     ]
-    # The bot leaves the greeting for its own words once the caller has spoken: those are kept.
+    # The bot leaves the greeting for its own words once the caller has spoken: those are kept, and the
+    # greeting turn holds what of it was said, not the rest the caller never heard (review, session 22).
     conv = Conversation(system_prompt="S")
     conv.greet(greeting)
     conv.bot_piece("▁Thanks")
@@ -320,10 +321,29 @@ def test_a_caller_talking_over_the_greeting_does_not_repeat_it() -> None:
     for piece in ["▁for", "▁calling", "▁oh", "▁hi", "▁there"]:
         conv.bot_piece(piece)
     assert conv.messages()[1:] == [
-        {"role": "assistant", "content": greeting},
+        {"role": "assistant", "content": "Thanks for calling"},
         {"role": "user", "content": "hello"},
         {"role": "assistant", "content": "oh hi there"},
     ]
+
+
+def test_what_the_bot_says_after_the_whole_greeting_to_a_silent_caller_is_kept() -> None:
+    """The greeting said to the end and the caller still silent: the bot's next words ("are you there?")
+    were dropped as if they were the greeting again (review, session 22)."""
+    conv = Conversation(system_prompt="S")
+    conv.greet("Hello, how can I help?")
+    for piece in ["▁Hello", ",", "▁how", "▁can", "▁I", "▁help", "?", "▁Are", "▁you", "▁there", "?"]:
+        conv.bot_piece(piece)
+    assert conv.messages()[1:] == [{"role": "assistant", "content": "Hello, how can I help? Are you there?"}]
+    # Said in the front-end's own words, the greeting as written stands for them, whole.
+    conv = Conversation(system_prompt="S")
+    conv.greet("Hello, how can I help?")
+    for piece in ["▁Hi", "▁there", ",", "▁what", "▁do", "▁you", "▁need"]:
+        conv.bot_piece(piece)
+    conv.caller_final("my order")
+    conv.bot_piece("▁Sure")
+    assert conv.messages()[1:] == [{"role": "assistant", "content": "Hello, how can I help?"},
+                                   {"role": "user", "content": "my order"}, {"role": "assistant", "content": "Sure"}]
 
 
 def test_the_bots_words_after_a_barge_in_on_the_greeting_reach_the_llm() -> None:
@@ -418,6 +438,25 @@ def test_an_old_oversized_tool_exchange_is_left_out_not_the_history_before_it() 
     assert all(m.get("tool_call_id") != "c1" for m in history)
     assert history[0] == {"role": "user", "content": "my order number is 12345"}  # older words still fit
     assert [m["role"] for m in history[-4:]] == ["assistant", "assistant", "tool", "user"]
+
+
+def test_the_newest_tool_exchange_is_sent_after_much_talk_behind_it() -> None:
+    """The newest exchange is sent whatever the budget, even when the talk after it fills the budget: the loop
+    stopped at the budget before it reached the exchange, the result dropped out of the prompt, and the LLM
+    could call the tool again (review, session 22)."""
+    conv = Conversation(max_history_chars=300)
+    conv.caller_final("where is my order 4217")
+    call = {"id": "c1", "type": "function", "function": {"name": "order_status", "arguments": "{}"}}
+    conv.tool_exchange(ToolExchange(calls=[call], results=[("c1", "shipped on Monday")]))
+    for i in range(20):  # 20 exchanges of talk after it, far past the budget
+        conv.caller_final(f"and another question number {i} about the delivery")
+        conv.bot_piece(f"\u2581answer{i}")
+    history = conv.messages()[1:]
+    assert any(m.get("tool_calls") == [call] for m in history)
+    tool = next(i for i, m in enumerate(history) if m["role"] == "tool")
+    assert history[tool]["content"] == "shipped on Monday" and history[tool - 1].get("tool_calls") == [call]
+    assert history[-1]["content"] == "answer19" and "question number 19" in history[-2]["content"]
+    assert not any("question number 0 " in str(m.get("content")) for m in history)  # the middle left out
 
 
 # --- LLM client against the real server -------------------------------------------------------------

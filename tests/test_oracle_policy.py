@@ -369,3 +369,27 @@ def test_retry_after_lengthens_the_back_off() -> None:
     p.on_final(2)
     assert polls(p, 0.25, 5.0) == []
     assert p.poll(5.0) is TriggerReason.FINAL
+
+
+def test_a_request_the_back_end_makes_itself_counts_and_waits_out_a_back_off() -> None:
+    """A tool's result (or a failed call action) is asked about by the back-end itself: a caller's final heard
+    meanwhile is in that request's history, so the next poll must not ask again (the answer restarted from its
+    first word); and while the policy backs off after a failure, the back-end does not ask: a retry follows
+    once the back-off lifts (review, session 22)."""
+    p = OraclePolicy(CFG)
+    p.on_final(4)  # the caller spoke while the tool ran (the action's quiet window: no poll)
+    assert p.ask_now(10.0)
+    assert polls(p, 10.25, 12.0) == []  # not asked twice
+    p.on_failure(12.0)
+    assert not p.ask_now(12.1)  # backed off: not now
+    fired = polls(p, 12.25, 20.0)
+    assert fired and fired[0][1] is TriggerReason.RETRY and fired[0][0] >= 12.0 + CFG.backoff_initial_s
+
+
+def test_a_very_long_outage_backs_off_without_overflowing() -> None:
+    """2 ** 1024 overflows a float: the back-off died with it after 1024 failures in a row (hours of one long
+    call with the LLM down), and requests came at the full rate from then on (review, session 22)."""
+    p = OraclePolicy(CFG)
+    for i in range(1100):
+        p.on_failure(float(i))
+    assert p.poll(1100.0) is None  # still backed off, at most backoff_max_s

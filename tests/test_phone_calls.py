@@ -492,3 +492,36 @@ async def test_a_call_past_its_maximum_length_gives_its_seat_back(tiny_checkpoin
     assert metric("kame_call_actions_total", action="end", trigger="max_duration", result="ok") - hung_up == 1
     with pytest.raises(ConfigError, match="KAME_MAX_CALL_MINUTES"):
         ServiceConfig(host="127.0.0.1", twilio_auth_token="t", max_call_s=-60.0).check()
+
+
+async def test_a_call_hung_up_at_its_maximum_length_keeps_that_outcome_when_twilios_stop_comes_first(
+    tiny_checkpoint: Path,
+) -> None:
+    """Twilio ends the call as the REST hang-up asks and stops its stream, and that `stop` can overtake the REST
+    answer: the stop made the call "completed", and the receive loop's end cancelled the hang-up under way with
+    the watchdog, so its action was never counted (review, session 22). The stream's end now waits for the
+    answer, as for the agent's own actions."""
+    account = "AC" + "4" * 32
+    outcome = metric("kame_calls_total", outcome="max_duration", agent="default")
+    hung_up = metric("kame_call_actions_total", action="end", trigger="max_duration", result="ok")
+    async with serve_twilio_rest(account, account, "rest-secret") as twilio:
+        twilio.update_delay_s = 4.0  # the REST answer comes after Twilio's stop
+        rest = TwilioRest(TwilioCredentials(account, account, "rest-secret", twilio.base_url))
+        try:
+            async with running_phone(tiny_checkpoint, max_call_s=1.5, twilio_rest=rest) as phone, \
+                    aiohttp.ClientSession() as http:  # fmt: skip
+                call_sid, params = await phone.answer(http)
+                ws = await phone.open_stream(http)
+                await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))
+                await asyncio.sleep(3.5)  # past its maximum length: the hang-up is asked for, not yet answered
+                assert not twilio.updates
+                await ws.send_str(tm.stop_msg("MZ1", 2, call_sid, "AC1"))  # Twilio ended the call: its stop
+                await phone.settled()
+                await ws.close()
+                record = await phone.store.get(call_sid)
+        finally:
+            await rest.aclose()
+    assert [(sid, form.get("Status")) for sid, form in twilio.updates] == [(call_sid, "completed")]
+    assert record is not None and record.end_reason == "max_duration"
+    assert metric("kame_calls_total", outcome="max_duration", agent="default") - outcome == 1
+    assert metric("kame_call_actions_total", action="end", trigger="max_duration", result="ok") - hung_up == 1
