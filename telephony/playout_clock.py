@@ -42,8 +42,13 @@ class Echo:
 @dataclass
 class PlayoutClock:
     until: float = 0.0  # monotonic time Twilio's queue runs dry, by the estimate
-    # mark name -> (sent at, when the audio before it should have played; None once a `clear` came after it)
-    _pending: dict[str, tuple[float, float | None]] = field(default_factory=dict)
+    # What the echoes have added to `until` so far. A mark's due time is the estimate when it was sent; one
+    # stall delays every mark in flight, so each echo is late by what the earlier echoes already added, and
+    # without this each added it again (four marks in flight, a 1 s stall read as 3.7 s of queue).
+    _shift: float = 0.0
+    # mark name -> (sent at, when the audio before it should have played, None once a `clear` came after
+    # it; the shift then)
+    _pending: dict[str, tuple[float, float | None, float]] = field(default_factory=dict)
 
     def sent(self, at: float, seconds: float = FRAME_SECONDS) -> None:
         self.until = max(self.until, at) + seconds
@@ -54,20 +59,21 @@ class PlayoutClock:
     def mark_sent(self, name: str, at: float) -> None:
         if len(self._pending) >= MAX_PENDING_MARKS:  # a peer that never echoes: forget the oldest
             self._pending.pop(next(iter(self._pending)))
-        self._pending[name] = (at, max(self.until, at))
+        self._pending[name] = (at, max(self.until, at), self._shift)
 
     def cleared(self, now: float) -> None:
         self.until = now
-        self._pending = {name: (sent, None) for name, (sent, _due) in self._pending.items()}
+        self._pending = {name: (sent, None, shift) for name, (sent, _due, shift) in self._pending.items()}
 
     def echoed(self, name: str, at: float) -> Echo:
         pending = self._pending.pop(name, None)
         if pending is None:
             return Echo(True, None)  # not one the clock timed (a peer's invention, or forgotten)
-        sent, due = pending
+        sent, due, shift = pending
         if due is None:
             return Echo(False, None)
-        late = at - due
+        late = at - (due + self._shift - shift)  # against the estimate as corrected since it was sent
         if late > ECHO_SLACK_S:
             self.until += late - ECHO_SLACK_S
+            self._shift += late - ECHO_SLACK_S
         return Echo(True, at - sent)

@@ -76,6 +76,24 @@ def test_the_clock_forgets_the_oldest_mark_and_counts_an_echo_once() -> None:
     assert clock.echoed("b", 2.6).waited_s is None and clock.until == until
 
 
+def test_one_stall_is_counted_once_however_many_marks_were_in_flight() -> None:
+    """A stall on the way to the caller delays every mark in flight by the same second: each echo added that
+    second again (four marks: 3.7 s of queue read for 1 s), and for seconds the stream cleared and drained
+    what was not stale (review, session 22)."""
+    clock = PlayoutClock()
+    marks = []
+    for k in range(25):  # 2 s of the bot at real time, a mark every 0.4 s
+        at = 10.0 + k * FRAME_SECONDS
+        clock.sent(at)
+        if k % 5 == 4:
+            clock.mark_sent(f"m{k}", at)
+            marks.append((f"m{k}", at + FRAME_SECONDS))  # when the audio before it plays, on time
+    for name, due in marks:  # Twilio's playout held up 1 s: every echo 1 s late
+        clock.echoed(name, due + 1.0)
+    # The queue ran dry at 12.0 by the sends; the stall moved that once (less the echo's slack).
+    assert abs(clock.until - (12.0 + 1.0 - ECHO_SLACK_S)) < 1e-6, clock.until
+
+
 def _tone(samples: int) -> bytes:
     return bytes(float_to_ulaw((0.5 * np.sin(2 * np.pi * 440 * np.arange(samples) / 8000)).astype(np.float32)))
 
