@@ -150,16 +150,28 @@ class ServiceConfig:
                 "(or --public-url)."
             )
         for name, url in (("PUBLIC_URL", self.public_url), ("KAME_NODE_URL", self.node_url)):
-            parts = urlsplit(url)
-            if url and (parts.scheme not in ("http", "https") or not parts.netloc):
-                raise ConfigError(f"{name} must look like https://host[:port], got {url!r}")
+            try:
+                parts = urlsplit(url)
+                parts.port  # noqa: B018 - parsing it is the check (99999, "abc": every signature would fail)
+            except ValueError:
+                raise ConfigError(f"{name} must look like https://host[:port], got {url!r}") from None
+            if url and (parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment):
+                # (A query or fragment: the webhook URLs are built on it, and every webhook failed with a 500.)
+                raise ConfigError(f"{name} must look like https://host[:port][/path], got {url!r}")
             if url and parts.scheme == "http" and not is_loopback(parts.hostname):
                 # Twilio only calls https:// and only opens wss:// streams; http:// is for local tests.
                 raise ConfigError(f"{name} must be https:// (http:// only for a loopback host), got {url!r}")
-        if self.admin_token and len(self.admin_token) < MIN_ADMIN_TOKEN_CHARS and not is_loopback(self.host):
-            # The admin API reads every call's transcript; a short bearer token on a public port is guessable.
+        if self.admin_token is not None and not self.admin_token.strip():
+            raise ConfigError("ADMIN_TOKEN is set but blank: unset it (no admin API) or give it a real token")
+        public = bool(self.public_url) and not is_loopback(urlsplit(self.public_url).hostname)
+        reachable = not is_loopback(self.host) or public
+        if self.admin_token and len(self.admin_token) < MIN_ADMIN_TOKEN_CHARS and reachable:
+            # The admin API reads every call's transcript; a short bearer token on a public port is guessable, and
+            # so it is on loopback behind a tunnel or proxy (PUBLIC_URL names a public host).
             raise ConfigError(f"ADMIN_TOKEN must be at least {MIN_ADMIN_TOKEN_CHARS} characters on a port that is not "
                               "loopback-only (e.g. `openssl rand -hex 32`)")  # fmt: skip
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"KAME_PORT must be 0-65535 (0: any free port), got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"KAME_METRICS_PORT must be 0-65535 (0: any free port), got {self.metrics_port}")
         if not 0 < self.heartbeat_s < self.node_ttl_s:
@@ -200,11 +212,11 @@ class ServiceConfig:
     def _check_redis_url(url: str) -> None:
         """Refused here in one line that never repeats the URL (it may hold a password): else redis-py fails at
         the first connection with a traceback quoting part of it."""
-        parts = urlsplit(url)
         try:
+            parts = urlsplit(url)  # a '[' or ']' in a password: "Invalid IPv6 URL"
             parts.port  # noqa: B018 - parsing it is the check: a '/', '#' or '?' in a password breaks it
         except ValueError:
-            raise ConfigError("REDIS_URL does not parse (a '/', '#', '?' or '@' in the password must be "
+            raise ConfigError("REDIS_URL does not parse (a '/', '#', '?', '@', '[' or ']' in the password must be "
                               "percent-encoded, e.g. '/' as %2F)") from None
         if parts.scheme not in ("redis", "rediss", "unix") or not (parts.hostname or parts.path):
             raise ConfigError(f"REDIS_URL must look like redis://[:password@]host:port/db "

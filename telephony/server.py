@@ -216,6 +216,7 @@ EVICT_UNSTARTED_AFTER_S = 1.0
 # between requests: a body announced and never sent held its connection, and 256 of them (the connection cap)
 # shut out every call, Twilio's webhooks and admitted streams alike.
 BODY_READ_S = 5.0
+RECORD_CHECK_S = 0.3  # the voice webhook's look at the call's record (a replay's): Redis answers in a millisecond
 _FORM = "application/x-www-form-urlencoded"  # what Twilio sends; anything else is not a webhook of its
 
 
@@ -249,6 +250,18 @@ def _ctx(request: web.Request) -> ServerContext:
 CONTEXT: web.AppKey[ServerContext] = web.AppKey("kame_context", ServerContext)
 
 
+async def _call_went_on(ctx: ServerContext, call_sid: str) -> bool:
+    """Whether the call's record says it went past ringing (streamed, or answered busy, or ended): a replayed
+    webhook, which the cluster's memory of used CallSids misses after a busy answer, a restart, or past its
+    12 h. Bounded: an outage or a slow Redis leaves it to that memory rather than hold up the webhook."""
+    try:
+        async with asyncio.timeout(RECORD_CHECK_S):
+            earlier = await ctx.store.brief(call_sid)
+    except (CallStoreUnavailable, TimeoutError):
+        return False
+    return earlier is not None and earlier.state != "ringing"
+
+
 async def handle_voice(request: web.Request) -> web.Response:
     ctx = _ctx(request)
     form = await _webhook_form(request, "voice")
@@ -268,6 +281,8 @@ async def handle_voice(request: web.Request) -> web.Response:
     record = CallRecord(call_sid=call_sid, from_number=from_number, to_number=to_number, node=ctx.config.node_id,
                         agent=agent.name)  # fmt: skip
     try:
+        if await _call_went_on(ctx, call_sid):
+            raise CallSidUsed(call_sid)
         reservation = await ctx.cluster.reserve(call_sid)
     except CallSidUsed:  # a replay (signatures have no nonce): never a second token, never a new record
         metrics.WEBHOOK_REJECTIONS.labels(endpoint="voice", reason="replayed").inc()
@@ -386,10 +401,13 @@ async def handle_call_status(request: web.Request) -> web.Response:
         except CallStoreUnavailable:
             return web.Response(status=204)  # the record keeps its state; Redis errors are counted already
         if record is not None and record.state == "ringing":
-            if await ctx.cluster.streamed(call_sid):
+            streamed = await ctx.cluster.streamed(call_sid)
+            if streamed is not False:
                 # Its stream did start, on a node whose writes have not landed (a Redis outage there): that
-                # node records the call's outcome; ending it here would count the call twice.
-                log.info("call status %s for a call whose stream started elsewhere; its node records it", status)
+                # node records the call's outcome; ending it here would count the call twice. None (the cluster
+                # cannot tell): left as it is, the same.
+                log.info("call status %s for a call whose stream started elsewhere (or cannot tell: %s); its node "
+                         "records it", status, streamed is None)  # fmt: skip
             else:
                 metrics.CALLS_TOTAL.labels(outcome="no_stream", agent=record.agent or "default").inc()
                 await ctx.store.end(call_sid, "no_stream")
@@ -445,7 +463,8 @@ def _admin_ok(ctx: ServerContext, request: web.Request) -> bool:
     given = request.headers.get("Authorization", "")
     if not expected or not given.startswith("Bearer "):
         return False
-    return hmac.compare_digest(given.removeprefix("Bearer ").encode(), expected.encode())
+    # (surrogateescape: aiohttp hands over a header's non-UTF-8 bytes that way, and a plain encode() was a 500.)
+    return hmac.compare_digest(given.removeprefix("Bearer ").encode("utf-8", "surrogateescape"), expected.encode())
 
 
 def _unauthorized() -> web.Response:
@@ -536,7 +555,9 @@ class ServiceHandle:
             self.metrics = await MetricsListener(config.metrics_host, config.metrics_port).start()
         await self.runner.setup()
         assert self.runner.server is not None
-        cap_connections(self.runner.server, config.max_idle_connections, lambda: len(self.ctx.streams))
+        # Only the calls on this listener (Twilio's streams) are its connections, not AudioSocket's.
+        cap_connections(self.runner.server, config.max_idle_connections,
+                        lambda: sum(leg.carrier == "twilio" for leg in self.ctx.streams.values()))
         site = web.TCPSite(self.runner, self.ctx.config.host, self.ctx.config.port)
         await site.start()
         self.port = self.runner.addresses[0][1]

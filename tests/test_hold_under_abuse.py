@@ -112,6 +112,17 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
         # A password with an unencoded '/' (openssl rand -base64 makes them): refused at start, never quoted.
         pytest.param({"REDIS_URL": "redis://:Xk9+Qz/7aB@redis:6379/0"}, ["--insecure-dev"],
                      "REDIS_URL does not parse", id="redis-url"),  # fmt: skip
+        # Review, session 22: each was a traceback, a 500 on every webhook, or every signature failing (403).
+        pytest.param({"KAME_PORT": "70000"}, ["--insecure-dev"], "KAME_PORT must be 0-65535", id="port"),
+        pytest.param({"REDIS_URL": "redis://:p[1]w@redis:6379/0"}, ["--insecure-dev"], "REDIS_URL does not parse",
+                     id="redis-url-bracket"),  # fmt: skip
+        pytest.param({"TWILIO_AUTH_TOKEN": "t", "PUBLIC_URL": "https://voice.example.com/?a=1"}, [],
+                     "PUBLIC_URL must look like https://host[:port][/path]", id="public-url-query"),  # fmt: skip
+        pytest.param({"TWILIO_AUTH_TOKEN": "t", "PUBLIC_URL": "https://voice.example.com:99999"}, [],
+                     "PUBLIC_URL must look like", id="public-url-port"),  # fmt: skip
+        # Served on loopback behind a tunnel (PUBLIC_URL public): the admin API is public too.
+        pytest.param({"TWILIO_AUTH_TOKEN": "t", "PUBLIC_URL": "https://x.ngrok.io", "ADMIN_TOKEN": "admin"}, [],
+                     "ADMIN_TOKEN must be at least", id="short-admin-token-tunnel"),  # fmt: skip
         # ops/.env.example copied and not filled in: ADMIN_TOKEN's placeholder is a published password.
         pytest.param({"TWILIO_AUTH_TOKEN": "replace-with-your-twilio-auth-token",
                       "ADMIN_TOKEN": "replace-with-a-long-random-string"}, ["--insecure-dev"],

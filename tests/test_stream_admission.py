@@ -94,6 +94,30 @@ async def test_replayed_webhooks_get_no_token_and_never_touch_a_call(tiny_checkp
         assert parse_connect_stream(twiml).parameters["token"] == params["token"]
 
 
+async def test_a_replayed_webhook_of_a_call_answered_busy_gets_no_token_once_seats_free(
+    tiny_checkpoint: Path, question_wav: Path
+) -> None:
+    """A call answered busy was never marked used (no reservation was made): its webhook replayed once a seat
+    was free got a token and a stream on the engine, and reopened the ended record (review, session 22). The
+    call's record says it went past ringing: hung up on."""
+    async with running_phone(tiny_checkpoint, max_calls=1) as phone, aiohttp.ClientSession() as http:
+        sid = new_call_sid()
+        replayed = _replayed()
+        good = await _call_in_progress(phone, question_wav, sid)
+        busy_sid = new_call_sid()
+        twiml = await _replay(phone, http, busy_sid)  # the one seat is taken: busy
+        assert "<Stream" not in twiml
+        report = await good
+        assert report.outcome == "completed", report.errors
+        await phone.settled()
+        assert phone.ctx.capacity_left == 1
+        twiml = await _replay(phone, http, busy_sid)  # a seat free now
+        assert "<Hangup" in twiml and "<Stream" not in twiml and "token" not in twiml
+        assert _replayed() == replayed + 1
+        record = await phone.store.get(busy_sid)
+        assert record is not None and (record.state, record.end_reason) == ("ended", "busy")
+
+
 async def _send_until_closed(ws: aiohttp.ClientWebSocketResponse, messages: list[str]) -> int:
     """Sends until the server closes the socket; returns how many went out."""
     async def until_closed() -> None:  # a started stream also gets the bot's audio: read past it
