@@ -248,8 +248,8 @@ class FrameLoop:
     ) -> int:
         """Seat a call; `forced_delay_ms` is its own forced response delay (None: the loop's)."""
         with self._lock:
-            if self._closed:
-                raise EngineClosed("engine is stopping")
+            if self._closed or self.broken is not None:  # broken: its calls were told engine_lost already
+                raise EngineClosed("engine is stopping" if self._closed else "engine is broken")
             for row, slot in enumerate(self._slots):
                 if slot is None:
                     lm = self.batch.lm

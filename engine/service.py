@@ -93,6 +93,7 @@ class EngineConfig:
 
 
 _CLOSED = object()
+BACKEND_CLOSE_WAIT_S = 10.0  # at stop, for the calls' back-ends (their STT jobs, their LLM streams) to close
 
 
 class LocalCallSession:
@@ -263,7 +264,12 @@ class LocalEngine:
         for session in list(self._sessions.values()):
             await session.close()
         if self._backend_closes:
-            await asyncio.wait(set(self._backend_closes))
+            # Bounded: a back-end waits for its STT's job in flight, which a hung GPU never finishes, and a node
+            # that cannot stop is never restarted.
+            _, pending = await asyncio.wait(set(self._backend_closes), timeout=BACKEND_CLOSE_WAIT_S)
+            if pending:
+                log.error("engine stop: %d calls' back-ends did not close within %.0f s; going on", len(pending),
+                          BACKEND_CLOSE_WAIT_S)  # fmt: skip
         await asyncio.to_thread(self.frame_loop.stop)
         self._put_frames(None)
         if self.backend is not None:

@@ -20,7 +20,7 @@ import pytest
 
 from engine import frame_loop_process
 from engine.frame_loop_process import ChildSpec, FrameLoopProcess
-from engine.interface import FRAME_SAMPLES, EngineError, EngineNotice
+from engine.interface import FRAME_SAMPLES, EngineClosed, EngineError, EngineNotice
 from engine.sampling import SamplingOverrides
 from engine.service import EngineConfig, LocalEngine
 from telephony.call_store import MemoryCallStore
@@ -153,6 +153,10 @@ async def test_an_engine_whose_every_tick_fails_is_broken_its_calls_told_and_liv
         assert engine.failed and not engine.ready
         assert engine.frame_loop.broken is not None and "IndexError" in engine.frame_loop.broken
         assert metric("kame_engine_slots") == 0  # its seats are not capacity any more (--no-engine-process)
+        # A stream its webhook already answered is refused at once, not seated on a loop that told its calls
+        # engine_lost already and never will again (review, session 22).
+        with pytest.raises(EngineClosed, match="broken"):
+            engine.frame_loop.join("CA-late", None)
     finally:
         if feeding is not None:
             feeding.cancel()
