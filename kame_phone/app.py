@@ -6,8 +6,10 @@ import argparse
 import asyncio
 import logging
 import os
+from urllib.parse import urlsplit
 
 from engine.compiled_step import COMPILE_MODES
+from engine.interface import MAX_FORCED_DELAY_MS
 from engine.kv_cache import KV_DTYPES
 from engine.link_wire import Address, LinkError, LinkFull, LinkRefused, edge_tls
 from engine.remote import RemoteEngine
@@ -17,7 +19,7 @@ from engine.weight_quant import WEIGHTS_DTYPES
 from knowledge.agents import AgentDirectory
 from knowledge.backend import BackendConfig, BackendServices
 
-from .env_flags import env_flag, parse_float, parse_int
+from .env_flags import env_flag, parse_float, within
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +47,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     env_flag(g, "--checkpoint", "KAME_CHECKPOINT", default="SakanaAI/kame",
              help="Hugging Face repo id, local checkpoint dir, or random:moshi-7b (random weights, load tests)")
     env_flag(g, "--device", "KAME_DEVICE", help="cuda, cuda:1 or cpu (default: cuda if available)")
-    env_flag(g, "--max-calls", "KAME_MAX_CALLS", default=8, parse=parse_int, help="call slots in the batch")
-    env_flag(g, "--context", "KAME_CONTEXT", parse=parse_int, help="KV window in 80 ms frames (3000 = 4 min)")
+    env_flag(g, "--max-calls", "KAME_MAX_CALLS", default=8, parse=within(1), help="call slots in the batch")
+    env_flag(g, "--context", "KAME_CONTEXT", parse=within(1), help="KV window in 80 ms frames (3000 = 4 min)")
     env_flag(g, "--kv-dtype", "KAME_KV_DTYPE", default="auto", choices=KV_DTYPES,
              help="the main transformer's KV cache: auto (the model's dtype) or 8-bit int8/fp8 (about half the "
                   "memory per call; accuracy cost in docs/benchmarks.md)")
     env_flag(g, "--weights-dtype", "KAME_WEIGHTS_DTYPE", default="auto", choices=WEIGHTS_DTYPES,
              help="the transformers' linear layers: auto (as loaded) or int8 (half their memory, ~7.4 GB less "
                   "for the 7B model; accuracy cost in docs/benchmarks.md)")
-    env_flag(g, "--forced-delay-ms", "KAME_FORCED_DELAY_MS", default=0.0, parse=parse_float,
+    env_flag(g, "--forced-delay-ms", "KAME_FORCED_DELAY_MS", default=0.0,
+             parse=within(0, MAX_FORCED_DELAY_MS, parse_float),  # as the agents file and the engine link take it
              help="hold the reply until N ms after a turn")
     env_flag(g, "--compile", "KAME_COMPILE", default="off", choices=COMPILE_MODES,
              help="torch.compile the LM step (GPU: fewer, fused kernels a tick, for batch-1 latency; compiles in "
@@ -62,7 +65,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     # 2 cores: 0.39-0.56 of real time in process, 0.97-0.98 in its own; docs/benchmarks.md section 4).
     env_flag(g, "--engine-process", "KAME_ENGINE_PROCESS", switch=True, default=True,
              help="run the model and its 80 ms loop in a child process (own GIL and clock; crash-isolated)")
-    env_flag(g, "--torch-threads", "KAME_TORCH_THREADS", default=0, parse=parse_int,
+    env_flag(g, "--torch-threads", "KAME_TORCH_THREADS", default=0, parse=within(0),
              help="the model's intra-op CPU threads (0: torch's default)")
     s = parser.add_argument_group("sampling (default: the checkpoint's lm_gen_config, else moshi's 0.8/0.7/250/25)")
     env_flag(s, "--greedy", "KAME_GREEDY", switch=True, help="argmax instead of sampling (deterministic)")
@@ -128,10 +131,32 @@ def device_problem(device: str | None) -> str | None:
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = device.partition(":")[2]
+    if count == 0 and torch.version.cuda is None:  # scripts/setup.sh installs the CPU build unless told
+        return (f"--device {device}: torch {torch.__version__} is a CPU-only build: install a CUDA build "
+                "(scripts/setup.sh: TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130)")
     if count == 0:
         return f"--device {device}: this machine has no CUDA device (on CPU: --device cpu with a tiny checkpoint)"
     if index and (not index.isdigit() or int(index) >= count):
         return f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+    return None
+
+
+def backend_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the back-end's settings (the Kyutai STT's variables, the LLM's URL), else None: said
+    at start-up in one line, not as a traceback at the back-end's first load or as every request failing."""
+    if getattr(args, "stt", None) == "kyutai":
+        from knowledge.stt_kyutai import settings_from_env
+
+        try:
+            settings_from_env(rows=args.max_calls)
+        except ValueError as e:
+            return str(e)
+    base_url = os.environ.get("OPENAI_BASE_URL", "")
+    if getattr(args, "llm", "openai") != "none" and base_url:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            # (Not echoed: it may carry a key.) Without a scheme every request failed as "Connection error."
+            return "OPENAI_BASE_URL must look like https://host[:port]/v1 (with its http:// or https://)"
     return None
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from telephony.config import DEFAULT_METRICS_PORT
 from telephony.logs import setup_logging
 
-from .env_flags import EnvDefault, EnvError, env_flag, parse_float, parse_int, resolve_env_defaults
+from .env_flags import EnvDefault, EnvError, env_flag, parse_float, parse_int, resolve_env_defaults, within
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -26,7 +26,7 @@ def _serve(args: argparse.Namespace) -> int:
     from telephony.config import ConfigError, ServiceConfig
     from telephony.server import run_service
 
-    from .app import agents_from_args, connect_engine, device_problem, load_engine
+    from .app import agents_from_args, backend_problem, connect_engine, device_problem, load_engine
 
     setup_logging(json_lines=args.log_json)
     try:
@@ -77,7 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"kame-phone serve: --engine: {e}", file=sys.stderr)
             return 2
-    elif (problem := device_problem(args.device)) is not None:
+    elif (problem := device_problem(args.device) or backend_problem(args)) is not None:
         print(f"kame-phone serve: {problem}", file=sys.stderr)
         return 2
 
@@ -317,11 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
                   "$KAME_ENGINE_TOKEN); required")  # fmt: skip
     env_flag(engine_serve, "--tls-cert", "KAME_ENGINE_TLS_CERT", help="certificate chain for a tls:// address")
     env_flag(engine_serve, "--tls-key", "KAME_ENGINE_TLS_KEY", help="its private key")
-    env_flag(engine_serve, "--http-port", "KAME_ENGINE_HTTP_PORT", default=9091, parse=parse_int,
+    env_flag(engine_serve, "--http-port", "KAME_ENGINE_HTTP_PORT", default=9091, parse=within(0, 65535),
              help="/healthz, /readyz and /metrics")  # fmt: skip
     env_flag(engine_serve, "--http-host", "KAME_ENGINE_HTTP_HOST", default="127.0.0.1",
              help="the health and metrics listener's address")  # fmt: skip
-    env_flag(engine_serve, "--drain-timeout", "KAME_ENGINE_DRAIN_TIMEOUT", default=600.0, parse=parse_float,
+    env_flag(engine_serve, "--drain-timeout", "KAME_ENGINE_DRAIN_TIMEOUT", default=600.0,
+             parse=within(0, parse=parse_float),
              help="on SIGTERM, wait this long (s) for seated calls to end")  # fmt: skip
     env_flag(engine_serve, "--log-json", "KAME_LOG_JSON", switch=True, help="JSON log lines")
     add_engine_arguments(engine_serve)

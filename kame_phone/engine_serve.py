@@ -29,7 +29,7 @@ from telephony.config import unfilled_message, unfilled_placeholders
 from telephony.metrics_http import METRICS_PATH, handle_metrics, internal_runner
 from telephony.server import LOADING_STOP_TIMEOUT_S
 
-from .app import agents_from_args, device_problem, load_engine
+from .app import agents_from_args, backend_problem, device_problem, load_engine
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ async def run_engine_server(args: argparse.Namespace) -> int:
     except AgentsError as e:
         print(f"kame-phone engine-serve: {e}", file=sys.stderr)
         return 2
-    if (problem := device_problem(args.device)) is not None:
+    if (problem := device_problem(args.device) or backend_problem(args)) is not None:
         print(f"kame-phone engine-serve: {problem}", file=sys.stderr)
         return 2
     if placeholders := unfilled_placeholders(os.environ):

@@ -48,6 +48,21 @@ def parse_float(raw: str) -> float:
     return value
 
 
+def within(low: float, high: float = math.inf, parse: Callable[[str], Any] = parse_int) -> Callable[[str], Any]:
+    """`parse`, then refused outside [low, high]: a count of 0 call slots or a negative timeout parsed fine and
+    failed later, with a traceback from the engine's child or every call cut at SIGTERM."""
+    def parsed(raw: str) -> Any:
+        value = parse(raw)
+        if not low <= value <= high:
+            raise ValueError(f"must be {low:g} or more" if high == math.inf else f"must be {low:g} to {high:g}")
+        return value
+
+    # argparse names the type in its refusal of a flag's value: "invalid integer >= 1 value: '0'".
+    kind = "integer" if parse is parse_int else "number"
+    parsed.__name__ = f"{kind} >= {low:g}" if high == math.inf else f"{kind} in {low:g}..{high:g}"
+    return parsed
+
+
 @dataclass(frozen=True)
 class EnvDefault:
     """A flag's default, standing in the parsed namespace until `resolve_env_defaults` reads `env`."""

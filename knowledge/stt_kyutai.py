@@ -610,6 +610,15 @@ def engine_from_env(env: Mapping[str, str] | None = None, rows: int | None = Non
     """KAME_STT_CHECKPOINT (repo id or dir), KAME_STT_DEVICE (default cuda if available), KAME_STT_MAX_STREAMS
     (else `rows`: one per call the engine seats, so the 17th call of 64 is not left without a transcript;
     else 16), KAME_STT_MAX_STEPS_PER_TICK (catch-up: whole-batch steps a tick may take, 1-8, default 2)."""
+    source, device, max_streams, options = settings_from_env(env, rows)
+    return KyutaiSttEngine(source, device=device, max_streams=max_streams, options=options)
+
+
+def settings_from_env(
+    env: Mapping[str, str] | None = None, rows: int | None = None
+) -> tuple[str, str | None, int, KyutaiSttOptions]:
+    """`engine_from_env`'s settings, parsed: (checkpoint, device, rows, options). ValueError names the variable
+    (serve checks them at start, in one line, not as a traceback at the back-end's first load)."""
     env = os.environ if env is None else env
     source = env.get("KAME_STT_CHECKPOINT") or DEFAULT_CHECKPOINT
     device = env.get("KAME_STT_DEVICE") or None
@@ -617,7 +626,9 @@ def engine_from_env(env: Mapping[str, str] | None = None, rows: int | None = Non
     try:
         max_streams = int(raw)
     except ValueError:
-        raise ValueError(f"KAME_STT_MAX_STREAMS must be an integer, got {raw!r}") from None
+        max_streams = 0
+    if max_streams < 1:
+        raise ValueError(f"KAME_STT_MAX_STREAMS must be an integer of at least 1, got {raw!r}")
     options = KyutaiSttOptions()
     raw = env.get("KAME_STT_MAX_STEPS_PER_TICK") or str(options.max_steps_per_tick)
     try:
@@ -626,8 +637,7 @@ def engine_from_env(env: Mapping[str, str] | None = None, rows: int | None = Non
         steps = 0
     if not 1 <= steps <= 8:
         raise ValueError(f"KAME_STT_MAX_STEPS_PER_TICK must be an integer from 1 to 8, got {raw!r}")
-    return KyutaiSttEngine(source, device=device, max_streams=max_streams,
-                           options=dataclasses.replace(options, max_steps_per_tick=steps))
+    return source, device, max_streams, dataclasses.replace(options, max_steps_per_tick=steps)
 
 
 def close_shared_engine() -> None:

@@ -27,6 +27,11 @@ if ! (redis-cli -h 127.0.0.1 -p 6379 ping 2>/dev/null | grep -q PONG); then
 fi
 
 PY=${PYTHON:-python3}
+# pyproject says 3.11-3.13: on an older python3 (Ubuntu 22.04's 3.10) the install failed minutes in, after torch.
+if ! "$PY" -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 13))' 2>/dev/null; then
+  echo "setup: needs Python 3.11-3.13; $PY is $("$PY" -V 2>&1 || echo missing): set PYTHON=python3.12 (say)" >&2
+  exit 1
+fi
 if [ ! -x .venv/bin/pip ]; then  # pip, not python: a venv made before python3-venv was there has no pip
   rm -rf .venv
   "$PY" -m venv .venv
