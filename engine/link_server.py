@@ -43,6 +43,7 @@ from .link_wire import (
     COMPATIBLE_VERSIONS,
     PROTOCOL_VERSION,
     SOCKET_BUFFER_BYTES,
+    STATUS_EVERY_S,
     Address,
     LinkError,
     backlogged,
@@ -109,6 +110,7 @@ class EngineServer:
         self._closing: set[asyncio.Task[None]] = set()  # calls the edges hung up, still saying their last words
         self._server: asyncio.Server | None = None
         self._fanout: asyncio.Task[None] | None = None
+        self._status: asyncio.Task[None] | None = None
         self.draining = False
         self._no_calls = asyncio.Event()  # set while no call is seated: what a drain waits for
         self._no_calls.set()
@@ -137,6 +139,7 @@ class EngineServer:
             )  # fmt: skip
             bound = Address(host=address.host, port=self._server.sockets[0].getsockname()[1], tls=address.tls)
         self._fanout = asyncio.create_task(self._fan_out_frames(), name="engine-link-frames")
+        self._status = asyncio.create_task(self._send_status(), name="engine-link-status")
         log.info("engine link listening on %s (%d seats)", bound, self.engine.max_calls)
         return bound
 
@@ -161,12 +164,32 @@ class EngineServer:
             self._server.close()
         for edge in list(self._edges):
             edge.writer.close()
-        if self._fanout is not None:
-            self._fanout.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._fanout
+        for task in (self._fanout, self._status):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for edge in list(self._edges):
             await self._drop_edge(edge)
+
+    async def _send_status(self) -> None:
+        """Every STATUS_EVERY_S, to each edge of protocol 6: whether the engine is behind (not keeping its 80 ms
+        frames, or stalled: `ready` false while not draining) and draining. The edges read only the engine's
+        state at their hello before, and went on admitting calls to an engine its own /readyz called not ready.
+        Also the link's heartbeat: an edge that hears nothing for SILENT_LINK_S drops the link."""
+        was_behind = False
+        while True:
+            behind = not self.draining and not self.engine.ready
+            if behind != was_behind:
+                log.warning("engine %s: edges told to admit no new calls" if behind else
+                            "engine %s: edges told to admit calls again",
+                            "not keeping time" if behind else "keeping time again")  # fmt: skip
+                was_behind = behind
+            status = json_message(b"S", {"draining": self.draining, "behind": behind})
+            for edge in list(self._edges):
+                if edge.version >= 6 and not edge.writer.transport.is_closing():
+                    edge.writer.write(status)
+            await asyncio.sleep(STATUS_EVERY_S)
 
     async def _serve_edge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername") or "unix socket"

@@ -16,7 +16,8 @@ line carries. Nothing is unpickled: a peer can send bad bytes, never code. Times
                    G seats {seats}: the edge's grant changed: given back (D), or more of what it asked for (5)
                    E call event {call_id, type: transcript|oracle|notice|end, ...}
                    F bot frames: u32 header length, header {call_ids, texts, voiced, indices, fresh, age}, pcm
-                   S status {draining}: the engine is going away; seated calls go on, no new ones
+                   S status {draining, behind}: the engine is going away, or is missing its 80 ms frames
+                     (seated calls go on, no new ones); sent every STATUS_EVERY_S too, as the link's heartbeat (6)
 
 A close (C) frees the seat at once; the call's events go on until it has said what it says as it closes
 (the caller's last words, made final by its back-end, within LAST_WORDS_WAIT_S), then its E end.
@@ -60,11 +61,16 @@ MAX_MESSAGE_BYTES = 32 << 20  # a tick of 256 calls is 2 MB; anything far larger
 # 3: a call's setup carries the actions the edge can carry out; "tool" events (the agent's tool calls).
 # 4: "X": a call action the edge could not carry out, for the call's back-end.
 # 5: "D" (a draining edge gives back the seats it does not use) and "G" (an edge's grant changed).
-PROTOCOL_VERSION = 5
+# 6: "S" every STATUS_EVERY_S with "behind" (the engine not keeping time, as its own /readyz says): the edges
+#    admit no new call meanwhile, and one that hears nothing for SILENT_LINK_S takes the link for lost (a
+#    partition, a frozen host: no reset comes, and an idle edge never wrote anything that could fail).
+PROTOCOL_VERSION = 6
+STATUS_EVERY_S = 1.0
+SILENT_LINK_S = 5.0
 # What either side still speaks, so a rolling upgrade does not cut edges off: a link at 3 is 4 without "X"
 # (the edge does not send it; the engine never needs it), a link at 4 is 5 without "D" and "G" (a draining
 # edge holds its seats until it leaves, as before). The welcome names the version the link speaks.
-COMPATIBLE_VERSIONS = (3, 4, 5)
+COMPATIBLE_VERSIONS = (3, 4, 5, 6)
 _PCM = np.dtype("<i2")
 _FRAME_BYTES = FRAME_SAMPLES * _PCM.itemsize
 SOCKET_BUFFER_BYTES = 1 << 20  # a whole tick in one send where the kernel allows (it caps at wmem_max)

@@ -45,6 +45,7 @@ from .interface import (
 from .link_wire import (
     COMPATIBLE_VERSIONS,
     PROTOCOL_VERSION,
+    SILENT_LINK_S,
     Address,
     LinkError,
     LinkFull,
@@ -143,6 +144,7 @@ class RemoteEngine:
         self._failed = False
         self._stopping = False
         self.draining = False  # the engine said it is going away: its calls go on, no new ones
+        self.engine_behind = False  # the engine said it is not keeping time: no new calls until it is (6)
         self.leaving = False  # this edge drains (give_back_seats): it takes no new calls
         self.audio_dropped = 0
 
@@ -248,7 +250,11 @@ class RemoteEngine:
 
     @property
     def ready(self) -> bool:
-        return self._writer is not None and not self._failed and not self._stopping and not self.draining
+        return self._linked and not self.draining and not self.engine_behind
+
+    @property
+    def _linked(self) -> bool:
+        return self._writer is not None and not self._failed and not self._stopping
 
     @property
     def failed(self) -> bool:
@@ -257,7 +263,9 @@ class RemoteEngine:
     async def open_call(self, call_id: str, setup: CallSetup | None = None) -> RemoteCallSession:
         if self.draining:
             raise EngineClosed("the engine is draining")
-        if not self.ready or self._writer is None:
+        # Not `ready`: a call its webhook answered still gets its stream from an engine that is behind (the
+        # engine seats it; only new admissions wait), as a local engine does.
+        if not self._linked or self._writer is None:
             raise EngineClosed("the engine link is down")
         old = self._calls.get(call_id)
         if old is not None:  # the same call reconnecting: the server swaps the seat over
@@ -343,7 +351,14 @@ class RemoteEngine:
         why = "closed by the engine"
         try:
             while True:
-                kind, body = await read_message(self._reader)
+                if self.link_version >= 6:  # the engine speaks at least every STATUS_EVERY_S
+                    try:
+                        kind, body = await asyncio.wait_for(read_message(self._reader), SILENT_LINK_S)
+                    except TimeoutError:
+                        why = f"nothing from the engine for {SILENT_LINK_S:.0f} s (a partition, a frozen host)"
+                        break
+                else:
+                    kind, body = await read_message(self._reader)
                 now = time.monotonic()
                 if kind == b"F":
                     self._put_frames(parse_frames(body, now))
@@ -363,9 +378,14 @@ class RemoteEngine:
                         log.info("engine at %s: %d seats now (were %d)", self.address, seats, self._seats)
                     self._seats = seats
                 elif kind == b"S":
-                    self.draining = bool(json.loads(bytes(body)).get("draining"))
-                    if self.draining:
+                    status = json.loads(bytes(body))
+                    draining, behind = bool(status.get("draining")), bool(status.get("behind"))
+                    if draining and not self.draining:
                         log.warning("the engine at %s is draining: no new calls here until it is back", self.address)
+                    if behind != self.engine_behind:
+                        log.warning("the engine at %s %s", self.address, "is not keeping time: no new calls here "
+                                    "until it does" if behind else "keeps time again: taking calls")  # fmt: skip
+                    self.draining, self.engine_behind = draining, behind
                 elif kind == b"R":
                     result = json.loads(bytes(body))
                     waiter = self._opening.get(result["call_id"])

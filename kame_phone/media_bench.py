@@ -126,6 +126,7 @@ class LoopbackEngine:
         self.backlog_max = 0  # deepest the tick queue got (1 = the fan-out keeps up)
         self._frames: asyncio.Queue[BotFrames | None] = asyncio.Queue()
         self.open_delay_s = 0.0  # seating a call takes this long (a remote engine across a slow link)
+        self.behind = False  # as a model's engine missing its 80 ms frames says (not ready; calls still seat)
 
     @property
     def max_calls(self) -> int:
@@ -137,7 +138,7 @@ class LoopbackEngine:
 
     @property
     def ready(self) -> bool:
-        return not self._stopped
+        return not self._stopped and not self.behind
 
     @property
     def failed(self) -> bool:

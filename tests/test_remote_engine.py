@@ -274,11 +274,12 @@ async def _read_link_message(reader: asyncio.StreamReader) -> tuple[bytes, dict]
     return data[:1], json.loads(data[1:])
 
 
-async def _misbehaving_engine(behave) -> tuple[asyncio.Server, Address]:  # type: ignore[no-untyped-def]
-    """A peer that speaks the link as engine-serve does up to its welcome (2 seats), then does `behave`."""
+async def _misbehaving_engine(behave, version: int = 5) -> tuple[asyncio.Server, Address]:  # type: ignore[no-untyped-def]
+    """A peer that speaks the link as engine-serve does up to its welcome (2 seats), then does `behave`. At
+    protocol 5 by default: from 6 an engine speaks every second, which these peers do not."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_link_message(reader)  # the hello
-        writer.write(_link_message(b"W", b'{"version":%d,"seats":2}' % PROTOCOL_VERSION))
+        writer.write(_link_message(b"W", b'{"version":%d,"seats":2}' % version))
         try:
             await behave(reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -543,6 +544,51 @@ async def test_a_draining_engine_keeps_its_calls_and_takes_no_new_ones(tmp_path:
         assert not edge.failed  # draining is not a lost link
     finally:
         await edge.stop()
+
+
+async def test_an_engine_not_keeping_time_tells_its_edges_to_admit_no_new_calls(engine_server) -> None:
+    """An engine-serve missing its 80 ms frames said so on its own /readyz only: the edges read its state at
+    their hello, and went on admitting calls that slowed every seated one (review, session 22). It now says
+    so every second on the link; the edges turn not-ready and give no seat to admission, a call its webhook
+    already answered still opens, and they take calls again once it keeps time."""
+    server, address = await engine_server(4)
+    edge = await RemoteEngine.connect(address, token=None, seats=2)
+    try:
+        assert edge.ready and edge.free_slots == 2 and edge.link_version == PROTOCOL_VERSION >= 6
+        server.engine.behind = True
+        await until(lambda: not edge.ready, "the edge told the engine is behind", within=5)
+        assert edge.free_slots == 0 and not edge.failed
+        call = await edge.open_call("CA-answered")  # admitted before: still seated
+        server.engine.behind = False
+        await until(lambda: edge.ready, "the edge told the engine keeps time", within=5)
+        assert edge.free_slots == 1
+        await call.close()
+    finally:
+        await edge.stop()
+
+
+async def test_an_engine_that_goes_silent_is_taken_for_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A partition or a frozen engine host sends no reset: an idle edge, which wrote nothing that could fail,
+    stayed ready for ever and every call routed to it waited out its seat request (review, session 22). The
+    engine speaks at least every second (protocol 6); silent for SILENT_LINK_S, the link is lost."""
+    import engine.remote as remote
+
+    monkeypatch.setattr(remote, "SILENT_LINK_S", 0.5)
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # welcomed, then never a word (the host froze)
+
+    server, address = await _misbehaving_engine(silent, PROTOCOL_VERSION)
+    lost = metric("kame_engine_link_errors_total", kind="lost")
+    edge = await RemoteEngine.connect(address, token=None, seats=2)
+    try:
+        assert edge.ready
+        await until(lambda: edge.failed, "the silent link taken for lost", within=5)
+        assert not edge.ready and edge.free_slots == 0
+        assert metric("kame_engine_link_errors_total", kind="lost") == lost + 1
+    finally:
+        await edge.stop()
+        server.close()
 
 
 # ---------------------------------------------------------------------------------------------------------
