@@ -7,6 +7,7 @@ rule and the `StreamingSTT` contract, not accuracy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -514,12 +515,11 @@ async def test_the_stt_steps_right_after_each_engine_tick(
     assert mod._SHARED is None
 
 
-def test_a_call_joining_a_row_during_its_first_priming_step_gets_the_same_tokens(make_engine) -> None:
-    """The row's reset and first silence frame are in the step under way: the call takes the rest of the prefix
-    and no second reset (found by review, session 21)."""
-    a = audio(7, 10)
+def _joined_during_a_priming_step(make_engine, fails: bool):  # type: ignore[no-untyped-def]
+    """Row 0 holds a call (`other`); a second call takes row 1 while the step that primes row 1 first runs,
+    and fails (`fails`). Returns (engine, other, the joined call, a cold row's tokens for audio(7, 10))."""
     cold = make_engine(max_streams=2)
-    ref, _ = run_rows(cold, {i: [(0, a[i])] for i in range(10)}, 10)
+    ref, _ = run_rows(cold, {i: [(0, audio(7, 10)[i])] for i in range(10)}, 10)
     engine = make_engine(max_streams=2)
     other = engine.open_stream()  # row 0
     joined: dict[str, KyutaiStreamingSTT] = {}
@@ -528,21 +528,35 @@ def test_a_call_joining_a_row_during_its_first_priming_step_gets_the_same_tokens
     def joining(pcm, active, reset):  # type: ignore[no-untyped-def]
         if active[1] and reset[1] and not joined:
             joined["call"] = engine.open_stream()  # row 1, while its first priming step runs
+            if fails:
+                raise RuntimeError("CUDA error: launch failure")
         return real(pcm, active, reset)
 
     engine._model_step = joining  # type: ignore[method-assign]
     other.feed(audio(8, 1)[0])
-    engine.step()
+    with contextlib.suppress(RuntimeError):
+        engine.step()
     engine._model_step = real  # type: ignore[method-assign]
-    call = joined["call"]
-    assert call.row == 1 and not engine._rows[1].needs_reset
-    assert len(engine._rows[1].inbox) == engine.prefix_frames - 1
+    return engine, other, joined["call"], ref[0]
+
+
+def _tokens_of_row_1(engine, call, frames) -> list[int]:  # type: ignore[no-untyped-def]
     tokens = []
-    for frame in a:
+    for frame in frames:
         call.feed(frame)
         while engine.backlog():
             tokens.append(int(engine.step().tokens[1]))
-    assert tokens[engine.prefix_frames - 1 :] == ref[0][cold.prefix_frames :]
+    return tokens
+
+
+def test_a_call_joining_a_row_during_its_first_priming_step_gets_the_same_tokens(make_engine) -> None:
+    """The row's reset and first silence frame are in the step under way: the call takes the rest of the prefix
+    and no second reset (found by review, session 21)."""
+    engine, _, call, ref = _joined_during_a_priming_step(make_engine, fails=False)
+    assert call.row == 1 and not engine._rows[1].needs_reset
+    assert len(engine._rows[1].inbox) == engine.prefix_frames - 1
+    tokens = _tokens_of_row_1(engine, call, audio(7, 10))
+    assert tokens[engine.prefix_frames - 1 :] == ref[engine.prefix_frames :]
 
 
 def test_priming_stops_after_a_failed_step_until_a_step_works(make_engine) -> None:
@@ -596,39 +610,13 @@ def test_a_call_joining_a_row_while_its_priming_step_fails_starts_over_instead_o
     """A call took a free row while the step priming it failed: none of its audio was in that step, so the row
     starts over (reset, the whole prefix) and the call goes on. Failing it lost the caller's first second or
     more (the back-end waits, then clears the queued audio). Found by review, session 22."""
-    a = audio(7, 10)
-    cold = make_engine(max_streams=2)
-    ref, _ = run_rows(cold, {i: [(0, a[i])] for i in range(10)}, 10)
-    engine = make_engine(max_streams=2)
-    other = engine.open_stream()  # row 0
-    joined: dict[str, KyutaiStreamingSTT] = {}
-    real = engine._model_step
-
-    def failing(pcm, active, reset):  # type: ignore[no-untyped-def]
-        if active[1] and not joined:
-            joined["call"] = engine.open_stream()  # row 1, while its priming step runs
-            raise RuntimeError("CUDA error: launch failure")
-        return real(pcm, active, reset)
-
-    engine._model_step = failing  # type: ignore[method-assign]
-    other.feed(audio(8, 1)[0])
-    try:
-        engine.step()
-    except RuntimeError:
-        pass
-    engine._model_step = real  # type: ignore[method-assign]
-    call = joined["call"]
+    engine, other, call, ref = _joined_during_a_priming_step(make_engine, fails=True)
     row = engine._rows[call.row]
     assert call.row == 1 and row.failure is None and row.needs_reset
     assert len(row.inbox) == row.prefix_queued == engine.prefix_frames
     with pytest.raises(RuntimeError):
-        other.feed(a[0])  # row 0's audio was in the failed step: its call fails, as before
-    tokens = []
-    for frame in a:
-        call.feed(frame)
-        while engine.backlog():
-            tokens.append(int(engine.step().tokens[1]))
-    assert tokens == ref[0]  # the prefix then the call's audio, as on a cold row
+        other.feed(audio(7, 1)[0])  # row 0's audio was in the failed step: its call fails, as before
+    assert _tokens_of_row_1(engine, call, audio(7, 10)) == ref  # the prefix then the call's audio, as on a cold row
 
 
 def test_a_failed_row_buys_no_catch_up_steps_and_priming_is_tried_again_later(make_engine, monkeypatch) -> None:

@@ -46,20 +46,15 @@ def test_a_follower_steps_after_each_pace_and_on_its_own_when_the_pace_is_quiet(
 def test_a_follower_of_a_slow_loop_steps_once_per_tick_of_it() -> None:
     """The other loop late (its ticks 1.7 periods apart, an overloaded engine): the follower steps on its own
     after a period and a half, and the late tick that ends just after must not make it step again."""
-    steps: list[float] = []
-    ticker = FrameTicker("follower", lambda: steps.append(time.monotonic()), period_s=0.1)
-    pace = threading.Event()
-    ticker.follow(pace)
-    ticker.start()
-    try:
+    def other_loop(pace: threading.Event) -> None:
         pace.set()
         time.sleep(0.02)
         for _ in range(12):  # 12 ticks, 0.17 s apart
             time.sleep(0.17)
             pace.set()
         time.sleep(0.02)
-    finally:
-        ticker.stop()
+
+    steps = _steps_following(other_loop, period_s=0.1)
     gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
     assert 12 <= len(steps) <= 19 and min(gaps) > 0.045, (len(steps), min(gaps))  # (two a tick: ~24, 0.02 s)
 
@@ -68,18 +63,27 @@ def test_a_follower_steps_for_each_of_two_ticks_close_together() -> None:
     """The other loop's tick overran and the next one started at once (a late tick starts late, it is not
     skipped): two ticks 30 ms apart are two frames of audio, each its step. Skipping the second left every
     call's transcript a frame further behind for each overrun."""
-    steps: list[float] = []
-    ticker = FrameTicker("follower", lambda: steps.append(time.monotonic()), period_s=0.1)
-    pace = threading.Event()
-    ticker.follow(pace)
-    ticker.start()
-    try:
-        for _ in range(4):  # 4 x (an overrun tick of 0.12 s, then a catch-up tick of 0.03 s)
-            time.sleep(0.12 if steps else 0.02)
+    def other_loop(pace: threading.Event) -> None:
+        for i in range(4):  # 4 x (an overrun tick of 0.12 s, then a catch-up tick of 0.03 s)
+            time.sleep(0.12 if i else 0.02)
             pace.set()
             time.sleep(0.03)
             pace.set()
         time.sleep(0.05)
+
+    steps = _steps_following(other_loop, period_s=0.1)
+    assert len(steps) == 8, len(steps)
+
+
+def _steps_following(other_loop, period_s: float) -> list[float]:  # type: ignore[no-untyped-def]
+    """When each step of a follower ran, while `other_loop(pace)` sets its pace as the other loop's ticks end."""
+    steps: list[float] = []
+    ticker = FrameTicker("follower", lambda: steps.append(time.monotonic()), period_s=period_s)
+    pace = threading.Event()
+    ticker.follow(pace)
+    ticker.start()
+    try:
+        other_loop(pace)
     finally:
         ticker.stop()
-    assert len(steps) == 8, len(steps)
+    return steps
