@@ -56,6 +56,9 @@ START_TIMEOUT_S = 600.0  # loading a 7B checkpoint from a cold disk takes minute
 FETCH_TIMEOUT_S = 7200.0
 COMPILE_TIMEOUT_S = 1800.0  # and with --compile, compiling the tick in the warm-up (autotuning: many minutes)
 EXIT_BROKEN = 70  # the child's exit code when every tick fails (EX_SOFTWARE)
+# Messages the child may hold for a parent that is not reading (~5 s of ticks, ~32 MB at 64 calls): past it the
+# tick waits for the pipe, as every tick did before it had a sender of its own.
+MAX_UNSENT = 64
 
 
 @dataclass(frozen=True)
@@ -366,6 +369,52 @@ def _downloads(checkpoint: str) -> bool:
 # The child
 
 
+class _ChildSender:
+    """The child's messages to the parent, written by a thread of their own. A tick's message (its calls' audio,
+    ~7.7 KB a call: half a megabyte at 64) is larger than the pipe holds, so written from the tick, the tick
+    waited for the parent's reader, and the parent's GIL (its phone edge, its STT), to take it: the parent's load
+    became the child's late frames, which this process exists to prevent. In order, none dropped; bounded."""
+
+    def __init__(self, conn: Connection, max_unsent: int = MAX_UNSENT) -> None:
+        self._conn = conn
+        self._max = max_unsent
+        self._queue: deque[tuple[Any, ...]] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="engine-child-sender", daemon=True)
+        self._thread.start()
+
+    def __call__(self, message: tuple[Any, ...]) -> None:
+        with self._cond:
+            while len(self._queue) >= self._max and self._thread.is_alive():
+                self._cond.wait(0.1)  # the parent far behind: back-pressure, as a write of our own would be
+            self._queue.append(message)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                message = self._queue[0]
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError):  # the parent is gone: nothing more to say
+                return
+            with self._cond:
+                self._queue.popleft()
+                self._cond.notify_all()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued (up to `timeout_s`), then stop: before the process exits."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+
 def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
     import signal
 
@@ -380,12 +429,7 @@ def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
 
     if spec.torch_threads > 0:
         torch.set_num_threads(spec.torch_threads)
-    send_lock = threading.Lock()
-
-    def send(message: tuple[Any, ...]) -> None:
-        with send_lock:
-            conn.send(message)
-
+    send = _ChildSender(conn)
     try:
         # A first start downloads it here, apart from the load's deadline; the load then reads these files (not
         # the Hub again: a revision moved meanwhile would download inside the load's deadline).
@@ -404,11 +448,13 @@ def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
         loop.start(warmup_ticks)
     except Exception as e:
         send(("failed", f"{type(e).__name__}: {e}", type(e).__name__ == "CheckpointError"))
+        send.close()
         return
     # This process's heap is mostly torch and the model; a full collection over it stalls every call's tick.
     freeze_startup_heap()
     send(("ready", loop.sampling, loop.batch.memory))
     _serve_commands(conn, loop)
+    send.close()
 
 
 def _serve_commands(conn: Connection, loop: _ChildFrameLoop) -> None:
@@ -445,7 +491,7 @@ class _ChildFrameLoop(FrameLoop):
     """The real loop, in the child: seats calls in the rows the parent chose, and after each tick forwards
     what the parent needs (outputs, oracle-fed samples, counters, resets, timing)."""
 
-    def __init__(self, send: Callable[[tuple[Any, ...]], None], *args: Any, **kwargs: Any) -> None:
+    def __init__(self, send: _ChildSender, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.send = send
         self.pending_resets: list[tuple[int, str]] = []
@@ -457,6 +503,7 @@ class _ChildFrameLoop(FrameLoop):
         fails health and the device's memory goes back for the restart."""
         with contextlib.suppress(Exception):
             self.send(("broken", self.broken))
+            self.send.close()
         logging.shutdown()
         os._exit(EXIT_BROKEN)
 

@@ -430,3 +430,37 @@ async def test_a_stalled_engine_process_never_blocks_the_caller(tiny_checkpoint:
     finally:
         os.kill(process.pid, signal.SIGCONT)
         await engine.stop()
+
+
+def test_a_parent_slow_to_read_does_not_make_the_engine_process_late(tiny_checkpoint: Path) -> None:
+    """A tick's message (its calls' audio, ~7.7 KB a call) is larger than the pipe holds at a few calls: sent
+    from the tick, the tick waited for the parent's reader, so a parent busy elsewhere (its phone edge, its
+    STT, under one GIL) made the child's frames late, which the child process exists to prevent (review,
+    session 22). The child's own sender thread takes them; none is lost, in order."""
+    loop = FrameLoopProcess(ChildSpec(str(tiny_checkpoint), "cpu", 8, None, SamplingOverrides(greedy=True), 0.0, 4))
+    loop.start(warmup_ticks=2)
+    timings: list[tuple[float, bool]] = []
+    ticks: list[float] = []
+    dispatch = loop._dispatch
+    paused = threading.Event()
+
+    def slow_reader(kind: str, body: list) -> None:  # type: ignore[type-arg]
+        if kind == "tick":
+            ticks.append(time.monotonic())
+            if not paused.is_set():
+                paused.set()
+                time.sleep(1.5)  # the parent's reader held up: nothing read from the pipe meanwhile
+        elif kind == "timing":
+            timings.append((body[0], body[1]))
+        dispatch(kind, body)
+
+    loop._dispatch = slow_reader  # type: ignore[method-assign]
+    try:
+        for row in range(8):
+            loop.join(f"CA-{row}", None)
+        time.sleep(3.0)
+    finally:
+        loop.stop()
+    assert paused.is_set()
+    assert max(elapsed for elapsed, _ in timings) < 0.5, max(elapsed for elapsed, _ in timings)  # never 1.5 s
+    assert len(ticks) >= 25  # the held ticks came through after the pause, none lost
