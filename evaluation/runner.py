@@ -250,6 +250,11 @@ async def run_eval(plan: EvalPlan, progress: bool = True) -> dict[str, Any]:
         stopped = exc
         log.error("the run stopped early: %s: %s; the report holds the %d call(s) that finished",
                   type(exc).__name__, exc, len(got.results) + len(got.probes))  # fmt: skip
+    except asyncio.CancelledError:  # Ctrl-C: the calls that finished are still reported, then it stops
+        log.error("the run was interrupted; the report holds the %d call(s) that finished",
+                  len(got.results) + len(got.probes))  # fmt: skip
+        await _write_report(plan, got, probes_per_delay, RuntimeError("interrupted"))
+        raise
     finally:
         bar.close()
         await plan.judge.aclose()
@@ -326,10 +331,20 @@ async def _dial(
     for redials in range(plan.busy_redials + 1):
         script = make_script()  # each dial plays its own timeline
         async with sem:
-            report = await simulate_call(
-                line.ws_url, script, auth_token=line.token, public_url=line.public_url, out_wav=wav,
-                voice_url=line.voice_url, from_number=plan.from_number, to_number=plan.to_number,
-            )
+            # Bounded: a service that accepts the socket and then stops reading (a frozen loop) held the send,
+            # and the run, for ever. Its question, every listening allowance, and a margin.
+            listen = plan.listening
+            most = (listen.lead_in_s + len(script.question) * 0.02 + listen.no_answer_s + listen.max_reply_s
+                    + listen.quiet_s + CALL_MARGIN_S)  # fmt: skip
+            try:
+                async with asyncio.timeout(most):
+                    report = await simulate_call(
+                        line.ws_url, script, auth_token=line.token, public_url=line.public_url, out_wav=wav,
+                        voice_url=line.voice_url, from_number=plan.from_number, to_number=plan.to_number,
+                    )
+            except TimeoutError:
+                why = f"the call did not end within {most:.0f} s (the service stopped answering?)"
+                raise TimeoutError(why) from None
         if report.outcome != "busy" or redials == plan.busy_redials:
             break
         pause = min(REDIAL_MAX_PAUSE_S, REDIAL_FIRST_PAUSE_S * 2**redials) * random.uniform(0.8, 1.2)
@@ -337,6 +352,9 @@ async def _dial(
                  report.call_sid, pause, redials + 1, plan.busy_redials)  # fmt: skip
         await asyncio.sleep(pause)
     return report, script, await asyncio.to_thread(_read_heard, wav), redials
+
+
+CALL_MARGIN_S = 60.0  # a call's bound beyond its question and listening allowances (a probe's second part, set-up)
 
 
 def _read_heard(wav: Path) -> np.ndarray:

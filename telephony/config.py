@@ -45,8 +45,9 @@ _PLACEHOLDER = "replace-with-"
 
 
 def unfilled_placeholders(env: Mapping[str, str]) -> list[str]:
-    """The secret variables that still hold ops/.env.example's placeholder."""
-    return [name for name in SECRET_VARIABLES if _PLACEHOLDER in env.get(name, "")]
+    """The variables that still hold ops/.env.example's placeholder: the secrets, and PUBLIC_URL (left at an
+    example host, `twilio setup` pointed a live number at it and `dial` placed billed calls that failed)."""
+    return [name for name in (*SECRET_VARIABLES, "PUBLIC_URL") if _PLACEHOLDER in env.get(name, "")]
 
 
 def unfilled_message(names: list[str]) -> str:

@@ -42,6 +42,7 @@ from telephony import sim_playout as sp
 from .eval_servers import FakeJudge, FakeLine, serve_fake_judge, serve_fake_line, silence, tone
 from .llm_server import serve_fake_llm
 from .phone_fixtures import running_phone
+from .polling import until
 from .redis_support import REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -627,3 +628,20 @@ def test_compare_says_no_difference_for_identical_constant_scores(tmp_path: Path
     text = compare(write("a", [7.0] * 6), write("b", [7.0] * 6))
     assert "score 7.00 -> 7.00 (+0.00; no difference (the same value throughout))" in text and "nan" not in text
     assert "nan" not in compare(write("c", [3.0] * 6), write("d", [8.0] * 6))
+
+
+async def test_an_interrupted_run_still_reports_the_calls_that_finished(tmp_path: Path) -> None:
+    """Ctrl-C (a cancelled run) skipped the report: a long run's finished calls went unreported (review,
+    session 22). The report is written with them, then the run stops."""
+    questions = [Question(str(i), "stem", f"What is {i} plus {i}?") for i in range(3)]
+    async with serve_fake_line() as line, serve_fake_judge() as api:
+        run = asyncio.create_task(run_eval(_line_plan(tmp_path / "run", questions, line, api, concurrency=1),
+                                           progress=False))  # fmt: skip
+        # The third call under way and the second's grading asked for: the first is graded and kept by then.
+        await until(lambda: line.calls >= 3 and len(api.requests) >= 2, "a call graded, the last one on", within=90)
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    finished = [r["question_id"] for r in report["results"]]
+    assert "0" in finished and set(finished) <= {"0", "1"} and "interrupted" in json.dumps(report)

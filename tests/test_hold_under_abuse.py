@@ -127,6 +127,9 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
         pytest.param({"TWILIO_AUTH_TOKEN": "replace-with-your-twilio-auth-token",
                       "ADMIN_TOKEN": "replace-with-a-long-random-string"}, ["--insecure-dev"],
                      "TWILIO_AUTH_TOKEN, ADMIN_TOKEN still hold the placeholder", id="placeholders"),  # fmt: skip
+        # PUBLIC_URL left at the example: `twilio setup` would point a live number at it (review, session 22).
+        pytest.param({"TWILIO_AUTH_TOKEN": "t" * 32, "PUBLIC_URL": "https://replace-with-your-public-host"}, [],
+                     "PUBLIC_URL still holds the placeholder", id="placeholder-url"),  # fmt: skip
         # No GPU here (CI, this box): was a traceback from the engine process at the model's load.
         # (A CPU-only torch, as setup.sh installs by default, is named as such: "no CUDA device" misled on a GPU box.)
         pytest.param({"KAME_DEVICE": "cuda"}, ["--insecure-dev"],
