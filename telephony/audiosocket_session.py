@@ -165,10 +165,12 @@ class AudioSocketSession(CallLeg):
         with contextlib.suppress(ConnectionError, RuntimeError):
             self.writer.write(hangup())  # Asterisk hangs the channel up on this (or on the close itself)
         self.writer.close()
-        with contextlib.suppress(ConnectionError, TimeoutError, RuntimeError):
-            async with asyncio.timeout(CLOSE_WAIT_S):
-                await self.writer.wait_closed()
-        self.writer.transport.abort()
+        try:
+            with contextlib.suppress(ConnectionError, TimeoutError, RuntimeError):
+                async with asyncio.timeout(CLOSE_WAIT_S):
+                    await self.writer.wait_closed()
+        finally:  # also when this wait is cancelled (the watchdog, the pump): `end` sees closing and skips its own
+            self.writer.transport.abort()
 
     def queued_bot_s(self, now: float) -> float:
         return len(self.outbox) * PACKET_S
@@ -226,7 +228,8 @@ class AudioSocketSession(CallLeg):
             self.protocol_error(e.kind, e.detail)
             if self._end_reason == "completed":
                 self._end_reason = "oversize" if e.kind == OVERSIZE else "rejected"
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
+        # OSError, not only ConnectionError: a timed-out or unreachable peer (ETIMEDOUT, EHOSTUNREACH) is none.
+        except (asyncio.IncompleteReadError, OSError) as e:
             if self._end_reason == "completed" and not self._ended:  # keep a reason given (no_start, flooding)
                 if n := self.ctx.sampled("audiosocket:cut"):
                     log.warning("audiosocket connection from %s cut (#%d): %s", self.peer, n, type(e).__name__)

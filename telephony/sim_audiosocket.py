@@ -77,7 +77,7 @@ async def audiosocket_call(
             if receiving.done():
                 break  # the service hung up
             writer.write(encode(KIND_SLIN, packet))
-            if i == len(caller):
+            if i == max(len(caller) - 1, 0):  # after the caller's last packet (with no hold, there is no next)
                 for digit in dtmf:
                     writer.write(encode(KIND_DTMF, digit.encode("ascii")))
             await writer.drain()
