@@ -74,6 +74,11 @@ async def twilio_setup(args: argparse.Namespace) -> None:
         print(f"  voice URL:       {before.voice_url or '(none)'} [{before.voice_method or '-'}] -> {voice_url} [POST]")
         print(f"  status callback: {before.status_callback or '(none)'} [{before.status_callback_method or '-'}]"
               f" -> {status_url} [POST]")  # fmt: skip
+        if before.routed_elsewhere:
+            # Changing the URL would change nothing a caller hears: said "done", it was a silent failure.
+            raise CliError(f"{before.name}'s calls go to {before.routed_elsewhere}, and Twilio ignores its voice URL "
+                           "while it is set: detach it (console: Phone Numbers > the number > Voice Configuration) "
+                           "and run this again; nothing changed", code=1)  # fmt: skip
         if args.dry_run:
             print("--dry-run: nothing changed")
             return

@@ -67,6 +67,9 @@ class VoiceSettings:
     voice_method: str | None
     status_callback: str | None
     status_callback_method: str | None
+    # What takes the number's calls instead of its voice URL (Twilio ignores the URL while either is set): a
+    # TwiML App ("TwiML App AP...") or an Elastic SIP Trunk ("SIP trunk TK..."); None: its voice URL does.
+    routed_elsewhere: str | None = None
 
     @property
     def is_sip_domain(self) -> bool:
@@ -75,7 +78,10 @@ class VoiceSettings:
 
 def _number_settings(n: Any, name: str, sid: str = "") -> VoiceSettings:
     """An IncomingPhoneNumber resource's voice settings (`sid` where the answer lacks its own)."""
-    return VoiceSettings(n.sid or sid, name, n.voice_url, n.voice_method, n.status_callback, n.status_callback_method)
+    app, trunk = getattr(n, "voice_application_sid", None), getattr(n, "trunk_sid", None)
+    elsewhere = f"the TwiML App {app}" if app else f"the SIP trunk {trunk}" if trunk else None
+    return VoiceSettings(n.sid or sid, name, n.voice_url, n.voice_method, n.status_callback, n.status_callback_method,
+                         elsewhere)  # fmt: skip
 
 
 def _domain_settings(d: Any, name: str, sid: str = "") -> VoiceSettings:

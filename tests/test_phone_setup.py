@@ -61,6 +61,21 @@ async def test_twilio_setup_points_the_number_at_the_service(tmp_path: Path) -> 
         assert "https://demo.twilio.com/welcome/voice/" in out and "done: calls to" in out  # before, and after
 
 
+async def test_twilio_setup_refuses_a_number_whose_calls_go_to_an_app_or_a_trunk() -> None:
+    """A number attached to a TwiML App or an Elastic SIP Trunk ignores its voice URL: setup changed the URL
+    and said "done", and calls still went to the app or the trunk (review, session 22)."""
+    async with serve_twilio_rest(ACCOUNT, ACCOUNT, SECRET) as twilio:
+        twilio.add_number(NUMBER, voice_application_sid="AP" + "1" * 32)
+        other = "+15557654321"
+        twilio.add_number(other, trunk_sid="TK" + "2" * 32)
+        env = {**_rest_env(twilio), "PUBLIC_URL": "https://voice.example.com"}
+        rc, _, err = await _kame(["twilio", "setup", "--number", NUMBER], env)
+        assert rc == 1 and f"go to the TwiML App AP{'1' * 32}" in err and "nothing changed" in err
+        rc, _, err = await _kame(["twilio", "setup", "--number", other, "--dry-run"], env)
+        assert rc == 1 and f"go to the SIP trunk TK{'2' * 32}" in err
+        assert not twilio.number_updates
+
+
 async def test_twilio_setup_points_a_sip_domain_at_the_service() -> None:
     """A contact center's PBX trunks calls into a Twilio SIP Domain: setup points the domain's voice URL and
     its status callback at the service, as for a number."""

@@ -46,10 +46,12 @@ class TwilioRestStandIn:
     auth_token: str | None = None
     reports: list[asyncio.Task[CallReport]] = field(default_factory=list)
 
-    def add_number(self, number: str, voice_url: str | None = None) -> str:
+    def add_number(self, number: str, voice_url: str | None = None, voice_application_sid: str | None = None,
+                   trunk_sid: str | None = None) -> str:  # fmt: skip
         sid = "PN" + secrets.token_hex(16)
         self.numbers[sid] = {"sid": sid, "phone_number": number, "voice_url": voice_url, "voice_method": "POST",
-                             "status_callback": None, "status_callback_method": None}  # fmt: skip
+                             "status_callback": None, "status_callback_method": None,
+                             "voice_application_sid": voice_application_sid, "trunk_sid": trunk_sid}  # fmt: skip
         return sid
 
     def add_sip_domain(self, domain: str, voice_url: str | None = None) -> str:
