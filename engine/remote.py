@@ -226,7 +226,7 @@ class RemoteEngine:
 
     @property
     def free_slots(self) -> int:
-        if not self.ready or self.leaving:
+        if not self.ready or self.leaving or self.engine_behind:  # behind: no new call would keep time
             return 0
         return max(0, self._seats - len(self._calls) - len(self._opening))
 
@@ -250,7 +250,9 @@ class RemoteEngine:
 
     @property
     def ready(self) -> bool:
-        return self._linked and not self.draining and not self.engine_behind
+        # Not `engine_behind`: every edge shares the one engine, so all would leave the load balancer at once
+        # (Twilio's "application error" for every call); in rotation, an edge answers busy (free_slots 0).
+        return self._linked and not self.draining
 
     @property
     def _linked(self) -> bool:

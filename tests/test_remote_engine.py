@@ -549,18 +549,19 @@ async def test_a_draining_engine_keeps_its_calls_and_takes_no_new_ones(tmp_path:
 async def test_an_engine_not_keeping_time_tells_its_edges_to_admit_no_new_calls(engine_server) -> None:
     """An engine-serve missing its 80 ms frames said so on its own /readyz only: the edges read its state at
     their hello, and went on admitting calls that slowed every seated one (review, session 22). It now says
-    so every second on the link; the edges turn not-ready and give no seat to admission, a call its webhook
-    already answered still opens, and they take calls again once it keeps time."""
+    so every second on the link; the edges give no seat to admission (they stay in rotation and answer busy:
+    all of them share the engine, and out of rotation at once every call would get the load balancer's
+    error), a call its webhook already answered still opens, and they take calls again once it keeps time."""
     server, address = await engine_server(4)
     edge = await RemoteEngine.connect(address, token=None, seats=2)
     try:
         assert edge.ready and edge.free_slots == 2 and edge.link_version == PROTOCOL_VERSION >= 6
         server.engine.behind = True
-        await until(lambda: not edge.ready, "the edge told the engine is behind", within=5)
-        assert edge.free_slots == 0 and not edge.failed
+        await until(lambda: edge.engine_behind, "the edge told the engine is behind", within=5)
+        assert edge.free_slots == 0 and edge.ready and not edge.failed
         call = await edge.open_call("CA-answered")  # admitted before: still seated
         server.engine.behind = False
-        await until(lambda: edge.ready, "the edge told the engine keeps time", within=5)
+        await until(lambda: not edge.engine_behind, "the edge told the engine keeps time", within=5)
         assert edge.free_slots == 1
         await call.close()
     finally:
