@@ -28,7 +28,7 @@ from .heap import served_heap
 from .interface import FRAME_SAMPLES, FRAME_SECONDS
 from .model import KameLM
 from .sampling import SamplingConfig
-from .tick_profile import SLOW_FACTOR, profile_ticks
+from .tick_profile import SLOW_FACTOR, profile_ticks, slow_ticks
 from .weight_quant import Int8Linear, set_int8_matmul, weights_bytes
 
 
@@ -242,14 +242,6 @@ def _bench_batch(
         tick_ms=[round(float(t), 3) for t in ms],
         profile=profiled,
     )
-
-
-def slow_ticks(tick_ms: list[float], factor: float = SLOW_FACTOR) -> list[int]:
-    """The indices of the ticks over `factor` times the median: the tail, by position."""
-    if not tick_ms:
-        return []
-    limit = factor * float(np.median(tick_ms))
-    return [i for i, t in enumerate(tick_ms) if t > limit]
 
 
 def bench_dtype(device: torch.device, name: str | None) -> torch.dtype:

@@ -29,8 +29,16 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 TICK = "kame_tick"
-SLOW_FACTOR = 1.5  # the same rule as the bench's slow_ticks: over 1.5 x the median tick
+SLOW_FACTOR = 1.5  # a slow tick: over 1.5 x the median (the bench's printout and the profile alike)
 TOP = 12  # kernels listed by their share of a usual tick
+
+
+def slow_ticks(tick_ms: list[float], factor: float = SLOW_FACTOR) -> list[int]:
+    """The indices of the ticks over `factor` times the median: the tail, by position."""
+    if not tick_ms:
+        return []
+    limit = factor * float(np.median(tick_ms))
+    return [i for i, t in enumerate(tick_ms) if t > limit]
 
 
 @dataclass
@@ -103,11 +111,11 @@ def summarise(ticks: list[tuple[float, float]], work: list[tuple[str, float, flo
         wall = (span[1] - span[0]) / 1000.0
         busy = union_ms(span, [(s, e) for _, s, e in items])
         rows.append(TickBreakdown(i, wall, busy, wall - busy))
-    walls = np.array([r.wall_ms for r in rows])
-    limit = SLOW_FACTOR * float(np.median(walls))
-    slow = [r.index for r in rows if r.wall_ms > limit]
-    normal = [r for r in rows if r.index not in set(slow)]
+    slow = slow_ticks([r.wall_ms for r in rows])
+    slow_set = set(slow)
+    normal = [r for r in rows if r.index not in slow_set]
     slow_rows = [rows[i] for i in slow]
+    usual = [r.index for r in normal]
 
     def per_name(indices: list[int], count: bool = False) -> dict[str, float]:
         sums: dict[str, float] = defaultdict(float)
@@ -118,10 +126,9 @@ def summarise(ticks: list[tuple[float, float]], work: list[tuple[str, float, flo
 
     grew: list[tuple[str, float, float]] = []
     if slow:
-        base, late = per_name([r.index for r in normal]), per_name(slow)
+        base, late = per_name(usual), per_name(slow)
         names = sorted(set(base) | set(late), key=lambda n: late.get(n, 0) - base.get(n, 0), reverse=True)
         grew = [(n, round(base.get(n, 0.0), 3), round(late.get(n, 0.0), 3)) for n in names[:top]]
-    usual = [r.index for r in normal]
     ms, calls = per_name(usual), per_name(usual, count=True)
     top_names = sorted(ms, key=ms.__getitem__, reverse=True)[:TOP]
     summary = ProfileSummary(
