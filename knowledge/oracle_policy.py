@@ -132,13 +132,23 @@ class OraclePolicy:
         if now < s.blocked_until:
             s.retry_pending = True
             return False
+        self._forget_old_requests(now)
+        self._asked(now)
+        return True
+
+    def _forget_old_requests(self, now: float) -> None:
+        """Drop the request starts that fell out of the rate cap's window."""
+        s = self._s
         while s.request_times and s.request_times[0] <= now - self.config.window_s:
             s.request_times.popleft()
+
+    def _asked(self, now: float) -> None:
+        """A request starts at `now`: counted in the window, with what the caller said so far."""
+        s = self._s
         s.request_times.append(now)
         s.asked_at_words = self.word_count
         s.final_pending = False
         s.retry_pending = False
-        return True
 
     def poll(self, now: float) -> TriggerReason | None:
         """Call every `poll_interval_s`. Returns why a request must start now, or None.
@@ -164,16 +174,12 @@ class OraclePolicy:
             reason = TriggerReason.RETRY
         if reason is None:
             return None
-        while s.request_times and s.request_times[0] <= now - cfg.window_s:
-            s.request_times.popleft()
+        self._forget_old_requests(now)
         # Capped: keep every flag, fire at the first poll after the window frees. Not a final: partials' requests
         # filled the window while the caller spoke, and the answer to what they said in the end waited up to
         # 0.8 s behind them. A final still counts in the window (finals come at most every ~0.6 s of silence).
         if len(s.request_times) >= cfg.max_requests and reason is not TriggerReason.FINAL:
             return None
-        s.request_times.append(now)
-        s.asked_at_words = count
-        s.final_pending = False
-        s.retry_pending = False
+        self._asked(now)
         s.auto_retries = s.auto_retries + 1 if reason is TriggerReason.RETRY else 0
         return reason
