@@ -637,11 +637,13 @@ async def test_an_interrupted_run_still_reports_the_calls_that_finished(tmp_path
     async with serve_fake_line() as line, serve_fake_judge() as api:
         run = asyncio.create_task(run_eval(_line_plan(tmp_path / "run", questions, line, api, concurrency=1),
                                            progress=False))  # fmt: skip
-        # The third call under way and the second's grading asked for: the first is graded and kept by then.
+        # The third call under way and a second grading asked for: the first graded is kept by then. (Which
+        # questions those are is not fixed: the calls queue for their turn in whatever order they get there.)
         await until(lambda: line.calls >= 3 and len(api.requests) >= 2, "a call graded, the last one on", within=90)
         run.cancel()
         with pytest.raises(asyncio.CancelledError):
             await run
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     finished = [r["question_id"] for r in report["results"]]
-    assert "0" in finished and set(finished) <= {"0", "1"} and "interrupted" in json.dumps(report)
+    assert 1 <= len(finished) < 3 and len(set(finished)) == len(finished) and set(finished) <= {"0", "1", "2"}
+    assert "interrupted" in json.dumps(report)  # the call under way is not in it
