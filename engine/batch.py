@@ -20,6 +20,7 @@ from moshi.utils import compile as moshi_compile
 
 from .interface import FRAME_SAMPLES
 from .kv_cache import kv_cache_bytes, set_kv_dtype
+from .mimi_graphs import graph_quantizer
 from .model import KameLM, KameStreamingState
 from .sampling import SamplingConfig
 from .weight_quant import Int8Linear, weights_bytes
@@ -93,7 +94,8 @@ class KameBatch:
         )
         log.info("model memory: %s", self.memory.describe())
         # Entered for the life of this object; `close()` leaves streaming so the modules can be reused.
-        self._streaming = [self.lm_gen.streaming(batch_size), self.mimi.streaming(batch_size)]
+        self._streaming = [self.lm_gen.streaming(batch_size), self.mimi.streaming(batch_size),
+                           graph_quantizer(self.mimi)]  # the codebooks' launches, one graph (mimi_graphs.py)
         self.compile_mode = compile_mode
         if compile_mode != "off":
             from .compiled_step import compile_tick  # torch.compile's machinery only where it is asked for

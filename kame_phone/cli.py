@@ -177,6 +177,14 @@ def _bench(args: argparse.Namespace) -> int:
                            steps=args.steps, context=args.context, dtype=args.dtype, checkpoint=args.checkpoint,
                            on_result=write if args.json else None)
         return 0
+    if args.what == "stt":
+        from knowledge.stt_bench import run_stt_bench
+
+        # --batch: the STT's rows (calls at once). Written after each, as the engine bench does.
+        run_stt_bench(args.checkpoint or "random:tiny", [int(b) for b in args.batch.split(",")],
+                      args.device or ("cuda" if _cuda() else "cpu"), ticks=args.ticks, warmup=args.warmup,
+                      on_row=(lambda r: _write_atomically(Path(args.json), r.to_json() + "\n")) if args.json else None)
+        return 0
     if args.what == "oracle":
         from .oracle_bench import run_oracle_bench
 
@@ -346,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
     # kv: the accuracy cost of 8-bit KV caches and weights (engine/quant_accuracy.py)
-    bench.add_argument("what", choices=["engine", "media", "oracle", "node", "kv"])
+    bench.add_argument("what", choices=["engine", "media", "oracle", "node", "kv", "stt"])
     bench.add_argument("--size", choices=["tiny", "moshi-7b"], default="tiny")
     bench.add_argument("--batch", default="1,8,16,32,48,64", help="comma-separated batch sizes")
     bench.add_argument("--ticks", type=int, default=100)
@@ -386,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="node bench: a flag for the service under test (repeat; e.g. --serve-arg=--engine-process)")
     bench.add_argument("--checkpoint", default=None,
                        help="node bench: the service's checkpoint (default: tiny); kv bench: measure this "
-                            "checkpoint's weights instead of --size's random ones")
+                            "checkpoint's weights instead of --size's random ones; stt bench: the Kyutai STT "
+                            "checkpoint (default random:tiny; random:stt-2.6b-en is the real layout)")
     bench.add_argument("--hold", type=float, default=5.0, metavar="SECONDS",
                        help="node bench: each caller stays on this long after its question (the figures' steady "
                             "part: the first seconds hold every call's start)")

@@ -70,6 +70,7 @@ from safetensors import SafetensorError
 
 from engine.checkpoint import CheckpointError, resolve_checkpoint
 from engine.interface import FRAME_SAMPLES, FRAME_SECONDS
+from engine.mimi_graphs import graph_quantizer
 from engine.ticker import FrameTicker
 
 from . import metrics
@@ -251,6 +252,8 @@ class KyutaiSttEngine:
         self._stack = ExitStack()
         self._stack.enter_context(self.lm_gen.streaming(B))
         self._stack.enter_context(self.mimi.streaming(B))
+        # Its 32 codebooks' launches as one graph: 359 of the encode's 379 (engine/mimi_graphs.py).
+        self._stack.enter_context(graph_quantizer(self.mimi))
         pin = self.device.type == "cuda"
         self._pcm_in = torch.zeros(B, 1, FRAME_SAMPLES, dtype=torch.float32, pin_memory=pin)
         self._rows: list[_Row | None] = [None] * B

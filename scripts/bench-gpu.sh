@@ -17,9 +17,9 @@ declare -A budget=(
   [batch1]=430 [node-48]=275 [node-64]=275 [node]=550 [weights]=305 [kv-cache]=285 [kv-weights]=285 [kv]=570
   [compiled-int8]=575 [weights-autotune]=575 [batch1-autotune]=575 [batch1-no-main]=255 [capacity]=575
   [engine]=545 [oracle]=410
-  [media]=375
+  [media]=375 [stt]=275
 )
-parts="batch1 node-48 node-64 node weights kv-cache kv-weights kv compiled-int8 weights-autotune batch1-autotune batch1-no-main capacity engine oracle media"
+parts="stt batch1 node-48 node-64 node weights kv-cache kv-weights kv compiled-int8 weights-autotune batch1-autotune batch1-no-main capacity engine oracle media"
 usage="usage: scripts/bench-gpu.sh OUTDIR PART | --budget PART | --parts (PART: ${parts// /|}|all)"
 case ${1:-} in
   --budget) [[ -n ${budget[${2:-}]:-} ]] || { echo "$usage" >&2; exit 2; }; echo "${budget[$2]}"; exit 0 ;;
@@ -77,6 +77,16 @@ if [[ $what == capacity || $what == all ]]; then
     run "capacity-$kv" "$t" engine --size moshi-7b --batch "$batches" --context 3000 --kv-dtype "$kv" \
       --json "$out/capacity-$kv.json"
   done
+fi
+if [[ $what == stt || $what == all ]]; then
+  # Kyutai STT's step in its 2.6B layout (random weights), alone and beside a busy Python thread (serve's
+  # asyncio loop), Mimi's quantizer graphed against eager (knowledge/stt_bench.py); then the same engine's
+  # batch-1 tick, whose Mimi now graphs its quantizer too (against batch1-off's figures).
+  # First, on CUDA, that the graphed quantizer gives the eager codes and audio (tests/test_mimi_graphs.py).
+  timeout -k 5 60 "$py" -m pytest -q -p no:cacheprovider tests/test_mimi_graphs.py -k cuda 2>&1 | tee "$out/stt-cuda-test.txt"
+  run stt 120 stt --checkpoint random:stt-2.6b-en --batch 16,64 --ticks 60 --json "$out/stt.json"
+  run stt-engine-b1 80 engine --size moshi-7b --batch 1 --context 3000 --ticks 300 --phases \
+    --json "$out/stt-engine-b1.json"
 fi
 if [[ $what == batch1 || $what == all ]]; then
   # Batch-1 latency (issue 15): the official step against --compile (engine/compiled_step.py), phase by

@@ -25,6 +25,21 @@ def test_engine_bench_reports_each_batch(tmp_path) -> None:
     assert all(len(r["tick_ms"]) == 4 and abs(max(r["tick_ms"]) - r["max_ms"]) < 1e-3 for r in report["results"])
 
 
+def test_stt_bench_measures_the_step_alone_and_beside_a_busy_thread_with_each_quantizer(tmp_path) -> None:
+    out = tmp_path / "stt.json"
+    assert main(["bench", "stt", "--batch", "1,2", "--ticks", "6", "--warmup", "2", "--device", "cpu",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["source"] == "random:tiny" and [r["rows"] for r in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert [v["quantizer"] for v in row["variants"]] == ["graphed", "eager"]
+        for v in row["variants"]:
+            assert v["launches"] > 100 and v["encode_ms"] > 0 and v["lm_ms"] > 0  # CPU: nothing graphed
+            for t in (v["alone"], *v["busy"].values()):
+                assert 0 < t["p50_ms"] <= t["p90_ms"] <= t["p99_ms"] <= t["max_ms"]
+            assert set(v["busy"]) == {"25%", "50%"}
+
+
 def test_slow_ticks_are_found_by_position() -> None:
     from engine.bench import slow_ticks
 
@@ -321,7 +336,7 @@ def test_bench_gpu_parts_fit_a_call_and_end_what_they_leave_running(tmp_path) ->
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench-gpu.sh"
     parts = dict(line.split() for line in subprocess.run([script, "--parts"], capture_output=True, text=True,
                                                          check=True).stdout.splitlines())
-    assert {"batch1", "node-48", "node-64", "kv-cache", "kv-weights", "weights"} <= parts.keys()
+    assert {"batch1", "node-48", "node-64", "kv-cache", "kv-weights", "weights", "stt"} <= parts.keys()
     assert all(0 < int(s) <= 580 for s in parts.values())
     assert subprocess.run([script, "--budget", "node-48"], capture_output=True, text=True).stdout == "275\n"
 

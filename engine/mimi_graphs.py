@@ -1,0 +1,58 @@
+"""Mimi's quantizer in CUDA graphs: the part of its encode and decode that moshi leaves eager.
+
+moshi runs Mimi's SEANet encoder/decoder and its two transformers inside CUDA graphs, but not the
+residual vector quantizer between them: each codebook is a handful of small kernels launched one by one
+from Python (a projection, a distance, an argmin, a lookup, a subtraction). Measured on an H200 (session 23,
+docs/benchmarks.md): Kyutai STT's Mimi (32 codebooks) spent 359 of its encode's 379 launches there, 11.6 ms
+of a 22 ms step at 64 rows with nothing else running, and each launch gives up and takes back the GIL
+(every torch op does), so beside a busy asyncio loop in the same process the step stretched to 34-48 ms.
+The engine's Mimi (8 codebooks) runs 95 such launches a tick encoding and 37 decoding, time a batch-1 tick
+(15 ms target) spends on the host.
+
+The quantizer is a pure function of its input (no streaming state, nothing data-dependent in eval mode),
+so a graph of it replays the same kernels on the same values: the tokens do not change
+(tests/test_mimi_graphs.py checks it on CUDA). Graphs need a fixed shape, so the wrapping lasts one
+streaming session of one batch size. On CPU (and with moshi's NO_CUDA_GRAPH=1) it calls straight through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+from moshi.models.compression import MimiModel
+from moshi.utils.compile import CUDAGraphed
+
+_METHODS = ("encode", "decode")
+
+
+def quantizer_is_graphed(mimi: MimiModel) -> bool:
+    return all(isinstance(vars(mimi.quantizer).get(name), CUDAGraphed) for name in _METHODS)
+
+
+def graph_quantizer(mimi: MimiModel) -> ExitStack:
+    """Until the returned stack is closed, `mimi.quantizer.encode` and `.decode` run as CUDA graphs
+    (captured on their second call; the first, eager, also builds the codebooks' cached embeddings). Call
+    with Mimi streaming at the batch size it will keep (as moshi's `streaming()`, the stack comes entered);
+    once it is closed the quantizer's own methods are back, so the next batch size captures graphs of its
+    own shape."""
+    stack = ExitStack()
+    quantizer = mimi.quantizer
+    if quantizer_is_graphed(mimi):  # someone up the stack already did: theirs stay
+        return stack
+    disable = next(mimi.parameters()).device.type != "cuda"
+    for name in _METHODS:
+        # An instance attribute shadows the method (nn.Module keeps plain callables in __dict__).
+        setattr(quantizer, name, CUDAGraphed(getattr(quantizer, name), disable=disable))
+        stack.callback(delattr, quantizer, name)
+    return stack
+
+
+@contextmanager
+def quantizer_eager(mimi: MimiModel) -> Iterator[None]:
+    """The quantizer's own (eager) methods for a while, its graphs kept for after: a benchmark's A/B."""
+    saved = {name: vars(mimi.quantizer).pop(name) for name in _METHODS if name in vars(mimi.quantizer)}
+    try:
+        yield
+    finally:
+        vars(mimi.quantizer).update(saved)
