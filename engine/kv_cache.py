@@ -5,7 +5,8 @@ value about halves it.
 `QuantizedRingKVCache` is moshi's `RingKVCache` with its values stored as 8-bit codes plus one scale per
 (row, head, position): int8 (absmax / 127, symmetric) or fp8 e4m3 (absmax / 448). moshi's own ring
 bookkeeping (write indexes, positions, per-row offsets under the exec mask, resets) is reused unchanged:
-the parent class's cache holds the scales (head dim 1), and the codes are written at the same indexes.
+the parent class's cache holds the scales (head dim 1), and the codes are written at the same indexes
+(`InPlaceRingKVCache`, moshi's ring written with `index_put_`, which torch.compile keeps in place).
 Attention reads the codes directly (`quantized_attention`, `QuantizedKVAttention`): dequantizing the
 whole window to bf16 each step and handing it to SDPA would move 2.5 times the bytes of a bf16 cache
 (read the codes, write bf16, read it again), and at 64 calls a step is bound by those bytes. Written as
@@ -36,7 +37,66 @@ _FP8 = torch.float8_e4m3fn
 _QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest code magnitude of each format
 
 
-class QuantizedRingKVCache(RingKVCache):
+def _ring_slots(indexes: torch.Tensor, batch: int, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Index tensors for the (row, head, position) of each written value: `indexes` is [B or 1, T], the
+    ring positions moshi computes (one row for all when the ring ignores the exec mask)."""
+    device = indexes.device
+    b = torch.arange(batch, device=device).view(batch, 1, 1)
+    h = torch.arange(heads, device=device).view(1, heads, 1)
+    return b, h, indexes.view(indexes.shape[0], 1, -1)
+
+
+class InPlaceRingKVCache(RingKVCache):
+    """moshi's `RingKVCache`, writing with `index_put_` where moshi uses `scatter_`: the same values in the
+    same slots, and the same bookkeeping. Why: under torch.compile a `scatter_` into the ring becomes an
+    out-of-place scatter plus a copy of the whole ring back into it (inductor makes `index_put` in place,
+    not `scatter`), every layer, every tick. At batch 1, context 3000, that copy was 1.45 ms of an H200's
+    tick (32 × 45 µs, `triton_poi_fused_copy_`; docs/benchmarks.md, session 23) and most of why the
+    compiled main transformer ran slower than eager. Used by the compiled tick (engine/compiled_step.py)
+    and under the 8-bit caches; `--compile off` keeps moshi's own class."""
+
+    def _write(self, indexes: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        B, H, _T, _D = k.shape
+        b, h, t = _ring_slots(indexes, B, H)
+        kv = torch.arange(2, device=k.device).view(2, 1, 1, 1)
+        # [2, B, H, T] slots of the [2, B, H, S, D] ring, each taking a D-vector.
+        self.cache.index_put_((kv, b[None], h[None], t[None]), torch.stack([k, v]).to(self.cache.dtype))
+
+    def complete(self, k: torch.Tensor, v: torch.Tensor, exec_mask: torch.Tensor) -> KVCacheResult:
+        # moshi's RingKVCache.complete with the write above; the rest as it is there.
+        assert k.shape[:-1] == v.shape[:-1], (k.shape, v.shape)
+        B, H, T, D = k.shape
+        assert T > 0
+        indexes = torch.arange(T, device=self.end_offset.device, dtype=self.end_offset.dtype)
+        indexes = (indexes + self.end_offset.view(-1, 1)) % self.capacity
+        self._write(indexes, k, v)
+        slots = torch.arange(self.capacity, device=self.end_offset.device, dtype=torch.long)
+        last_offset = self.end_offset.view(-1, 1) + T - 1  # where the last value was written
+        delta = slots - last_offset % self.capacity
+        positions = torch.where(delta <= 0, last_offset + delta, last_offset + delta - self.capacity)
+        if self.respect_exec_mask:
+            self.end_offset[:] = torch.where(exec_mask, self.end_offset + T, self.end_offset)
+        else:
+            self.end_offset.add_(T)
+        invalid = slots >= self.end_offset.view(-1, 1)
+        positions = torch.where(invalid, torch.full_like(positions, -1), positions)
+        return KVCacheResult(self.cache[0], self.cache[1], positions)
+
+
+def write_in_place(transformer: torch.nn.Module) -> int:
+    """Swaps every moshi `RingKVCache` of `transformer`'s streaming self-attention for `InPlaceRingKVCache`
+    (the same tensors: nothing is copied or allocated). Call with it streaming. Returns how many."""
+    count = 0
+    for module in transformer.modules():
+        state = getattr(module, "_streaming_state", None)
+        cache = getattr(state, "kv_cache", None)
+        if type(cache) is RingKVCache:
+            cache.__class__ = InPlaceRingKVCache
+            count += 1
+    return count
+
+
+class QuantizedRingKVCache(InPlaceRingKVCache):
     def __init__(
         self, kind: str, batch_size: int, num_heads: int, dim_per_head: int, capacity: int,
         respect_exec_mask: bool, device: torch.device, dtype: torch.dtype,
@@ -71,13 +131,11 @@ class QuantizedRingKVCache(RingKVCache):
         # The write indexes, as the parent computes them, before it advances the offsets.
         idx = (torch.arange(T, device=self.end_offset.device) + self.end_offset.view(-1, 1)) % self.capacity
         (qk, sk), (qv, sv) = self._quantize(k), self._quantize(v)
-        qv_t = qv.transpose(-1, -2)  # [B, H, D, T]
-        if self.respect_exec_mask:
-            self.k_codes.scatter_(2, idx.view(B, 1, T, 1).expand(-1, H, T, D), qk)
-            self.v_codes_t.scatter_(3, idx.view(B, 1, 1, T).expand(-1, H, D, T), qv_t)
-        else:
-            self.k_codes.index_copy_(2, idx[0], qk)
-            self.v_codes_t.index_copy_(3, idx[0], qv_t)
+        # index_put_, in place under torch.compile too (InPlaceRingKVCache); V's codes are [B, H, D, S], and
+        # v_codes_t[b, h, :, t] is [B, H, T, D] (advanced indexes first), the shape of qv.
+        b, h, t = _ring_slots(idx, B, H)
+        self.k_codes.index_put_((b, h, t), qk)
+        self.v_codes_t[b, h, :, t] = qv
         scales = super().complete(sk, sv, exec_mask)  # writes the scales, advances, gives positions
         return _Stored(self.k_codes, scales.keys, self.v_codes_t, scales.values, scales.positions)
 

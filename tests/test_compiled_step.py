@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 import torch
 import torch._dynamo
+from moshi.modules.transformer import RingKVCache
 from moshi.utils import compile as moshi_compile
 
 from engine.batch import KameBatch
 from engine.checkpoint import load_kame
 from engine.compiled_step import PersistentDepformerStep
 from engine.interface import FRAME_SAMPLES
+from engine.kv_cache import InPlaceRingKVCache
 from engine.sampling import SamplingConfig
 from kame_phone.cli import build_parser, main
 from telephony.sim_caller import simulate_call
@@ -104,6 +106,24 @@ def test_the_compiled_tick_gives_the_same_tokens_and_never_recompiles(tiny, kv_d
     assert not torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def _main_rings(lm) -> list:  # type: ignore[no-untyped-def]
+    return [m._streaming_state.kv_cache for m in lm.transformer.modules()
+            if getattr(getattr(m, "_streaming_state", None), "kv_cache", None) is not None]
+
+
+def test_the_compiled_main_transformer_writes_its_ring_in_place_and_off_keeps_moshis(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Compiled, moshi's scatter_ into the KV ring copies the whole ring each layer each tick (1.45 ms at
+    batch 1 on an H200): the compiled main transformer's rings are InPlaceRingKVCache (the same tensors,
+    written with index_put_; the token test above runs on them); `off`, the official step, keeps moshi's."""
+    for mode, want in (("default", InPlaceRingKVCache), ("off", RingKVCache)):
+        kb = KameBatch(tiny.lm, tiny.mimi, SLOTS, SamplingConfig(), compile_mode=mode)
+        try:
+            rings = _main_rings(tiny.lm)
+            assert len(rings) == len(tiny.lm.transformer.layers) and {type(r) for r in rings} == {want}, mode
+        finally:
+            kb.close()
+
+
 def test_all_but_the_main_transformer_compiled_gives_the_same_tokens(tiny) -> None:  # type: ignore[no-untyped-def]
     """`--compile default-no-main`: on the H100 the compiled main transformer was 2 ms slower than the official
     one while the compiled depformer was twice as fast; this mode keeps the main transformer's step as it is
@@ -113,6 +133,7 @@ def test_all_but_the_main_transformer_compiled_gives_the_same_tokens(tiny) -> No
         state = kb.lm_gen._streaming_state
         assert state.graphed_main.func == tiny.lm.forward_text  # the official step, not a compiled one
         assert isinstance(state.graphed_depth.func, PersistentDepformerStep)
+        assert {type(c) for c in _main_rings(tiny.lm)} == {RingKVCache}  # and moshi's own ring write
     finally:
         kb.close()
     assert np.array_equal(_run(tiny, "auto", "default-no-main", warm=1), _run(tiny, "auto", "off"))

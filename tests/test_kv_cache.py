@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +21,10 @@ from engine.batch import KameBatch
 from engine.checkpoint import load_kame
 from engine.interface import FRAME_SAMPLES
 from engine.kv_cache import (
+    InPlaceRingKVCache,
     QuantizedKVAttention,
     QuantizedRingKVCache,
+    _Stored,
     kv_cache_bytes,
     quantized_attention,
     set_kv_dtype,
@@ -67,6 +70,78 @@ def test_the_8bit_ring_keeps_moshis_positions_and_rounds_within_the_format(kind:
     assert eight.k_codes.dtype == eight.v_codes_t.dtype == (torch.int8 if kind == "int8" else torch.uint8)
     assert eight.v_codes_t.shape == (B, H, D, capacity)  # V transposed: the weighted sum reads along positions
     assert eight.cache.dtype == torch.float32 and eight.cache.shape[-1] == 1  # the scales, one per vector
+
+
+@pytest.mark.parametrize("respect_exec_mask", [True, False])
+@pytest.mark.parametrize("kind", ["bf16-style", "int8"])
+def test_the_in_place_ring_writes_what_moshis_ring_writes(kind: str, respect_exec_mask: bool) -> None:
+    torch.manual_seed(3)
+    B, H, D, capacity = 3, 2, 8, 11
+    ref = RingKVCache(B, H, D, capacity, respect_exec_mask, CPU, torch.float32)
+    if kind == "int8":
+        ours: RingKVCache = QuantizedRingKVCache("int8", B, H, D, capacity, respect_exec_mask, CPU, torch.float32)
+        twin = QuantizedRingKVCache("int8", B, H, D, capacity, respect_exec_mask, CPU, torch.float32)
+        twin.__class__ = _ScatterQuantizedRing  # the same codes written with moshi's scatter_, as before
+    else:
+        ours = InPlaceRingKVCache(B, H, D, capacity, respect_exec_mask, CPU, torch.float32)
+    rng = np.random.default_rng(4)
+    for step in range(40):  # past three wraps
+        if step == 17 and respect_exec_mask:  # (moshi resets per row only in that mode)
+            reset = torch.tensor([False, True, True])
+            for cache in (ref, ours) + ((twin,) if kind == "int8" else ()):
+                cache.reset(reset)
+        exec_mask = torch.from_numpy(rng.random(B) > 0.25)
+        k, v = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D)
+        want, got = ref.complete(k, v, exec_mask), ours.complete(k, v, exec_mask)
+        assert torch.equal(got.positions, want.positions) and torch.equal(ours.end_offset, ref.end_offset)
+        if kind == "int8":
+            twin.complete(k, v, exec_mask)
+            for name in ("k_codes", "v_codes_t", "cache"):
+                assert torch.equal(getattr(ours, name), getattr(twin, name)), (step, name)
+        else:
+            assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values), step
+
+
+class _ScatterQuantizedRing(QuantizedRingKVCache):
+    """The 8-bit ring's write as it was before session 23 (scatter_ / index_copy_), for comparison."""
+
+    def store(self, k, v, exec_mask):  # type: ignore[no-untyped-def]
+        B, H, T, D = k.shape
+        idx = (torch.arange(T) + self.end_offset.view(-1, 1)) % self.capacity
+        (qk, sk), (qv, sv) = self._quantize(k), self._quantize(v)
+        if self.respect_exec_mask:
+            self.k_codes.scatter_(2, idx.view(B, 1, T, 1).expand(-1, H, T, D), qk)
+            self.v_codes_t.scatter_(3, idx.view(B, 1, 1, T).expand(-1, H, D, T), qv.transpose(-1, -2))
+        else:
+            self.k_codes.index_copy_(2, idx[0], qk)
+            self.v_codes_t.index_copy_(3, idx[0], qv.transpose(-1, -2))
+        scales = RingKVCache.complete(self, sk, sv, exec_mask)
+        return _Stored(self.k_codes, scales.keys, self.v_codes_t, scales.values, scales.positions)
+
+
+def test_compiled_the_in_place_ring_does_not_copy_itself() -> None:
+    """What the class is for: torch.compile (inductor, here its CPU code) writes one step into the ring
+    without a pass over the whole ring. moshi's scatter_ compiles to a scatter into a copy and a copy back."""
+    from torch._inductor.utils import run_and_get_code
+
+    B, H, D, capacity = 3, 5, 8, 67  # a ring of 3 * 5 * 67 * 8 = 8040 values a side
+    ring = InPlaceRingKVCache(B, H, D, capacity, True, CPU, torch.float32)
+    k, v = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D)
+
+    def write(k: torch.Tensor, v: torch.Tensor, exec_mask: torch.Tensor) -> torch.Tensor:
+        return ring.complete(k, v, exec_mask).positions  # the window itself is not read
+
+    torch._dynamo.reset()
+    try:
+        _, code = run_and_get_code(torch.compile(write, dynamic=False), k, v, torch.ones(B, dtype=torch.bool))
+    finally:
+        torch._dynamo.reset()
+    # The loops' bounds in inductor's C++ (`x0<static_cast<int64_t>(8040L)` is a pass over one side of the
+    # ring, as moshi's ring compiles to here): none may cover even one row's side of the ring.
+    bounds = [int(n) for n in re.findall(r"<\s*static_cast<int64_t>\((\d+)L\)", "\n".join(code))]
+    assert bounds, "inductor's C++ changed shape: this test reads its loop bounds"
+    assert max(bounds) < H * capacity * D, sorted(set(bounds))
+    assert torch.equal(ring.cache[0][:, :, 0:1], k) and torch.equal(ring.cache[1][:, :, 0:1], v)  # it did write
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
