@@ -13,6 +13,10 @@ The quantizer is a pure function of its input (no streaming state, nothing data-
 so a graph of it replays the same kernels on the same values: the tokens do not change
 (tests/test_mimi_graphs.py checks it on CUDA). Graphs need a fixed shape, so the wrapping lasts one
 streaming session of one batch size. On CPU (and with moshi's NO_CUDA_GRAPH=1) it calls straight through.
+
+Not graphed: the frame-rate convolutions on either side of the quantizer (5 more launches a tick). The
+downsampling one pads by replicating, and its streaming state rebinds `state.first` to a new tensor each
+step instead of writing it in place: a graph would keep reading the first step's tensor.
 """
 
 from __future__ import annotations
