@@ -349,6 +349,8 @@ def run_engine_bench(
                 log(f"        grew {base:.2f} -> {late:.2f} ms a tick: {name[:100]}")
             for name, ms, n in p["top"][:6]:
                 log(f"        usual tick: {ms:.2f} ms in {n:.0f} x {name[:100]}")
+            for name, ms, n in p.get("idle_before", [])[:6]:  # the host work the device waits on
+                log(f"        device idle {ms:.2f} ms a tick ({n:.1f} gaps) before kernels launched by {name[:80]}")
             log(f"      trace: {p['trace']}")
         if r.gc_full_collections:  # the heap frozen as served: a full collection now is the run's own garbage
             log(f"      {r.gc_full_collections} full garbage collections in the measured ticks, longest "

@@ -13,8 +13,10 @@ The Chrome trace of the profiled ticks is written beside the summary (gzip; open
 
 from __future__ import annotations
 
+import bisect
 import gc
 import gzip
+import json
 import os
 import shutil
 import tempfile
@@ -64,6 +66,9 @@ class ProfileSummary:
     # lists side by side say where one is slower (the main transformer 2 ms slower compiled, on the H100).
     top: list[tuple[str, float, float]] = field(default_factory=list)
     trace: str | None = None  # the gzipped Chrome trace
+    # Where a usual tick's device idle time goes (from the trace, on a GPU): each gap before a kernel charged
+    # to the host op that launched that kernel (name, idle ms per tick, gaps per tick), largest first.
+    idle_before: list[tuple[str, float, float]] = field(default_factory=list)
 
     def verdict(self) -> str:
         """One line: whether the slow ticks are the device busier or the device idle (the host late)."""
@@ -145,6 +150,78 @@ def summarise(ticks: list[tuple[float, float]], work: list[tuple[str, float, flo
     return rows, summary
 
 
+AFTER_LAST = "(after the tick's last kernel)"
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+MIN_GAP_US = 5.0  # shorter gaps are a launch's own latency, not the host being late
+OP_REACH_US = 100_000.0  # no top-level op of a tick lasts longer than this (the ticks are tens of ms)
+
+
+def idle_before_launches(trace: dict, skip: frozenset[int] = frozenset(), top: int = TOP,
+                         ) -> list[tuple[str, float, float]]:
+    """From a Chrome trace of profiled ticks: each stretch of a tick in which the device sat idle, charged to
+    the host op that launched the kernel that ended it (the outermost aten op around the launch; a CUDA
+    graph's replay, outside any op, under its runtime call's name). This names the host work a tick waits
+    on: e.g. moshi's eager quantizer ops between CUDA graphs (docs/benchmarks.md, session 23). `skip`:
+    tick indices left out (the slow ones). Returns (launcher, idle ms per tick, gaps per tick), largest
+    first; empty when the trace holds no device work (CPU)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    ticks = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("name") == TICK and e.get("cat") == "user_annotation")  # fmt: skip
+    device = sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation")) for e in events
+                    if e.get("cat") in DEVICE_CATS)  # fmt: skip
+    if not device or not ticks:
+        return []
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops: dict[object, list[tuple[float, float, str]]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops[e.get("tid")].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    for spans in ops.values():
+        spans.sort()
+
+    op_starts = {tid: [s for s, _, _ in spans] for tid, spans in ops.items()}
+
+    def launcher(correlation: object) -> str:
+        call = launches.get(correlation)
+        if call is None:
+            return "(launch not in the trace)"
+        spans, at = ops.get(call.get("tid"), []), call["ts"]
+        outermost = None
+        i = bisect.bisect_right(op_starts.get(call.get("tid"), []), at) - 1
+        while i >= 0 and at - spans[i][0] < OP_REACH_US:  # back through the ops that started before it
+            s, e, name = spans[i]
+            if e >= at:
+                outermost = name
+            i -= 1
+        return outermost or call["name"]
+
+    idle: dict[str, float] = defaultdict(float)
+    gaps: dict[str, float] = defaultdict(float)
+    starts = [d[0] for d in device]
+    counted = 0
+    for i, (lo, hi) in enumerate(ticks):
+        if i in skip:
+            continue
+        counted += 1
+        busy_until = lo
+        j = int(np.searchsorted(starts, lo, side="left"))
+        while j < len(device) and device[j][0] < hi:
+            s, e, correlation = device[j]
+            if s - busy_until > MIN_GAP_US:
+                name = launcher(correlation)
+                idle[name] += (s - busy_until) / 1000.0
+                gaps[name] += 1
+            busy_until = max(busy_until, min(e, hi))
+            j += 1
+        if hi - busy_until > MIN_GAP_US:
+            idle[AFTER_LAST] += (hi - busy_until) / 1000.0
+            gaps[AFTER_LAST] += 1
+    n = max(1, counted)
+    names = sorted(idle, key=idle.__getitem__, reverse=True)[:top]
+    return [(name, round(idle[name] / n, 3), round(gaps[name] / n, 2)) for name in names]
+
+
 def _device_work(event) -> bool:  # type: ignore[no-untyped-def]
     # (is_user_annotation: not in every torch the GPU boxes may have; the name check covers ours.)
     return (event.device_type == DeviceType.CUDA and event.name != TICK
@@ -192,6 +269,9 @@ def profile_ticks(tick: Callable[[int], object], n: int, device: torch.device, t
         os.close(fd)
         try:
             prof.export_chrome_trace(raw)
+            if cuda:
+                with open(raw, "rb") as src:
+                    summary.idle_before = idle_before_launches(json.load(src), frozenset(summary.slow))
             with open(raw, "rb") as src, gzip.open(trace, "wb", compresslevel=6) as dst:
                 shutil.copyfileobj(src, dst)
         finally:

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from engine.tick_profile import TICK, profile_ticks, summarise, union_ms
+from engine.tick_profile import AFTER_LAST, TICK, idle_before_launches, profile_ticks, summarise, union_ms
 from kame_phone.cli import main
 
 
@@ -36,6 +36,44 @@ def test_summary_says_which_slow_ticks_were_more_work_and_which_waited() -> None
 
     _, blind = summarise(ticks, [], "device kernels")  # no kernel seen: no verdict on them
     assert blind.slow == [7] and "saw no device kernels" in blind.verdict()
+
+
+def _tick_trace(t0: float, corr0: int, late_graph_us: float) -> list[dict]:
+    """One profiled tick as kineto writes it: host ops and launches on thread 1, device work with the
+    launches' correlation ids."""
+    def x(cat, name, ts, dur, **args):  # type: ignore[no-untyped-def]
+        return {"ph": "X", "cat": cat, "name": name, "ts": t0 + ts, "dur": dur, "tid": 1, "args": args}
+
+    c = corr0
+    return [
+        x("user_annotation", TICK, 0, 8000),
+        x("cpu_op", "aten::cdist", 100, 200), x("cuda_runtime", "cudaLaunchKernel", 250, 10, correlation=c),
+        x("kernel", "cdist_kernel", 400, 100, correlation=c),
+        # a CUDA graph's replay is launched outside any op: charged to the runtime call
+        x("cuda_runtime", "cudaGraphLaunch", 1000, 10, correlation=c + 1),
+        x("kernel", "gemm", 500 + late_graph_us, 4800, correlation=c + 1),
+        x("kernel", "gemm", 5300 + late_graph_us, 1000, correlation=c + 1),
+        # the outermost op around a launch, not the one nested in it
+        x("cpu_op", "aten::copy_", 7100, 200), x("cpu_op", "aten::to", 7150, 100),
+        x("cuda_runtime", "cudaMemcpyAsync", 7200, 10, correlation=c + 2),
+        x("gpu_memcpy", "Memcpy DtoH", 7400, 100, correlation=c + 2),
+    ]
+
+
+def test_device_idle_is_charged_to_the_host_op_that_launched_the_next_kernel() -> None:
+    trace = {"traceEvents": _tick_trace(0, 1, 700) + _tick_trace(10_000, 10, 1700)}
+    rows = dict((name, (ms, gaps)) for name, ms, gaps in idle_before_launches(trace))
+    # Tick 0: 0-400 waits on cdist, 500-1200 on the graph, 7000-7400 on the copy, 7500-8000 after the last
+    # kernel. Tick 1: the graph's kernels 1 ms later (they end clipped at the tick's end, so nothing after).
+    assert rows["aten::cdist"] == (0.4, 1.0)
+    assert rows["cudaGraphLaunch"] == (1.2, 1.0)  # (0.7 + 1.7) / 2
+    assert rows["aten::copy_"] == (0.2, 0.5)  # tick 1's copy fell inside the late graph's kernels: no gap
+    assert "aten::to" not in rows
+    assert rows[AFTER_LAST] == (0.25, 0.5)
+    only_first = dict((n, ms) for n, ms, _ in idle_before_launches(trace, skip=frozenset({1})))
+    assert only_first["cudaGraphLaunch"] == 0.7
+    assert idle_before_launches({"traceEvents": [e for e in trace["traceEvents"] if e["cat"] != "kernel"
+                                                 and e["cat"] != "gpu_memcpy"]}) == []  # CPU: nothing to say
 
 
 def test_a_real_profile_finds_the_stalled_tick_and_the_heavier_one(tmp_path) -> None:
