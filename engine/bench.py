@@ -6,6 +6,8 @@ tick p50/p99, real-time factor (80 ms / mean tick), peak GPU memory, and the lar
 tick stays within the 80 ms frame. `--phases` then runs more ticks with the device synchronised around
 each phase (Mimi encode, main transformer, depformer steps, Mimi decode; the rest is masks, sampling the
 text token, bookkeeping and the copy out), to say where a tick goes; those ticks are not in the figures.
+`--paced` then runs more ticks each started on an 80 ms clock, as the frame loop serves them (the device
+idle between them), reported apart.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ class BatchResult:
     tick_ms: list[float] = field(default_factory=list)
     # With --profile: the profiled ticks, slow against the rest (engine/tick_profile.py ProfileSummary).
     profile: dict | None = None
+    # With --paced: more ticks, each started on an 80 ms clock as the frame loop serves them (the device idle
+    # between them), their durations; and the GPU's SM clock (MHz) read after every 10th tick of each run.
+    paced_p50_ms: float | None = None
+    paced_p99_ms: float | None = None
+    paced_tick_ms: list[float] = field(default_factory=list)
+    sm_clock_mhz: dict[str, list[int]] = field(default_factory=dict)
 
 
 PROFILE_TICKS = 60  # profiled ticks per batch: a few slow ones at a 2-5 % tail, a trace under 16 MB at batch 1
@@ -149,13 +157,13 @@ def _leave_streaming(lm: KameLM, mimi) -> None:  # type: ignore[no-untyped-def]
 def bench_batch(
     lm: KameLM, mimi, batch: int, ticks: int, warmup: int, kv_dtype: str = "auto",  # type: ignore[no-untyped-def]
     compile_mode: str = "off", phases: bool = False, log: Callable[[str], None] | None = None,
-    profile_dir: Path | None = None,
+    profile_dir: Path | None = None, paced: bool = False,
 ) -> BatchResult:
     kb = None
     try:
         kb = KameBatch(lm, mimi, batch, SamplingConfig(), kv_dtype=kv_dtype, compile_mode=compile_mode)
         trace = None if profile_dir is None else profile_dir / f"engine-{compile_mode}-b{batch}.trace.json.gz"
-        return _bench_batch(kb, lm, batch, ticks, warmup, phases, log, trace)
+        return _bench_batch(kb, lm, batch, ticks, warmup, phases, log, trace, paced)
     finally:
         if kb is not None:
             kb.close()
@@ -169,7 +177,7 @@ def bench_batch(
 
 def _bench_batch(
     kb: KameBatch, lm: KameLM, batch: int, ticks: int, warmup: int, phases: bool,
-    log: Callable[[str], None] | None, profile_trace: Path | None = None,
+    log: Callable[[str], None] | None, profile_trace: Path | None = None, paced: bool = False,
 ) -> BatchResult:
     device = lm.device
     started = time.perf_counter()
@@ -198,8 +206,13 @@ def _bench_batch(
         if i < 2 or dt > 1.0:  # the first ticks compile and capture: say how long each took
             progress(f"warm-up tick {i + 1}/{warmup}: {dt:.1f} s")
     warmup_s = time.perf_counter() - t0
+    clocks: dict[str, list[int]] = {}
     with served_heap() as collector:
-        times = [tick(kb, warmup + i) for i in range(ticks)]
+        times = []
+        for i in range(ticks):
+            times.append(tick(kb, warmup + i))
+            if i % 10 == 9:  # between two timed ticks: not in either
+                _read_sm_clock(device, clocks.setdefault("back-to-back", []))
         peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
         phases_p50 = None
         if phases:
@@ -210,13 +223,17 @@ def _bench_batch(
             phases_p50 = {p: float(np.median(clock.ms[p])) for p in PHASES}
             phases_p50["other"] = float(
                 np.median(np.array(totals) - sum(np.array(clock.ms[p]) for p in PHASES)))
+        paced_ms: list[float] = []
+        if paced:
+            progress(f"{ticks} more ticks on an 80 ms clock, as served")
+            paced_ms = _paced_ticks(lambda i: tick(kb, warmup + 2 * ticks + i), ticks, device, clocks)
         # The collector over the figures' ticks only: the profiler below makes garbage of its own.
         gc_full, gc_pause = collector.full_collections, collector.longest_pause_ms
         profiled = None
         if profile_trace is not None:  # after the figures: the profiler's own cost stays out of them
             n = min(ticks, PROFILE_TICKS)
             progress(f"{n} ticks under the profiler")
-            first = warmup + 2 * ticks
+            first = warmup + 3 * ticks
             try:
                 _, summary = profile_ticks(lambda i: tick(kb, first + i), n, device, profile_trace)
                 profiled = asdict(summary) | {"verdict": summary.verdict()}
@@ -241,7 +258,40 @@ def _bench_batch(
         gc_longest_pause_ms=gc_pause,
         tick_ms=[round(float(t), 3) for t in ms],
         profile=profiled,
+        paced_p50_ms=float(np.percentile(paced_ms, 50)) if paced_ms else None,
+        paced_p99_ms=float(np.percentile(paced_ms, 99)) if paced_ms else None,
+        paced_tick_ms=[round(t, 3) for t in paced_ms],
+        sm_clock_mhz=clocks,
     )
+
+
+def _read_sm_clock(device: torch.device, into: list[int]) -> None:
+    """The GPU's SM clock now (NVML, through torch), if it can be read: a run whose ticks change speed for
+    seconds at a time (the H200's batch 1, session 23) says whether the clock moved with them."""
+    if device.type != "cuda":
+        return
+    try:
+        into.append(int(torch.cuda.clock_rate(device)))
+    except Exception:  # noqa: BLE001  (no NVML on the box: the figures stand without it)
+        pass
+
+
+def _paced_ticks(tick: Callable[[int], float], n: int, device: torch.device,
+                 clocks: dict[str, list[int]]) -> list[float]:
+    """`n` ticks each started on an 80 ms clock, as the frame loop serves them; their durations in ms.
+    Back to back, the device never idles between ticks; served, a batch-1 tick leaves it idle ~65 ms of
+    every 80, and a GPU that lowers its clocks while idle would start each tick slow."""
+    out = []
+    next_at = time.perf_counter()
+    for i in range(n):
+        delay = next_at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        out.append(tick(i) * 1000)
+        if i % 10 == 9:
+            _read_sm_clock(device, clocks.setdefault("paced", []))
+        next_at = max(next_at + FRAME_SECONDS, time.perf_counter())  # late: the next one now, as the loop does
+    return out
 
 
 def bench_dtype(device: torch.device, name: str | None) -> torch.dtype:
@@ -267,6 +317,7 @@ def run_engine_bench(
     log=print,
     on_batch: Callable[[BenchReport], None] | None = None,
     profile_dir: str | None = None,
+    paced: bool = False,
 ) -> BenchReport:
     """`on_batch(report)`, if given, after loading and after each batch (measured or out of memory), with
     the figures so far: a run cut short (a timeout) keeps every finished batch's figures."""
@@ -318,7 +369,8 @@ def run_engine_bench(
             continue
         try:
             r = bench_batch(lm, mimi, b, ticks, warmup, kv_dtype, compile_mode, phases,
-                            log if compile_mode != "off" else None, Path(profile_dir) if profile_dir else None)
+                            log if compile_mode != "off" else None, Path(profile_dir) if profile_dir else None,
+                            paced)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not is_out_of_memory(e):
                 raise
@@ -335,6 +387,12 @@ def run_engine_bench(
         if r.phases_p50_ms is not None:
             log("      phases p50 ms (device synchronised around each): "
                 + ", ".join(f"{p} {ms:.2f}" for p, ms in r.phases_p50_ms.items()))
+        if r.paced_p50_ms is not None:
+            log(f"      paced on an 80 ms clock, as served: p50 {r.paced_p50_ms:.1f}, p99 {r.paced_p99_ms:.1f}, "
+                f"max {max(r.paced_tick_ms):.1f} ms")
+        for run, mhz in r.sm_clock_mhz.items():
+            if mhz:
+                log(f"      SM clock {run}: {min(mhz)}-{max(mhz)} MHz (median {int(np.median(mhz))})")
         if slow := slow_ticks(r.tick_ms):
             gaps = np.diff(slow)
             period = f"; median gap {float(np.median(gaps)):.0f} ticks" if len(gaps) else ""

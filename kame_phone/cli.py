@@ -147,6 +147,7 @@ def _bench(args: argparse.Namespace) -> int:
             compile_mode=args.compile,
             phases=args.phases,
             profile_dir=args.profile,
+            paced=args.paced,
             # After each batch, so a run its timeout cuts short keeps every finished batch's figures.
             on_batch=(lambda r: _write_atomically(Path(args.json), r.to_json() + "\n")) if args.json else None,
         )
@@ -375,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="engine bench: torch.compile the LM step (engine/compiled_step.py)")
     bench.add_argument("--phases", action="store_true",
                        help="engine bench: then time each phase of a tick (device synchronised between them)")
+    bench.add_argument("--paced", action="store_true",
+                       help="engine bench: then time more ticks each started on an 80 ms clock, as served (the "
+                            "device idle between them), and read the GPU's SM clock as it goes")
     bench.add_argument("--profile", default=None, metavar="DIR",
                        help="engine bench: then profile 60 more ticks per batch: the device's busy and idle time in "
                             "the slow ticks against the rest, the kernels that grew, and a Chrome trace in DIR")

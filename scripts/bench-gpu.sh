@@ -17,7 +17,7 @@ declare -A budget=(
   [batch1]=430 [node-48]=275 [node-64]=275 [node]=550 [weights]=305 [kv-cache]=285 [kv-weights]=285 [kv]=570
   [compiled-int8]=575 [weights-autotune]=575 [batch1-autotune]=575 [batch1-no-main]=255 [capacity]=575
   [engine]=545 [oracle]=410
-  [media]=375 [stt]=275
+  [media]=375 [stt]=295
 )
 parts="stt batch1 node-48 node-64 node weights kv-cache kv-weights kv compiled-int8 weights-autotune batch1-autotune batch1-no-main capacity engine oracle media"
 usage="usage: scripts/bench-gpu.sh OUTDIR PART | --budget PART | --parts (PART: ${parts// /|}|all)"
@@ -85,18 +85,18 @@ if [[ $what == stt || $what == all ]]; then
   # First, on CUDA, that the graphed quantizer gives the eager codes and audio (tests/test_mimi_graphs.py).
   timeout -k 5 60 "$py" -m pytest -q -p no:cacheprovider tests/test_mimi_graphs.py -k cuda 2>&1 | tee "$out/stt-cuda-test.txt"
   run stt 120 stt --checkpoint random:stt-2.6b-en --batch 16,64 --ticks 60 --json "$out/stt.json"
-  run stt-engine-b1 80 engine --size moshi-7b --batch 1 --context 3000 --ticks 300 --phases \
+  run stt-engine-b1 100 engine --size moshi-7b --batch 1 --context 3000 --ticks 300 --phases --paced \
     --json "$out/stt-engine-b1.json"
 fi
 if [[ $what == batch1 || $what == all ]]; then
   # Batch-1 latency (issue 15): the official step against --compile (engine/compiled_step.py), phase by
-  # phase, at the 4-minute context. On an H100 (session 21) `off` took 47 s in all, `default` ~180 s (137 s
-  # of it the compile warm-up). --profile: whether the slow ticks (p99 twice p50 there) are the GPU busier
+  # phase, at the 4-minute context; --paced: 300 more ticks on the 80 ms clock, as served (+24 s each). On an
+  # H200 (session 23) `off` took 76 s in all with --profile, `default` 195 s (143 s of it the compile warm-up). --profile: whether the slow ticks (p99 twice p50 there) are the GPU busier
   # or idle waiting on the host, and a trace of them (engine-<compile>-b1.trace.json.gz, a few MB).
   for c in off default; do
     case $c in off) t=120 ;; default) t=300 ;; esac
     run "batch1-$c" "$t" engine --size moshi-7b --batch 1 --context 3000 --ticks 300 --compile "$c" --phases \
-      --profile "$out" --json "$out/batch1-$c.json"
+      --paced --profile "$out" --json "$out/batch1-$c.json"
   done
 fi
 if [[ $what == compiled-int8 || $what == all ]]; then
@@ -115,7 +115,7 @@ if [[ $what == batch1-no-main ]]; then
   # Everything but the main transformer compiled: on the H100 compiling it cost 2 ms (8.80 -> 10.76) while
   # the depformer's steps halved (session 21). Against batch1's off and default rows (same machine kind).
   run batch1-default-no-main 250 engine --size moshi-7b --batch 1 --context 3000 --ticks 300 \
-    --compile default-no-main --phases --json "$out/batch1-default-no-main.json"
+    --compile default-no-main --phases --paced --json "$out/batch1-default-no-main.json"
 fi
 if [[ $what == weights || $what == all ]]; then
   # 8-bit weights (engine/weight_quant.py): ~7.4 GB freed for KV caches (calls past 64 on an H100 with the

@@ -25,6 +25,37 @@ def test_engine_bench_reports_each_batch(tmp_path) -> None:
     assert all(len(r["tick_ms"]) == 4 and abs(max(r["tick_ms"]) - r["max_ms"]) < 1e-3 for r in report["results"])
 
 
+def test_paced_ticks_start_on_the_frame_clock_and_a_late_one_does_not_bring_a_burst(tmp_path) -> None:
+    import itertools
+    import time
+
+    import torch
+
+    from engine.bench import _paced_ticks
+
+    starts: list[float] = []
+
+    def tick(i: int) -> float:
+        starts.append(time.perf_counter())
+        time.sleep(0.12 if i == 2 else 0.005)  # tick 2 overruns its 80 ms frame
+        return time.perf_counter() - starts[-1]
+
+    clocks: dict[str, list[int]] = {}
+    ms = _paced_ticks(tick, 6, torch.device("cpu"), clocks)
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert len(ms) == 6 and ms[2] >= 120 and all(t < 60 for i, t in enumerate(ms) if i != 2)
+    assert all(0.075 <= g <= 0.15 for i, g in enumerate(gaps) if i not in (2, 3)), gaps  # on the 80 ms clock
+    # After the overrun the next tick starts at once, then the clock goes on from there: no catch-up burst.
+    assert gaps[2] < 0.13 and gaps[3] >= 0.075, gaps
+    assert clocks == {}  # no GPU, no clock readings
+
+    out = tmp_path / "paced.json"
+    assert main(["bench", "engine", "--size", "tiny", "--batch", "1", "--ticks", "3", "--warmup", "1",
+                 "--device", "cpu", "--paced", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["results"][0]
+    assert len(r["paced_tick_ms"]) == 3 and 0 < r["paced_p50_ms"] <= r["paced_p99_ms"]
+
+
 def test_stt_bench_measures_the_step_alone_and_beside_a_busy_thread_with_each_quantizer(tmp_path) -> None:
     out = tmp_path / "stt.json"
     assert main(["bench", "stt", "--batch", "1,2", "--ticks", "6", "--warmup", "2", "--device", "cpu",
