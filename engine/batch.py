@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,29 +94,36 @@ class KameBatch:
             context=lm.transformer.layers[0].self_attn.context,
         )
         log.info("model memory: %s", self.memory.describe())
-        # Entered for the life of this object; `close()` leaves streaming so the modules can be reused.
-        self._streaming = [self.lm_gen.streaming(batch_size), self.mimi.streaming(batch_size),
-                           graph_quantizer(self.mimi)]  # the codebooks' launches, one graph (mimi_graphs.py)
-        self.compile_mode = compile_mode
-        if compile_mode != "off":
-            from .compiled_step import compile_tick  # torch.compile's machinery only where it is asked for
+        # Entered for the life of this object; `close()` leaves streaming so the modules can be reused. A
+        # construction that fails half way leaves it too: the next batch on these modules must find them
+        # out of streaming, with no graphs of this one's size (the quantizer's) left on them.
+        self._streaming = ExitStack()
+        try:
+            self._streaming.enter_context(self.lm_gen.streaming(batch_size))
+            self._streaming.enter_context(self.mimi.streaming(batch_size))
+            self._streaming.enter_context(graph_quantizer(self.mimi))  # the codebooks' launches as graphs
+            self.compile_mode = compile_mode
+            if compile_mode != "off":
+                from .compiled_step import compile_tick  # torch.compile's machinery only where it is asked for
 
-            self._streaming.append(compile_tick(self.lm_gen, self.mimi, batch_size, compile_mode))
-        state = lm._streaming_state
-        assert isinstance(state, KameStreamingState) and state.oracle is not None
-        self._oracle = state.oracle  # [B, 1], read by the (graphed) LM step
-        pin = self.device.type == "cuda"
-        self._pcm_in = torch.zeros(batch_size, 1, FRAME_SAMPLES, dtype=torch.float32, pin_memory=pin)
-        self._oracle_in = torch.zeros(batch_size, 1, dtype=torch.long, pin_memory=pin)
+                self._streaming.enter_context(compile_tick(self.lm_gen, self.mimi, batch_size, compile_mode))
+            state = lm._streaming_state
+            assert isinstance(state, KameStreamingState) and state.oracle is not None
+            self._oracle = state.oracle  # [B, 1], read by the (graphed) LM step
+            pin = self.device.type == "cuda"
+            self._pcm_in = torch.zeros(batch_size, 1, FRAME_SAMPLES, dtype=torch.float32, pin_memory=pin)
+            self._oracle_in = torch.zeros(batch_size, 1, dtype=torch.long, pin_memory=pin)
+        except BaseException:
+            self._streaming.close()
+            raise
         self._active = np.zeros(batch_size, dtype=bool)
         self._fresh = np.zeros(batch_size, dtype=bool)  # joined, first encode not done yet
         self._mask_cache: dict[bytes, torch.Tensor] = {}
 
     def close(self) -> None:
-        """Free the streaming state (KV caches, graphs)."""
-        for stack in self._streaming:
-            stack.close()
-        self._streaming = []
+        """Free the streaming state (KV caches, graphs): last entered, first left, each left even if one
+        before it fails."""
+        self._streaming.close()
 
     def _mask(self, rows: np.ndarray) -> torch.Tensor:
         key = rows.tobytes()

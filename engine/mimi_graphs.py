@@ -42,14 +42,22 @@ def graph_quantizer(mimi: MimiModel) -> ExitStack:
     own shape."""
     stack = ExitStack()
     quantizer = mimi.quantizer
-    if quantizer_is_graphed(mimi):  # someone up the stack already did: theirs stay
-        return stack
     disable = next(mimi.parameters()).device.type != "cuda"
     for name in _METHODS:
-        # An instance attribute shadows the method (nn.Module keeps plain callables in __dict__).
-        setattr(quantizer, name, CUDAGraphed(getattr(quantizer, name), disable=disable))
-        stack.callback(delattr, quantizer, name)
+        # Always graphs of its own, over the class's method: graphs found in place (another holder's, or left
+        # by a batch that failed half way) were captured at some other batch size. Whatever was there is put
+        # back on close.
+        before = vars(quantizer).get(name)
+        setattr(quantizer, name, CUDAGraphed(getattr(type(quantizer), name).__get__(quantizer), disable=disable))
+        stack.callback(_restore, quantizer, name, before)
     return stack
+
+
+def _restore(quantizer: object, name: str, before: object) -> None:
+    if before is None:
+        vars(quantizer).pop(name, None)  # an instance attribute shadows the method: gone, the method is back
+    else:
+        vars(quantizer)[name] = before
 
 
 @contextmanager

@@ -57,6 +57,7 @@ class Timing:
 @dataclass
 class Variant:
     quantizer: str  # "graphed" (as served) or "eager" (moshi's own)
+    captured: bool  # the quantizer's graphs were captured and replayed (False on CPU, or with NO_CUDA_GRAPH=1)
     launches: int  # top-level torch ops a step issues from the host
     encode_ms: float  # Mimi's encode, p50, device synchronised
     lm_ms: float  # the LM's step, p50
@@ -153,7 +154,9 @@ def _variant(engine: KyutaiSttEngine, quantizer: str, feed: Callable[[], None], 
     for duty in BUSY_DUTIES:
         with _busy_thread(duty):
             busy[f"{duty:.0%}"] = _measure(engine, feed, ticks, 2)
-    return Variant(quantizer, launches, round(statistics.median(enc), 2), round(statistics.median(lm), 2),
+    graphs = [vars(engine.mimi.quantizer).get(name) for name in ("encode", "decode")]
+    captured = all(getattr(g, "_graph", None) is not None for g in graphs)
+    return Variant(quantizer, captured, launches, round(statistics.median(enc), 2), round(statistics.median(lm), 2),
                    alone, busy)
 
 
@@ -185,7 +188,8 @@ def run_stt_bench(source: str, rows_list: list[int], device: str, *, ticks: int 
         report.rows.append(row)
         for v in row.variants:
             busy = ", ".join(f"busy {k} {t.p50_ms:.1f}/{t.p99_ms:.1f}" for k, t in v.busy.items())
-            print(f"rows {rows:3d}  quantizer {v.quantizer:7s}  step p50/p99 ms: alone {v.alone.p50_ms:.1f}/"
+            label = v.quantizer if v.captured or v.quantizer == "eager" else "graphed (not captured: eager)"
+            print(f"rows {rows:3d}  quantizer {label}  step p50/p99 ms: alone {v.alone.p50_ms:.1f}/"
                   f"{v.alone.p99_ms:.1f}, {busy}; encode {v.encode_ms:.1f} + LM {v.lm_ms:.1f} ms; "
                   f"{v.launches} launches a step", file=out, flush=True)
         if on_row is not None:

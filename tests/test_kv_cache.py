@@ -72,9 +72,10 @@ def test_the_8bit_ring_keeps_moshis_positions_and_rounds_within_the_format(kind:
     assert eight.cache.dtype == torch.float32 and eight.cache.shape[-1] == 1  # the scales, one per vector
 
 
+@pytest.mark.parametrize("T", [1, 3])  # a step, and a block of frames at once
 @pytest.mark.parametrize("respect_exec_mask", [True, False])
 @pytest.mark.parametrize("kind", ["bf16-style", "int8"])
-def test_the_in_place_ring_writes_what_moshis_ring_writes(kind: str, respect_exec_mask: bool) -> None:
+def test_the_in_place_ring_writes_what_moshis_ring_writes(kind: str, respect_exec_mask: bool, T: int) -> None:
     torch.manual_seed(3)
     B, H, D, capacity = 3, 2, 8, 11
     ref = RingKVCache(B, H, D, capacity, respect_exec_mask, CPU, torch.float32)
@@ -91,7 +92,7 @@ def test_the_in_place_ring_writes_what_moshis_ring_writes(kind: str, respect_exe
             for cache in (ref, ours) + ((twin,) if kind == "int8" else ()):
                 cache.reset(reset)
         exec_mask = torch.from_numpy(rng.random(B) > 0.25)
-        k, v = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D)
+        k, v = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
         want, got = ref.complete(k, v, exec_mask), ours.complete(k, v, exec_mask)
         assert torch.equal(got.positions, want.positions) and torch.equal(ours.end_offset, ref.end_offset)
         if kind == "int8":

@@ -48,13 +48,33 @@ def test_a_batch_graphs_its_quantizer_while_it_streams_and_the_next_batch_size_g
         second.close()
 
 
-def test_graphs_already_in_place_are_left_to_whoever_made_them(tiny_bundle) -> None:
+def test_a_batch_that_fails_half_way_leaves_the_model_as_it_found_it(tiny_bundle) -> None:
+    # compile_tick refuses the mode after streaming, the quantizer's graphs and all were entered.
+    with pytest.raises(ValueError, match="compile mode"):
+        KameBatch(tiny_bundle.lm, tiny_bundle.mimi, 2, SamplingConfig(), compile_mode="bogus")
+    assert tiny_bundle.lm._streaming_state is None and tiny_bundle.mimi._streaming_state is None
+    assert not quantizer_is_graphed(tiny_bundle.mimi)
+    batch = KameBatch(tiny_bundle.lm, tiny_bundle.mimi, 3, SamplingConfig())  # the next one starts clean
+    try:
+        _step(batch, np.random.default_rng(1))
+    finally:
+        batch.close()
+
+
+def test_graphs_found_in_place_are_replaced_for_the_batch_and_given_back_after(tiny_bundle) -> None:
+    # Graphs left by a batch that failed half way were captured at its size: the next batch must not adopt
+    # them (on a GPU it would feed them its own shape and fail), and a holder's are its own again after.
     mimi = tiny_bundle.mimi
-    with mimi.streaming(1), graph_quantizer(mimi):
-        outer = vars(mimi.quantizer)["encode"]
-        graph_quantizer(mimi).close()  # an inner one: neither replaces nor removes the outer graphs
-        assert vars(mimi.quantizer)["encode"] is outer
-    assert not quantizer_is_graphed(mimi)
+    with mimi.streaming(1):
+        outer = graph_quantizer(mimi)
+        left = vars(mimi.quantizer)["encode"]
+        inner = graph_quantizer(mimi)
+        assert vars(mimi.quantizer)["encode"] is not left
+        assert vars(mimi.quantizer)["encode"].func.__func__ is type(mimi.quantizer).encode  # the method, not a graph
+        inner.close()
+        assert vars(mimi.quantizer)["encode"] is left
+        outer.close()
+    assert not quantizer_is_graphed(mimi) and "decode" not in vars(mimi.quantizer)
 
 
 def test_a_benchmark_can_run_the_quantizer_eager_for_a_while(tiny_bundle) -> None:
@@ -79,28 +99,38 @@ def test_the_stt_engine_graphs_its_quantizer_until_it_closes(tmp_path: Path) -> 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU box)")
 @pytest.mark.parametrize("codebooks", [8, 32])  # the engine's Mimi, Kyutai STT's
-def test_graphed_quantizer_gives_the_eager_codes_and_audio_on_cuda(codebooks: int) -> None:
+def test_graphed_quantizer_gives_the_eager_codes_and_latents_on_cuda(codebooks: int) -> None:
     torch.manual_seed(0)
     mimi = loaders.get_mimi(None, mimi_config_for("moshi-7b"), device="cuda", num_codebooks=codebooks)
-    frames = torch.randn(12, 3, 1, 1920, device="cuda") * 0.1
+    quantizer = mimi.quantizer
+    # A fresh Mimi's codebooks are all zero, and a random encoder gives every frame the same latent: random
+    # centroids and random latents, so every frame has codes of its own and a stale replay (the previous
+    # frame's input, the capture's output) shows.
+    for module in quantizer.modules():
+        if hasattr(module, "embedding_sum") and hasattr(module, "cluster_usage"):
+            module.embedding_sum.normal_()
+            module.cluster_usage.fill_(1.0)
+            module.register_buffer("_embedding", None, persistent=False)
+    latents = torch.randn(12, 3, quantizer.rvq_first.input_proj.in_channels, 1, device="cuda")
 
     def run(graphed: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        # moshi's own graphs (encoder, decoder, transformers) in both runs: only the quantizer's differ.
-        codes, pcm = [], []
-        with torch.no_grad(), mimi.streaming(3), ExitStack() as stack:
+        codes, back = [], []
+        with torch.no_grad(), ExitStack() as stack:
             if graphed:
                 stack.enter_context(graph_quantizer(mimi))
-            for frame in frames:
-                c = mimi.encode(frame)
+            for latent in latents:
+                c = quantizer.encode(latent)
                 codes.append(c.clone())  # a graph's output is overwritten by its next replay
-                pcm.append(mimi.decode(c).clone())
+                back.append(quantizer.decode(c).clone())
             if graphed:
-                assert vars(mimi.quantizer)["encode"]._graph is not None  # it did capture and replay
-        return codes, pcm
+                assert vars(quantizer)["encode"]._graph is not None  # it did capture, and replayed the rest
+                assert vars(quantizer)["decode"]._graph is not None
+        return codes, back
 
-    eager_codes, eager_pcm = run(graphed=False)
-    graphed_codes, graphed_pcm = run(graphed=True)
+    eager_codes, eager_back = run(graphed=False)
+    graphed_codes, graphed_back = run(graphed=True)
+    assert len({tuple(c.flatten().tolist()) for c in eager_codes}) == len(latents)  # every frame its own codes
     for e, g in zip(eager_codes, graphed_codes, strict=True):
         assert torch.equal(e, g)
-    for e, g in zip(eager_pcm, graphed_pcm, strict=True):
+    for e, g in zip(eager_back, graphed_back, strict=True):
         torch.testing.assert_close(g, e)
