@@ -256,6 +256,7 @@ def test_dashboard_covers_the_core_signals() -> None:
         "kame_twilio_protocol_errors_total",
         "kame_llm_errors_total",
         "kame_stt_errors_total",
+        "kame_stt_dropped_frames_total",
         "kame_redis_errors_total",
         "kame_media_inbound_seconds_bucket",
         "kame_media_outbound_seconds_bucket",
@@ -528,6 +529,18 @@ ALERT_SCENARIOS = [
         ],
         [_alerts("KameMediaOutboundFramesDropped", {"instance": "a", "severity": "warning"})],
         id="media-outbound-drops",
+    ),
+    pytest.param(
+        [
+            # a: the STT drops a frame a second, for good (a node over its STT's capacity): fires. b: two
+            # stalls, at 8 and 12 m, each dropping a frame of 99 rows at once: not a node over its
+            # capacity, no alert (any drop at all would have been "firing" for 7 m by 15 m). c: none.
+            _series("kame_stt_dropped_frames_total", {"instance": "a"}, "0+60x30"),
+            _series("kame_stt_dropped_frames_total", {"instance": "b"}, "0x7 99x3 198x17"),
+            _series("kame_stt_dropped_frames_total", {"instance": "c"}, "0x30"),
+        ],
+        [_alerts("KameSTTFallingBehind", {"instance": "a", "severity": "warning"})],
+        id="stt-falling-behind",
     ),
     pytest.param(
         [
