@@ -207,6 +207,7 @@ def _bench_batch(
             progress(f"warm-up tick {i + 1}/{warmup}: {dt:.1f} s")
     warmup_s = time.perf_counter() - t0
     clocks: dict[str, list[int]] = {}
+    _sm_clock_readable(device, log)
     with served_heap() as collector:
         times = []
         for i in range(ticks):
@@ -276,21 +277,34 @@ def _read_sm_clock(device: torch.device, into: list[int]) -> None:
         pass
 
 
+def _sm_clock_readable(device: torch.device, log: Callable[[str], None] | None) -> None:
+    """Read the clock once before the measured ticks (NVML's start-up then falls outside them), and say so
+    once if it cannot be read, rather than leave empty lists unexplained."""
+    probe: list[int] = []
+    _read_sm_clock(device, probe)
+    if device.type == "cuda" and not probe and log is not None:
+        log("      the GPU's SM clock cannot be read here (NVML: nvidia-ml-py missing?): no clock figures")
+
+
 def _paced_ticks(tick: Callable[[int], float], n: int, device: torch.device,
                  clocks: dict[str, list[int]]) -> list[float]:
     """`n` ticks each started on an 80 ms clock, as the frame loop serves them; their durations in ms.
     Back to back, the device never idles between ticks; served, a batch-1 tick leaves it idle ~65 ms of
     every 80, and a GPU that lowers its clocks while idle would start each tick slow."""
     out = []
-    next_at = time.perf_counter()
+    deadline = time.perf_counter()
     for i in range(n):
-        delay = next_at - time.perf_counter()
+        delay = deadline - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
         out.append(tick(i) * 1000)
         if i % 10 == 9:
             _read_sm_clock(device, clocks.setdefault("paced", []))
-        next_at = max(next_at + FRAME_SECONDS, time.perf_counter())  # late: the next one now, as the loop does
+        # As the frame loop's clock (engine/ticker.py): the grid is kept through a late tick (the next starts
+        # at once, the one after on the grid), and re-anchored only when over a frame behind, never a burst.
+        deadline += FRAME_SECONDS
+        if (now := time.perf_counter()) > deadline + FRAME_SECONDS:
+            deadline = now
     return out
 
 

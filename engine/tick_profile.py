@@ -153,7 +153,6 @@ def summarise(ticks: list[tuple[float, float]], work: list[tuple[str, float, flo
 AFTER_LAST = "(after the tick's last kernel)"
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 MIN_GAP_US = 5.0  # shorter gaps are a launch's own latency, not the host being late
-OP_REACH_US = 100_000.0  # no top-level op of a tick lasts longer than this (the ticks are tens of ms)
 
 
 def idle_before_launches(trace: dict, skip: frozenset[int] = frozenset(), top: int = TOP,
@@ -173,39 +172,37 @@ def idle_before_launches(trace: dict, skip: frozenset[int] = frozenset(), top: i
         return []
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    ops: dict[object, list[tuple[float, float, str]]] = defaultdict(list)
-    for e in events:
-        if e.get("cat") == "cpu_op":
-            ops[e.get("tid")].append((e["ts"], e["ts"] + e["dur"], e["name"]))
-    for spans in ops.values():
-        spans.sort()
-
-    op_starts = {tid: [s for s, _, _ in spans] for tid, spans in ops.items()}
+    # Each thread's top-level ops (not inside another): sorted by start, the longer first on a tie, an op
+    # inside the last kept one is nested. A launch is then inside at most one of them: one bisect each.
+    spans: dict[object, list[tuple[float, float, str]]] = defaultdict(list)
+    for e in sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: (e["ts"], -e["dur"])):
+        kept = spans[e.get("tid")]
+        if not kept or e["ts"] >= kept[-1][1]:
+            kept.append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    starts_of = {tid: [s for s, _, _ in kept] for tid, kept in spans.items()}
 
     def launcher(correlation: object) -> str:
         call = launches.get(correlation)
         if call is None:
             return "(launch not in the trace)"
-        spans, at = ops.get(call.get("tid"), []), call["ts"]
-        outermost = None
-        i = bisect.bisect_right(op_starts.get(call.get("tid"), []), at) - 1
-        while i >= 0 and at - spans[i][0] < OP_REACH_US:  # back through the ops that started before it
-            s, e, name = spans[i]
-            if e >= at:
-                outermost = name
-            i -= 1
-        return outermost or call["name"]
+        tid, at = call.get("tid"), call["ts"]
+        i = bisect.bisect_right(starts_of.get(tid, []), at) - 1
+        if i >= 0 and spans[tid][i][1] >= at:
+            return spans[tid][i][2]
+        return call["name"]  # outside any op: a CUDA graph's replay, say
 
     idle: dict[str, float] = defaultdict(float)
     gaps: dict[str, float] = defaultdict(float)
     starts = [d[0] for d in device]
+    ended_by = np.maximum.accumulate([d[1] for d in device])  # the latest end among the first k+1 pieces
     counted = 0
     for i, (lo, hi) in enumerate(ticks):
         if i in skip:
             continue
         counted += 1
-        busy_until = lo
         j = int(np.searchsorted(starts, lo, side="left"))
+        # Work launched before the tick and still running into it keeps the device busy: not a gap.
+        busy_until = min(max(lo, float(ended_by[j - 1])), hi) if j else lo
         while j < len(device) and device[j][0] < hi:
             s, e, correlation = device[j]
             if s - busy_until > MIN_GAP_US:
@@ -269,12 +266,15 @@ def profile_ticks(tick: Callable[[int], object], n: int, device: torch.device, t
         os.close(fd)
         try:
             prof.export_chrome_trace(raw)
-            if cuda:
-                with open(raw, "rb") as src:
-                    summary.idle_before = idle_before_launches(json.load(src), frozenset(summary.slow))
             with open(raw, "rb") as src, gzip.open(trace, "wb", compresslevel=6) as dst:
                 shutil.copyfileobj(src, dst)
+            summary.trace = str(trace)
+            if cuda:  # an extra: if reading the trace fails, the summary and the trace stand without it
+                try:
+                    with open(raw, "rb") as src:
+                        summary.idle_before = idle_before_launches(json.load(src), frozenset(summary.slow))
+                except Exception as e:  # noqa: BLE001
+                    summary.idle_before = [(f"(not read: {type(e).__name__}: {e})"[:120], 0.0, 0.0)]
         finally:
             os.unlink(raw)
-        summary.trace = str(trace)
     return rows, summary

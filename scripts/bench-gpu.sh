@@ -17,7 +17,7 @@ declare -A budget=(
   [batch1]=430 [node-48]=275 [node-64]=275 [node]=550 [weights]=305 [kv-cache]=285 [kv-weights]=285 [kv]=570
   [compiled-int8]=575 [weights-autotune]=575 [batch1-autotune]=575 [batch1-no-main]=255 [capacity]=575
   [engine]=545 [oracle]=410
-  [media]=375 [stt]=295
+  [media]=375 [stt]=315
 )
 parts="stt batch1 node-48 node-64 node weights kv-cache kv-weights kv compiled-int8 weights-autotune batch1-autotune batch1-no-main capacity engine oracle media"
 usage="usage: scripts/bench-gpu.sh OUTDIR PART | --budget PART | --parts (PART: ${parts// /|}|all)"
@@ -84,10 +84,10 @@ if [[ $what == stt || $what == all ]]; then
   # batch-1 tick, whose Mimi now graphs its quantizer too (against batch1-off's figures).
   # First, on CUDA, that the graphed quantizer gives the eager codes and audio (tests/test_mimi_graphs.py).
   timeout -k 5 60 "$py" -m pytest -q -p no:cacheprovider tests/test_mimi_graphs.py -k cuda 2>&1 \
-    | tee "$out/stt-cuda-test.txt" || echo "bench-gpu: THE CUDA CHECK FAILED: graphed quantizer != eager" \
+    | tee "$out/stt-cuda-test.txt" || echo "bench-gpu: THE CUDA CHECK DID NOT PASS (above: a failed comparison means graphed != eager)" \
     | tee -a "$out/stt-cuda-test.txt"
   run stt 120 stt --checkpoint random:stt-2.6b-en --batch 16,64 --ticks 60 --json "$out/stt.json"
-  run stt-engine-b1 100 engine --size moshi-7b --batch 1 --context 3000 --ticks 300 --phases --paced \
+  run stt-engine-b1 120 engine --size moshi-7b --batch 1 --context 3000 --ticks 300 --phases --paced \
     --json "$out/stt-engine-b1.json"
 fi
 if [[ $what == batch1 || $what == all ]]; then

@@ -53,9 +53,10 @@ def _tick_trace(t0: float, corr0: int, late_graph_us: float) -> list[dict]:
         x("cuda_runtime", "cudaGraphLaunch", 1000, 10, correlation=c + 1),
         x("kernel", "gemm", 500 + late_graph_us, 4800, correlation=c + 1),
         x("kernel", "gemm", 5300 + late_graph_us, 1000, correlation=c + 1),
-        # the outermost op around a launch, not the one nested in it
-        x("cpu_op", "aten::copy_", 7100, 200), x("cpu_op", "aten::to", 7150, 100),
-        x("cuda_runtime", "cudaMemcpyAsync", 7200, 10, correlation=c + 2),
+        # the outermost op around a launch, not the one nested in it (starting at the same instant)
+        x("cpu_op", "aten::to", 7100, 100), x("cpu_op", "aten::copy_", 7100, 200),
+        x("cuda_runtime", "cudaMemcpyAsync", 7150, 10, correlation=c + 2),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::other_thread", "ts": t0 + 7000, "dur": 500, "tid": 2},
         x("gpu_memcpy", "Memcpy DtoH", 7400, 100, correlation=c + 2),
     ]
 
@@ -74,6 +75,23 @@ def test_device_idle_is_charged_to_the_host_op_that_launched_the_next_kernel() -
     assert only_first["cudaGraphLaunch"] == 0.7
     assert idle_before_launches({"traceEvents": [e for e in trace["traceEvents"] if e["cat"] != "kernel"
                                                  and e["cat"] != "gpu_memcpy"]}) == []  # CPU: nothing to say
+
+
+def test_work_running_into_a_tick_from_the_one_before_is_not_a_gap() -> None:
+    def x(cat, name, ts, dur, **args):  # type: ignore[no-untyped-def]
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 1, "args": args}
+
+    trace = {"traceEvents": [
+        x("user_annotation", TICK, 0, 1000), x("user_annotation", TICK, 1000, 1000),
+        x("cuda_runtime", "cudaGraphLaunch", 10, 5, correlation=1),
+        x("kernel", "long", 20, 1580, correlation=1),  # from 20 µs in tick 0 to 600 µs into tick 1
+        x("cuda_runtime", "cudaLaunchKernel", 1700, 5, correlation=2),
+        x("kernel", "next", 1800, 100, correlation=2),
+    ]}
+    rows = {name: ms for name, ms, _ in idle_before_launches(trace)}
+    # Tick 0: 20 µs before the graph's kernel, none after (it runs to the end). Tick 1: busy until 1600,
+    # then 200 µs before the next kernel and 100 after it: not 800 before it.
+    assert rows == {"cudaGraphLaunch": 0.01, "cudaLaunchKernel": 0.1, AFTER_LAST: 0.05}
 
 
 def test_a_real_profile_finds_the_stalled_tick_and_the_heavier_one(tmp_path) -> None:
