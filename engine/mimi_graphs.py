@@ -34,6 +34,11 @@ def quantizer_is_graphed(mimi: MimiModel) -> bool:
     return all(isinstance(vars(mimi.quantizer).get(name), CUDAGraphed) for name in _METHODS)
 
 
+def quantizer_graphs_captured(mimi: MimiModel) -> bool:
+    """Graphed, and both graphs captured (so replayed since): False on CPU or with NO_CUDA_GRAPH=1."""
+    return quantizer_is_graphed(mimi) and all(vars(mimi.quantizer)[name]._graph is not None for name in _METHODS)
+
+
 def graph_quantizer(mimi: MimiModel) -> ExitStack:
     """Until the returned stack is closed, `mimi.quantizer.encode` and `.decode` run as CUDA graphs
     (captured on their second call; the first, eager, also builds the codebooks' cached embeddings). Call

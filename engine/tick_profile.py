@@ -225,7 +225,8 @@ def _device_work(event) -> bool:  # type: ignore[no-untyped-def]
             and not getattr(event, "is_user_annotation", False))  # fmt: skip
 
 
-def _top_level_cpu_op(event) -> bool:  # type: ignore[no-untyped-def]
+def top_level_cpu_op(event) -> bool:  # type: ignore[no-untyped-def]
+    """An aten op the host issued itself (not one inside another): on CPU a tick's work, elsewhere a launch."""
     parent = event.cpu_parent
     return event.name.startswith("aten::") and (parent is None or parent.name == TICK)
 
@@ -257,7 +258,7 @@ def profile_ticks(tick: Callable[[int], object], n: int, device: torch.device, t
         work = [(e.name, e.time_range.start, e.time_range.end) for e in events if _device_work(e)]
         kind = "device kernels"
     else:
-        work = [(e.name, e.time_range.start, e.time_range.end) for e in events if _top_level_cpu_op(e)]
+        work = [(e.name, e.time_range.start, e.time_range.end) for e in events if top_level_cpu_op(e)]
         kind = "cpu ops"
     rows, summary = summarise(ticks, work, kind)
     if trace is not None:

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from engine.interface import FRAME_SAMPLES
-from engine.mimi_graphs import quantizer_eager
+from engine.mimi_graphs import quantizer_eager, quantizer_graphs_captured
+from engine.tick_profile import top_level_cpu_op
 
 from .stt_kyutai import KyutaiSttEngine
 
@@ -46,12 +47,8 @@ class Timing:
 
     @classmethod
     def of(cls, ms: list[float]) -> Timing:
-        s = sorted(ms)
-
-        def q(p: float) -> float:
-            return round(s[min(len(s) - 1, int(p * len(s)))], 2)
-
-        return cls(round(statistics.median(s), 2), q(0.9), q(0.99), round(s[-1], 2))
+        p50, p90, p99, top = (round(float(q), 2) for q in np.percentile(ms, [50, 90, 99, 100]))
+        return cls(p50, p90, p99, top)
 
 
 @dataclass
@@ -112,7 +109,7 @@ def _launches(fn: Callable[[], object]) -> int:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+    return sum(1 for e in prof.events() if top_level_cpu_op(e))
 
 
 def _measure(engine: KyutaiSttEngine, feed: Callable[[], None], ticks: int, warmup: int) -> Timing:
@@ -154,10 +151,8 @@ def _variant(engine: KyutaiSttEngine, quantizer: str, feed: Callable[[], None], 
     for duty in BUSY_DUTIES:
         with _busy_thread(duty):
             busy[f"{duty:.0%}"] = _measure(engine, feed, ticks, 2)
-    graphs = [vars(engine.mimi.quantizer).get(name) for name in ("encode", "decode")]
-    captured = all(getattr(g, "_graph", None) is not None for g in graphs)
-    return Variant(quantizer, captured, launches, round(statistics.median(enc), 2), round(statistics.median(lm), 2),
-                   alone, busy)
+    return Variant(quantizer, quantizer_graphs_captured(engine.mimi), launches,
+                   round(statistics.median(enc), 2), round(statistics.median(lm), 2), alone, busy)
 
 
 def _bench_rows(source: str, rows: int, device: str, ticks: int, warmup: int) -> SttBenchRow:
