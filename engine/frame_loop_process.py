@@ -45,6 +45,7 @@ from .frame_loop import (
 )
 from .interface import FRAME_SAMPLES, EngineClosed, EngineError, EngineFull
 from .oracle_buffer import OracleBuffer
+from .pipe_sender import PipeSender
 from .sampling import SamplingConfig, SamplingOverrides
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,6 @@ START_TIMEOUT_S = 600.0  # loading a 7B checkpoint from a cold disk takes minute
 FETCH_TIMEOUT_S = 7200.0
 COMPILE_TIMEOUT_S = 1800.0  # and with --compile, compiling the tick in the warm-up (autotuning: many minutes)
 EXIT_BROKEN = 70  # the child's exit code when every tick fails (EX_SOFTWARE)
-# Messages the child may hold for a parent that is not reading (~5 s of ticks, ~32 MB at 64 calls): past it the
-# tick waits for the pipe, as every tick did before it had a sender of its own.
-MAX_UNSENT = 64
 
 
 @dataclass(frozen=True)
@@ -88,9 +86,12 @@ class FrameLoopProcess:
     """`FrameLoop`'s interface, with the loop running in a spawned child process."""
 
     def __init__(
-        self, spec: ChildSpec, on_tick: TickSink | None = None, on_death: Callable[[], None] | None = None
+        self, spec: ChildSpec, on_tick: TickSink | None = None, on_death: Callable[[], None] | None = None,
+        tick_signal: Any = None,
     ) -> None:
         self.spec = spec
+        # A multiprocessing Event the child sets right after each tick (the STT's own process steps then), or None.
+        self.tick_signal = tick_signal
         self.on_tick = on_tick
         self.on_death = on_death  # from the reader thread, once, if the child dies unasked
         self.died = False
@@ -125,7 +126,8 @@ class FrameLoopProcess:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA or threads
         ours, theirs = ctx.Pipe(duplex=True)
         self._process = ctx.Process(
-            target=_child_main, args=(theirs, self.spec, warmup_ticks), name="kame-engine", daemon=True
+            target=_child_main, args=(theirs, self.spec, warmup_ticks, self.tick_signal), name="kame-engine",
+            daemon=True,
         )
         self._process.start()
         theirs.close()
@@ -369,53 +371,7 @@ def _downloads(checkpoint: str) -> bool:
 # The child
 
 
-class _ChildSender:
-    """The child's messages to the parent, written by a thread of their own. A tick's message (its calls' audio,
-    ~7.7 KB a call: half a megabyte at 64) is larger than the pipe holds, so written from the tick, the tick
-    waited for the parent's reader, and the parent's GIL (its phone edge, its STT), to take it: the parent's load
-    became the child's late frames, which this process exists to prevent. In order, none dropped; bounded."""
-
-    def __init__(self, conn: Connection, max_unsent: int = MAX_UNSENT) -> None:
-        self._conn = conn
-        self._max = max_unsent
-        self._queue: deque[tuple[Any, ...]] = deque()
-        self._cond = threading.Condition()
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name="engine-child-sender", daemon=True)
-        self._thread.start()
-
-    def __call__(self, message: tuple[Any, ...]) -> None:
-        with self._cond:
-            while len(self._queue) >= self._max and self._thread.is_alive():
-                self._cond.wait(0.1)  # the parent far behind: back-pressure, as a write of our own would be
-            self._queue.append(message)
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                message = self._queue[0]
-            try:
-                self._conn.send(message)
-            except (OSError, ValueError):  # the parent is gone: nothing more to say
-                return
-            with self._cond:
-                self._queue.popleft()
-                self._cond.notify_all()
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Send what is queued (up to `timeout_s`), then stop: before the process exits."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self._thread.join(timeout_s)
-
-
-def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
+def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int, tick_signal: Any = None) -> None:
     import signal
 
     import torch
@@ -429,7 +385,7 @@ def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
 
     if spec.torch_threads > 0:
         torch.set_num_threads(spec.torch_threads)
-    send = _ChildSender(conn)
+    send = PipeSender(conn, name="engine-child")
     try:
         # A first start downloads it here, apart from the load's deadline; the load then reads these files (not
         # the Hub again: a revision moved meanwhile would download inside the load's deadline).
@@ -445,6 +401,7 @@ def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int) -> None:
             max_queued_frames=spec.max_queued_frames,
             forced_delay_ms=spec.forced_delay_ms,
         )
+        loop.tick_signal = tick_signal
         loop.start(warmup_ticks)
     except Exception as e:
         send(("failed", f"{type(e).__name__}: {e}", type(e).__name__ == "CheckpointError"))
@@ -491,12 +448,13 @@ class _ChildFrameLoop(FrameLoop):
     """The real loop, in the child: seats calls in the rows the parent chose, and after each tick forwards
     what the parent needs (outputs, oracle-fed samples, counters, resets, timing)."""
 
-    def __init__(self, send: _ChildSender, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, send: PipeSender, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.send = send
         self.pending_resets: list[tuple[int, str]] = []
         self.on_tick = self._forward_tick
         self.on_broken = self._exit_broken
+        self.tick_signal: Any = None  # set first after each tick: the GPU is free for the STT's step now
 
     def _exit_broken(self) -> None:
         """Every tick failing: say why, then end the process, so the parent's death path ends the calls,
@@ -518,6 +476,8 @@ class _ChildFrameLoop(FrameLoop):
                                     forced_delay_frames=self._delay_frames(forced_delay_ms))
 
     def _forward_tick(self, delivered: list[tuple[str, SlotOutput]]) -> None:
+        if self.tick_signal is not None:
+            self.tick_signal.set()
         fed = []
         while self.oracle_fed:
             fed.append(self.oracle_fed.popleft())

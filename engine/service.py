@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -66,6 +66,12 @@ class BackendProvider(Protocol):
     def follow_engine_ticks(self, pace: threading.Event) -> bool:
         """Pace the back-end's own GPU loop (a batched STT) by the engine's ticks: `pace` is set after each.
         False if it has none."""
+        ...
+
+    @property
+    def process_tick_signal(self) -> Any:
+        """A multiprocessing Event for the engine to set after each tick, in the process it ticks in, when the
+        back-end's GPU loop runs in a process of its own (the STT's, which follows it there); else None."""
         ...
 
     async def aclose(self) -> None: ...
@@ -191,6 +197,7 @@ class LocalEngine:
         self.bundle = bundle  # None when the model lives in the engine process
         self.backend = backend
         self.frame_loop: FrameLoop | FrameLoopProcess
+        process_signal = backend.process_tick_signal if backend is not None else None
         if config.engine_process:
             spec = ChildSpec(
                 checkpoint=config.checkpoint,
@@ -205,7 +212,9 @@ class LocalEngine:
                 max_queued_frames=config.max_queued_frames,
                 torch_threads=config.torch_threads,
             )
-            self.frame_loop = FrameLoopProcess(spec, on_tick=self._on_tick, on_death=self._on_engine_lost)
+            # Set in the engine's process, the STT's process steps with no hop through this one.
+            self.frame_loop = FrameLoopProcess(spec, on_tick=self._on_tick, on_death=self._on_engine_lost,
+                                               tick_signal=process_signal)  # fmt: skip
         else:
             if bundle is None:
                 raise ValueError("an in-process engine needs its loaded checkpoint")
@@ -232,6 +241,8 @@ class LocalEngine:
         self._behind = False  # the frame loop was falling behind when last asked
         self._hung = False  # said once
         self._ticked = threading.Event()  # set after each tick: the back-end's STT steps then (ticker.follow)
+        # The same for an STT in a process of its own, when the frame loop is a thread of this one.
+        self._process_signal = None if config.engine_process else process_signal
 
     @classmethod
     async def load(cls, config: EngineConfig, backend: BackendProvider | None = None) -> LocalEngine:
@@ -279,6 +290,8 @@ class LocalEngine:
 
     def _on_tick(self, delivered: list[tuple[str, SlotOutput]]) -> None:  # frame-loop thread
         self._ticked.set()  # first: the GPU is free now, and the STT's step should start at once
+        if self._process_signal is not None:
+            self._process_signal.set()
         loop = self._loop
         if loop is None or loop.is_closed():
             return

@@ -76,6 +76,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     b = parser.add_argument_group("back-end")
     env_flag(b, "--stt", "KAME_STT", default="pocketsphinx", choices=("pocketsphinx", "kyutai", "none"),
              help="pocketsphinx: CPU, for development; kyutai: batched on the GPU")
+    # On by default: beside the event loop its step took 51 ms p50 at 64 calls on an H200, 22 ms alone
+    # (docs/benchmarks.md): the GIL, not the GPU.
+    env_flag(b, "--stt-process", "KAME_STT_PROCESS", switch=True, default=True,
+             help="--stt kyutai: run its model and 80 ms loop in a child process (own GIL; restarted if it dies)")
     env_flag(b, "--llm", "KAME_LLM", default="openai", choices=("openai", "none"),
              help="'openai': any OpenAI-compatible endpoint (OPENAI_BASE_URL, OPENAI_API_KEY)")
     env_flag(b, "--llm-model", "KAME_LLM_MODEL", help="model name (default: gpt-4.1)")
@@ -163,7 +167,8 @@ def backend_problem(args: argparse.Namespace) -> str | None:
 def backend_from_args(args: argparse.Namespace) -> BackendServices | None:
     if args.stt == "none" and args.llm == "none":
         return None
-    overrides: dict[str, object] = {"stt": args.stt, "llm_enabled": args.llm != "none", "stt_rows": args.max_calls}
+    overrides: dict[str, object] = {"stt": args.stt, "llm_enabled": args.llm != "none", "stt_rows": args.max_calls,
+                                    "stt_process": args.stt_process}
     if args.llm_model:
         overrides["llm_model"] = args.llm_model
     overrides["llm_idle_timeout_s"] = args.llm_idle_timeout

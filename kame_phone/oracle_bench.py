@@ -129,6 +129,8 @@ class _Provider:
     def follow_engine_ticks(self, pace: threading.Event) -> bool:
         return False  # its STT is the scripted caller's text: nothing on the GPU
 
+    process_tick_signal = None  # nor in a process of its own
+
     def open_call(self, call_id, on_transcript, on_oracle, on_error, setup=None, on_tool=None):  # type: ignore[no-untyped-def]
         def tapped(text: str, triggered_at: float | None, candidate_id: int, complete: bool) -> None:
             if triggered_at is not None:  # None: a line no request made (none here: no greeting, no tools)

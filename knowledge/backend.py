@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 
@@ -41,6 +41,9 @@ from .llm import LlmClient, LlmConfig, LlmError, ToolCallRequest
 from .oracle_policy import OraclePolicy, OraclePolicyConfig, TriggerReason
 from .stt import DECODER_POOL, StreamingSTT, SttResult, make_stt
 from .tools import CallTools, HttpSession, ToolResult
+
+if TYPE_CHECKING:
+    from .stt_process import SttProcess
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,6 +85,9 @@ class BackendConfig:
     # Kyutai STT rows, one per call: the engine's seats (serve passes --max-calls). KAME_STT_MAX_STREAMS,
     # when set, wins; None and unset: 16.
     stt_rows: int | None = None
+    # kyutai only: the STT's model and thread in a child process of its own (serve's --stt-process, on by
+    # default), not beside the event loop (knowledge/stt_process.py).
+    stt_process: bool = False
     llm_enabled: bool = True  # False: --llm none (STT only)
     llm_base_url: str | None = None
     llm_api_key: str = field(default="", repr=False)
@@ -128,7 +134,15 @@ class BackendServices:
     def __init__(self, config: BackendConfig, agents: AgentDirectory | None = None) -> None:
         self.config = config
         self.agents = agents or AgentDirectory(Agents.builtin())
-        self.stt_factory = make_stt(config.stt, rows=config.stt_rows)
+        self.stt_process: SttProcess | None = None
+        if config.stt == "kyutai" and config.stt_process:
+            from .stt_process import SttChildSpec, SttProcess
+
+            self.stt_process = SttProcess(SttChildSpec.from_env(config.stt_rows))
+            self.stt_process.start()  # blocks while the child loads: serve builds this off the event loop
+            self.stt_factory: Callable[[], StreamingSTT] = self.stt_process.open_stream
+        else:
+            self.stt_factory = make_stt(config.stt, rows=config.stt_rows)
         self.executor = ThreadPoolExecutor(max_workers=config.stt_threads, thread_name_prefix="kame-stt")
         self.llm = LlmClient(config.llm_config()) if config.llm_enabled else None
         self.tools_http = HttpSession()
@@ -180,17 +194,27 @@ class BackendServices:
         no such STT (pocketsphinx runs on the CPU, a decoder per call)."""
         if self.config.stt != "kyutai":
             return False
+        if self.stt_process is not None:  # it follows `process_tick_signal`, set in the engine's process
+            self.stt_process.follow(True)
+            return True
         from .stt_kyutai import shared_engine
 
         shared_engine(self.config.stt_rows).follow(pace)
         return True
+
+    @property
+    def process_tick_signal(self) -> Any:
+        """The STT process's pace (a multiprocessing Event) for the engine to set after each tick, or None."""
+        return self.stt_process.tick_signal if self.stt_process is not None else None
 
     async def aclose(self) -> None:
         if self.llm is not None:
             await self.llm.aclose()
         await self.tools_http.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
-        if self.config.stt == "kyutai":  # its ticking thread and the model on the GPU, not left to the exit
+        if self.stt_process is not None:
+            await asyncio.to_thread(self.stt_process.close)
+        elif self.config.stt == "kyutai":  # its ticking thread and the model on the GPU, not left to the exit
             from .stt_kyutai import close_shared_engine
 
             await asyncio.to_thread(close_shared_engine)

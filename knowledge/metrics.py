@@ -40,6 +40,10 @@ STT_CATCHUP_STEPS = Counter(
     "kame_stt_catchup_steps_total",
     "Batched Kyutai STT steps beyond one a tick, taken to work off a backlog (each a whole-batch step).",
 )
+STT_PROCESS_RESTARTS = Counter(
+    "kame_stt_process_restarts_total",
+    "Deaths of the Kyutai STT's own process (--stt-process): its calls lost their transcript until it was back.",
+)
 STT_PARTIAL_SECONDS = Histogram(
     "kame_stt_partial_latency_seconds",
     "From the end of a caller frame to the partial transcript that includes it.",

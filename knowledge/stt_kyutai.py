@@ -190,6 +190,7 @@ class _Row:
     inbox: deque[np.ndarray] = field(default_factory=deque)
     outbox: list[SttResult] = field(default_factory=list)
     needs_reset: bool = True
+    resets: int = 0  # a step whose frame went in before a reset must not put its token in the new utterance
     prefix_queued: int = 0  # silence-prefix frames still at the head of the inbox (not the call's audio)
     steps: int = 0
     dropped_frames: int = 0
@@ -266,12 +267,17 @@ class KyutaiSttEngine:
         self._priming = True
         self._priming_failed_at = 0.0  # monotonic time of the failure that paused it
         self._leases = 0
-        self._lock = threading.Lock()
+        # Reentrant: a subclass may act under it around these methods (the STT process's child tags each row's
+        # results with the row's epoch, atomically with their drain and reset).
+        self._lock = threading.RLock()
         self._model_lock = threading.Lock()  # one step at a time (thread vs. direct callers)
         self._ticker = FrameTicker("kyutai-stt", self._tick_logged)
         self._closed = False
         self.steps = 0
         self.last_step_s = 0.0
+        # As the metrics count them: a process of its own forwards these to the one that is scraped.
+        self.dropped_frames_total = 0
+        self.catchup_steps_total = 0
         log.info(
             "Kyutai STT %s on %s: %d rows, text delay %d frames, prefix %d frames, end-of-turn head: %s, "
             "catch-up to %d steps a tick", source, self.device, B, self.delay_steps, self.prefix_frames,
@@ -339,6 +345,7 @@ class KyutaiSttEngine:
                 row.inbox.popleft()
                 row.prefix_queued = max(0, row.prefix_queued - 1)
                 row.dropped_frames += 1
+                self.dropped_frames_total += 1
                 metrics.STT_DROPPED_FRAMES.inc()
                 if row.dropped_frames in (1, 100) or row.dropped_frames % 1000 == 0:
                     log.warning("Kyutai STT row %d lagging: %d frames dropped", index, row.dropped_frames)
@@ -364,6 +371,7 @@ class KyutaiSttEngine:
             row.outbox.clear()
             row.assembler.reset()
             row.needs_reset = True
+            row.resets += 1
 
     def _release(self, index: int, lease: int) -> None:
         with self._lock:
@@ -382,6 +390,7 @@ class KyutaiSttEngine:
         active = np.zeros(B, dtype=bool)
         reset = np.zeros(B, dtype=bool)
         leases = [0] * B
+        resets = [0] * B
         with self._model_lock:
             with self._lock:
                 if not self._priming and time.monotonic() - self._priming_failed_at > PRIMING_RETRY_S:
@@ -398,7 +407,7 @@ class KyutaiSttEngine:
                     pcm[index] = row.inbox.popleft()
                     row.prefix_queued = max(0, row.prefix_queued - 1)
                     active[index] = True
-                    leases[index] = row.lease
+                    leases[index], resets[index] = row.lease, row.resets
                     if row.needs_reset:
                         reset[index], row.needs_reset = True, False
             if not active.any():
@@ -415,8 +424,8 @@ class KyutaiSttEngine:
             with self._lock:
                 self._priming = True
                 for index, row in enumerate(self._rows):
-                    if row is None or not active[index] or row.lease != leases[index]:
-                        continue  # left during the step: its output is dropped
+                    if row is None or not active[index] or (row.lease, row.resets) != (leases[index], resets[index]):
+                        continue  # left or reset during the step: its output is dropped
                     row.steps += 1
                     prob = float(eot[index]) if eot is not None else None
                     row.outbox.extend(row.assembler.step(int(tokens[index]), prob))
@@ -484,6 +493,7 @@ class KyutaiSttEngine:
                 break
             steps += 1
         if steps > 1:
+            self.catchup_steps_total += steps - 1
             metrics.STT_CATCHUP_STEPS.inc(steps - 1)
         return steps
 

@@ -402,6 +402,7 @@ def test_alert_rules_are_well_formed() -> None:
         "kame_llm_errors_total",
         "kame_llm_requests_total",
         "kame_stt_errors_total",
+        "kame_stt_process_restarts_total",
         "kame_redis_errors_total",
         "kame_engine_slots_busy",
         "kame_engine_slots",
@@ -541,6 +542,15 @@ ALERT_SCENARIOS = [
         ],
         [_alerts("KameSTTFallingBehind", {"instance": "a", "severity": "warning"})],
         id="stt-falling-behind",
+    ),
+    pytest.param(
+        [
+            # a: the STT's process dies every 4 minutes (a lost GPU): fires. b: one death at 5 m: no alert.
+            _series("kame_stt_process_restarts_total", {"instance": "a"}, "0 0+0.25x29"),
+            _series("kame_stt_process_restarts_total", {"instance": "b"}, "0x4 1x25"),
+        ],
+        [_alerts("KameSTTProcessCrashLooping", {"instance": "a", "severity": "critical"})],
+        id="stt-process-crash-looping",
     ),
     pytest.param(
         [

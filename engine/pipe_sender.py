@@ -1,0 +1,59 @@
+"""The messages a child process (the engine's, the STT's) sends its parent, off the thread that makes them."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any
+
+# Messages the child may hold for a parent that is not reading (~5 s of ticks, ~32 MB at 64 calls): past it the
+# tick waits for the pipe, as every tick did before it had a sender of its own.
+MAX_UNSENT = 64
+
+
+class PipeSender:
+    """A child process's messages to its parent, written by a thread of their own. A tick's message (its calls'
+    audio, ~7.7 KB a call: half a megabyte at 64) is larger than the pipe holds, so written from the tick, the
+    tick waited for the parent's reader, and the parent's GIL (its phone edge, its STT), to take it: the parent's
+    load became the child's late frames, which the child process exists to prevent. In order, none dropped;
+    bounded (past `max_unsent` the caller waits, as a write of its own would)."""
+
+    def __init__(self, conn: Connection, max_unsent: int = MAX_UNSENT, name: str = "child") -> None:
+        self._conn = conn
+        self._max = max_unsent
+        self._queue: deque[tuple[Any, ...]] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=f"{name}-sender", daemon=True)
+        self._thread.start()
+
+    def __call__(self, message: tuple[Any, ...]) -> None:
+        with self._cond:
+            while len(self._queue) >= self._max and self._thread.is_alive():
+                self._cond.wait(0.1)  # the parent far behind: back-pressure, as a write of our own would be
+            self._queue.append(message)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                message = self._queue[0]
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError):  # the parent is gone: nothing more to say
+                return
+            with self._cond:
+                self._queue.popleft()
+                self._cond.notify_all()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued (up to `timeout_s`), then stop: before the process exits."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)

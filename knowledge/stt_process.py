@@ -1,0 +1,575 @@
+"""`--stt kyutai` in a child process of its own (`--stt-process`, on by default): the batched Kyutai STT's model
+and its 80 ms thread, away from the phone edge's interpreter.
+
+Why: in serve's process the STT's thread shares the GIL with the event loop (every call's WebSocket, codec and
+resampling, the back-ends' LLM streams). On an H200 at 64 calls its step took 51 ms p50 where it takes 22 ms
+alone and 31-48 ms beside one busy Python thread (docs/benchmarks.md): its ~400 launches a step each waited for
+the GIL, and the STT fell a frame behind. In its own process it has its own GIL, and a crash there (a CUDA fault)
+costs calls their transcript until it is restarted, not the service.
+
+One duplex pipe. Parent -> child: open (a request id: the child picks the row, whose priming only it knows),
+push (a row's whole frames), reset (with the row's new epoch), release, flush (a request id), follow, stop.
+Child -> parent: ready or failed, opened (the row and lease, or why not), results (after each tick: the rows' new
+transcripts tagged with their epoch, a row's failure, the step times and counters for this process's metrics),
+flushed. `feed` never waits for the child: frames leave through a sender thread, results come back through a
+reader thread and wait in the row's inbox for the call's next `feed`, as in process they wait in the engine's
+outbox. A reset's epoch drops the results the child made before it, still on their way.
+
+The pace: the KAME engine sets `tick_signal` (a multiprocessing Event, handed to both children at their start)
+right after each tick, in the engine's own process when it has one, so the STT steps after the engine's ticks
+with no hop through this busy process.
+
+A child that dies fails its calls' streams (their back-ends report it and open new ones after a backoff) and is
+started again, after 1 s, then twice as long after each start that fails, up to 30 s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.checkpoint import CheckpointError
+from engine.interface import FRAME_SAMPLES
+from engine.pipe_sender import PipeSender
+
+from . import metrics
+from .stt import SttResult
+from .stt_kyutai import KyutaiSttEngine, KyutaiSttOptions, SttCapacityError, settings_from_env
+from .stt_random import RANDOM_PREFIX
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # load and warm-up (stt-2.6b-en from a cold disk, CUDA graphs captured)
+FETCH_TIMEOUT_S = 7200.0  # a repo id with an empty Hugging Face cache downloads first (as the engine's)
+ANSWER_TIMEOUT_S = 5.0  # open and flush: the child answers between two steps
+RESTART_BACKOFF_S = (1.0, 30.0)  # first wait, longest wait
+
+
+@dataclass(frozen=True)
+class SttChildSpec:
+    """What the child builds its engine from (plain data: pickled to a spawned process)."""
+
+    source: str
+    device: str | None
+    rows: int
+    options: KyutaiSttOptions = field(default_factory=KyutaiSttOptions)
+
+    @classmethod
+    def from_env(cls, rows: int | None = None) -> SttChildSpec:
+        source, device, max_streams, options = settings_from_env(rows=rows)
+        return cls(source, device, max_streams, options)
+
+
+@dataclass
+class _Held:
+    """A row one of this process's streams holds in the child."""
+
+    lease: int
+    generation: int  # which child: a restarted one deals leases from 1 again
+    epoch: int = 0  # bumped by each reset; results of an older epoch are stale
+    inbox: list[SttResult] = field(default_factory=list)
+    failure: str | None = None
+
+
+@dataclass
+class _Link:
+    """One child and the threads that talk to it."""
+
+    generation: int
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    outbox: queue.SimpleQueue[tuple[Any, ...] | None] = field(default_factory=queue.SimpleQueue)
+    frames_queued: int = 0
+    alive: bool = True
+
+
+class SttProcess:
+    """The batched Kyutai STT in a spawned child: `open_stream` gives a call a `StreamingSTT` on one of its rows."""
+
+    def __init__(self, spec: SttChildSpec, *, restart_backoff_s: tuple[float, float] = RESTART_BACKOFF_S) -> None:
+        self.spec = spec
+        self.batch_size = spec.rows
+        self._ctx = multiprocessing.get_context("spawn")  # never fork a process with threads (or CUDA)
+        self.tick_signal = self._ctx.Event()
+        self._following = False
+        self._restart_backoff_s = restart_backoff_s
+        self._lock = threading.Lock()
+        self._link: _Link | None = None
+        self._generations = itertools.count(1)
+        self._requests: dict[int, Future[Any]] = {}
+        self._request_ids = itertools.count(1)
+        self._held: dict[int, _Held] = {}
+        self._counted = (0, 0)  # the child's (dropped frames, catch-up steps) already in this process's metrics
+        self._max_frames_queued = 8 * spec.rows  # ~640 ms of every call's audio
+        self._closed = threading.Event()
+        self.restarts = 0
+        self.recent_steps: deque[tuple[float, float]] = deque(maxlen=4096)  # the child's (began, seconds)
+
+    # ---- lifecycle (blocking: call from a thread) ----
+
+    def start(self) -> None:
+        """Spawn the child and wait until its model is loaded and warm; CheckpointError for a bad checkpoint."""
+        if self._link is not None:
+            return
+        self._spawn()
+
+    def _spawn(self) -> None:
+        ours, theirs = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(target=_child_main, args=(theirs, self.spec, self.tick_signal),
+                                    name="kame-stt", daemon=True)  # fmt: skip
+        process.start()
+        theirs.close()
+        try:
+            self._await_ready(ours, process)
+        except BaseException:
+            ours.close()
+            raise
+        link = _Link(next(self._generations), process, ours)
+        with self._lock:
+            closed = self._closed.is_set()
+            if not closed:
+                self._link = link
+        if closed:  # closed while this (re)start waited for the child: stop it, as `close` would have
+            ours.send(("stop",))
+            process.join(10)
+            process.kill()
+            ours.close()
+            return
+        threading.Thread(target=self._read_forever, args=(link,), name="kame-stt-reader", daemon=True).start()
+        threading.Thread(target=self._send_forever, args=(link,), name="kame-stt-sender", daemon=True).start()
+        if self._following:
+            self._send(link, ("follow", True))
+        log.info("Kyutai STT process %d ready: %d rows", process.pid, self.batch_size)
+
+    def _await_ready(self, conn: Connection, process: multiprocessing.process.BaseProcess) -> None:
+        downloads = not self.spec.source.startswith(RANDOM_PREFIX) and not Path(self.spec.source).expanduser().is_dir()
+        deadline = time.monotonic() + (FETCH_TIMEOUT_S if downloads else START_TIMEOUT_S)
+        while not conn.poll(0.25):
+            if self._closed.is_set() or time.monotonic() > deadline:
+                process.kill()
+                process.join()
+                raise RuntimeError("the Kyutai STT process was stopped while starting" if self._closed.is_set()
+                                   else "the Kyutai STT process did not come up in time")  # fmt: skip
+        try:
+            kind, *rest = conn.recv()
+        except EOFError:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+            raise RuntimeError(f"the Kyutai STT process died while starting (exit code {process.exitcode})") from None
+        if kind == "failed":
+            message, bad_checkpoint = rest
+            process.join(5)
+            if bad_checkpoint:  # the same one clear line as in process
+                raise CheckpointError(message.removeprefix("CheckpointError: "))
+            raise RuntimeError(f"the Kyutai STT process failed to start: {message}")
+
+    def follow(self, on: bool = True) -> None:
+        """Step right after each KAME engine tick (`tick_signal`) instead of on the child's own clock."""
+        with self._lock:
+            self._following = on
+            link = self._link
+        if link is not None:
+            self._send(link, ("follow", on))
+        pace = "after each KAME engine tick" if on else "on its own clock"
+        log.info("Kyutai STT steps %s (in its own process)", pace)
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            link, self._link = self._link, None
+            for request in self._requests.values():
+                request.set_exception(RuntimeError("the Kyutai STT process is closing"))
+            self._requests.clear()
+        if link is None:
+            return
+        link.outbox.put(("stop",))
+        link.outbox.put(None)
+        link.process.join(10)
+        if link.process.is_alive():
+            link.process.kill()
+            link.process.join()
+        link.conn.close()
+
+    @property
+    def alive(self) -> bool:
+        link = self._link
+        return link is not None and link.alive
+
+    @property
+    def pid(self) -> int | None:
+        link = self._link
+        return link.process.pid if link is not None else None
+
+    # ---- streams (any thread) ----
+
+    def open_stream(self) -> ProcessStreamingSTT:
+        """A `StreamingSTT` on a free row of the child (SttCapacityError if there is none; RuntimeError while
+        the child is down: the back-end tries again after its backoff)."""
+        with self._lock:
+            link = self._link
+            if link is None or not link.alive:
+                raise RuntimeError("the Kyutai STT process is not running (it is being restarted)")
+            request_id = next(self._request_ids)
+            answer: Future[Any] = Future()
+            self._requests[request_id] = answer
+        self._send(link, ("open", request_id))
+        try:
+            row, lease, error = answer.result(timeout=ANSWER_TIMEOUT_S)
+        except FutureTimeout:
+            with self._lock:
+                self._requests.pop(request_id, None)  # a late answer's row is released by the reader
+            raise RuntimeError(f"the Kyutai STT process did not seat a call in {ANSWER_TIMEOUT_S:.0f} s") from None
+        if error is not None:
+            raise SttCapacityError(error) if row == -1 else RuntimeError(error)
+        return ProcessStreamingSTT(self, link.generation, row, lease)
+
+    def _push(self, generation: int, row: int, lease: int, frames: np.ndarray) -> None:
+        link = self._current(generation, row, lease)
+        with self._lock:
+            if link.frames_queued >= self._max_frames_queued:
+                # The sender is that far behind (this process starved): drop, as the child drops a backlog.
+                metrics.STT_DROPPED_FRAMES.inc(len(frames))
+                return
+            link.frames_queued += 1
+        link.outbox.put(("push", row, lease, frames))
+
+    def _drain(self, generation: int, row: int, lease: int) -> list[SttResult]:
+        with self._lock:
+            held = self._held_row(generation, row, lease)
+            out, held.inbox = held.inbox, []
+            return out
+
+    def _flush(self, generation: int, row: int, lease: int) -> list[SttResult]:
+        link = self._current(generation, row, lease)
+        with self._lock:
+            request_id = next(self._request_ids)
+            answer: Future[Any] = Future()
+            self._requests[request_id] = answer
+        self._send(link, ("flush", request_id, row, lease))
+        try:
+            results, error = answer.result(timeout=ANSWER_TIMEOUT_S)
+        except FutureTimeout:
+            with self._lock:
+                self._requests.pop(request_id, None)
+            raise RuntimeError(f"the Kyutai STT process did not flush in {ANSWER_TIMEOUT_S:.0f} s") from None
+        if error is not None:
+            raise RuntimeError(error)
+        # The results the child made before the flush are ahead of its answer on the pipe: in the inbox by now.
+        return self._drain(generation, row, lease) + results
+
+    def _reset(self, generation: int, row: int, lease: int) -> None:
+        link = self._current(generation, row, lease)
+        with self._lock:
+            held = self._held_row(generation, row, lease)
+            held.epoch += 1
+            held.inbox.clear()
+            epoch = held.epoch
+        self._send(link, ("reset", row, lease, epoch))
+
+    def _release(self, generation: int, row: int, lease: int) -> None:
+        with self._lock:
+            held = self._held.get(row)
+            if held is None or (held.generation, held.lease) != (generation, lease):
+                return  # its child is gone: the row went with it
+            del self._held[row]
+            link = self._link
+        if link is not None and link.generation == generation:
+            self._send(link, ("release", row, lease))
+
+    def _held_row(self, generation: int, row: int, lease: int) -> _Held:
+        held = self._held.get(row)
+        if held is None or (held.generation, held.lease) != (generation, lease):
+            raise RuntimeError(f"Kyutai STT row {row} is no longer held by this stream")
+        if held.failure is not None:
+            raise RuntimeError(held.failure)
+        return held
+
+    def _current(self, generation: int, row: int, lease: int) -> _Link:
+        with self._lock:
+            self._held_row(generation, row, lease)  # raises for a failed row or a dead child's
+            link = self._link
+        assert link is not None and link.generation == generation
+        return link
+
+    # ---- the pipe ----
+
+    def _send(self, link: _Link, message: tuple[Any, ...]) -> None:
+        if link.alive:
+            link.outbox.put(message)
+
+    def _send_forever(self, link: _Link) -> None:
+        while (message := link.outbox.get()) is not None:
+            if message[0] == "push":
+                with self._lock:
+                    link.frames_queued -= 1
+            try:
+                link.conn.send(message)
+            except (OSError, ValueError) as e:  # the child is gone: the reader says so
+                log.debug("Kyutai STT process pipe closed: %s", e)
+                return
+
+    def _read_forever(self, link: _Link) -> None:
+        while True:
+            try:
+                kind, *body = link.conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                self._dispatch(link, kind, body)
+            except Exception:  # a bad message must not stop the pipe
+                log.exception("Kyutai STT process message %r could not be handled", kind)
+        link.alive = False
+        link.outbox.put(None)
+        if self._closed.is_set():
+            return
+        link.process.join(1)
+        reason = f"the Kyutai STT process died (exit code {link.process.exitcode})"
+        with self._lock:
+            calls = [held for held in self._held.values() if held.generation == link.generation]
+            for held in calls:
+                held.failure = reason
+            for request in self._requests.values():
+                request.set_exception(RuntimeError(reason))
+            self._requests.clear()
+        metrics.STT_PROCESS_RESTARTS.inc()
+        log.error("%s: %d calls lose their transcript until it is back; starting it again", reason, len(calls))
+        threading.Thread(target=self._restart, name="kame-stt-restart", daemon=True).start()
+
+    def _restart(self) -> None:
+        wait, longest = self._restart_backoff_s
+        while not self._closed.wait(wait):
+            try:
+                self._spawn()
+            except Exception as e:
+                wait = min(wait * 2, longest)
+                log.error("the Kyutai STT process did not start again (%s); next try in %.0f s", e, wait)
+                continue
+            self.restarts += 1
+            return
+
+    def _dispatch(self, link: _Link, kind: str, body: list[Any]) -> None:
+        if kind == "results":
+            items, step_seconds, counters = body
+            with self._lock:
+                for row, lease, epoch, results, failure in items:
+                    held = self._held.get(row)
+                    if held is None or (held.generation, held.lease) != (link.generation, lease):
+                        continue  # released meanwhile
+                    if failure is not None:
+                        held.failure = f"Kyutai STT engine step failed: {failure}"
+                    elif epoch == held.epoch:
+                        held.inbox.extend(results)
+            self.recent_steps.extend(step_seconds)
+            for _, seconds in step_seconds:
+                metrics.STT_STEP_SECONDS.observe(seconds)
+            self._count(counters)
+        elif kind == "opened":
+            request_id, row, lease, error = body
+            with self._lock:
+                answer = self._requests.pop(request_id, None)
+                if answer is not None and error is None:
+                    self._held[row] = _Held(lease, link.generation)
+            if answer is None:
+                if error is None:  # asked by a stream that stopped waiting: nobody holds it
+                    self._send(link, ("release", row, lease))
+                return
+            answer.set_result((row, lease, error))
+        elif kind == "flushed":
+            request_id, results, error = body
+            with self._lock:
+                answer = self._requests.pop(request_id, None)
+            if answer is not None:
+                answer.set_result((results, error))
+
+    def _count(self, counters: tuple[int, int]) -> None:
+        dropped, catchups = counters
+        if self._counted > counters:  # a restarted child counts from 0 again
+            self._counted = (0, 0)
+        before_dropped, before_catchups = self._counted
+        if dropped > before_dropped:
+            metrics.STT_DROPPED_FRAMES.inc(dropped - before_dropped)
+        if catchups > before_catchups:
+            metrics.STT_CATCHUP_STEPS.inc(catchups - before_catchups)
+        self._counted = counters
+
+
+class ProcessStreamingSTT:
+    """One call's `StreamingSTT` on a row of the STT process's engine."""
+
+    def __init__(self, host: SttProcess, generation: int, row: int, lease: int) -> None:
+        self.host = host
+        self.row = row
+        self._generation = generation
+        self._lease = lease
+        self._carry = np.zeros(0, np.float32)  # samples short of a whole frame
+        self._closed = False
+
+    def feed(self, pcm24k: np.ndarray) -> list[SttResult]:
+        self._check_open()
+        x = np.asarray(pcm24k, dtype=np.float32).reshape(-1)
+        if x.size:
+            buf = np.concatenate([self._carry, x]) if self._carry.size else x
+            n = buf.size // FRAME_SAMPLES
+            self._carry = buf[n * FRAME_SAMPLES :].copy()
+            if n:
+                self.host._push(self._generation, self.row, self._lease, buf[: n * FRAME_SAMPLES].reshape(n, -1))
+        return self.host._drain(self._generation, self.row, self._lease)
+
+    def flush(self) -> list[SttResult]:
+        """The current utterance's final now (text still `audio_delay_seconds` behind is not in it)."""
+        self._check_open()
+        return self.host._flush(self._generation, self.row, self._lease)
+
+    def reset(self) -> None:
+        self._check_open()
+        self._carry = np.zeros(0, np.float32)
+        self.host._reset(self._generation, self.row, self._lease)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.host._release(self._generation, self.row, self._lease)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("ProcessStreamingSTT used after close()")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The child
+
+
+class _ChildSttEngine(KyutaiSttEngine):
+    """The real engine, in the child: after each tick it sends the parent every row's new results."""
+
+    def __init__(self, send: PipeSender, *args: Any, **kwargs: Any) -> None:
+        self.send = send
+        self.epochs: list[int] = []
+        self._failures_sent: set[tuple[int, int]] = set()
+        self._step_seconds: list[tuple[float, float]] = []
+        super().__init__(*args, **kwargs)
+        self.epochs = [0] * self.batch_size
+
+    def step(self):  # type: ignore[no-untyped-def]
+        done = super().step()
+        if done is not None:  # (when it began, on the machine's one monotonic clock; how long it took)
+            self._step_seconds.append((time.monotonic() - self.last_step_s, self.last_step_s))
+        return done
+
+    def tick(self) -> int:
+        try:
+            return super().tick()
+        finally:
+            self.report()
+
+    def report(self) -> None:
+        # Drained and queued under the lock, so a flush's answer cannot overtake results drained before it.
+        with self._lock:
+            items = []
+            for index, row in enumerate(self._rows):
+                if row is None:
+                    continue
+                failure = None
+                if row.failure is not None and (index, row.lease) not in self._failures_sent:
+                    failure = row.failure
+                    self._failures_sent.add((index, row.lease))
+                if row.outbox or failure is not None:
+                    items.append((index, row.lease, self.epochs[index], row.outbox, failure))
+                    row.outbox = []
+            steps, self._step_seconds = self._step_seconds, []
+            if items or steps:
+                self.send(("results", items, steps, (self.dropped_frames_total, self.catchup_steps_total)))
+
+    def reset_row(self, index: int, lease: int, epoch: int) -> None:
+        with self._lock:
+            self.epochs[index] = epoch
+            self._reset(index, lease)
+
+    def flush_row(self, request_id: int, index: int, lease: int) -> None:
+        with self._lock:
+            try:
+                results, error = self._flush(index, lease), None
+            except RuntimeError as e:
+                results, error = [], str(e)
+            self.send(("flushed", request_id, results, error))
+
+    def open_row(self, request_id: int) -> None:
+        try:
+            index, lease = self._acquire()
+        except SttCapacityError as e:
+            self.send(("opened", request_id, -1, 0, str(e)))
+            return
+        except RuntimeError as e:
+            self.send(("opened", request_id, -2, 0, str(e)))
+            return
+        with self._lock:
+            self.epochs[index] = 0
+        self.send(("opened", request_id, index, lease, None))
+
+
+def _child_main(conn: Connection, spec: SttChildSpec, tick_signal: Any) -> None:
+    import signal
+
+    # Ctrl-C reaches the whole process group: the parent drains its calls and then stops us over the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    from engine.heap import freeze_startup_heap
+
+    send = PipeSender(conn, name="stt-child")
+    try:
+        engine = _ChildSttEngine(send, spec.source, device=spec.device, max_streams=spec.rows, options=spec.options,
+                                 start=False)  # fmt: skip
+        engine.start()
+    except Exception as e:
+        send(("failed", f"{type(e).__name__}: {e}", isinstance(e, CheckpointError)))
+        send.close()
+        return
+    freeze_startup_heap()  # the heap is torch and the model: a full collection over it stalls a step
+    send(("ready",))
+    while True:
+        try:
+            kind, *body = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            break
+        if kind == "stop":
+            break
+        try:
+            _dispatch(engine, kind, body, tick_signal)
+        except RuntimeError as e:  # a row released or failed meanwhile: its stream already knows
+            log.debug("Kyutai STT %r for a row no longer held: %s", kind, e)
+        except Exception:  # one call's bad command must not end this process, and with it every call's STT
+            log.exception("Kyutai STT: a %r command failed; the engine goes on", kind)
+    engine.close()
+    send.close()
+
+
+def _dispatch(engine: _ChildSttEngine, kind: str, body: list[Any], tick_signal: Any) -> None:
+    if kind == "push":
+        row, lease, frames = body
+        engine._push(row, lease, list(frames))
+    elif kind == "open":
+        engine.open_row(*body)
+    elif kind == "flush":
+        engine.flush_row(*body)
+    elif kind == "reset":
+        engine.reset_row(*body)
+    elif kind == "release":
+        engine._release(*body)
+    elif kind == "follow":
+        (on,) = body
+        engine.follow(tick_signal if on else None)

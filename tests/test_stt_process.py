@@ -1,0 +1,244 @@
+"""`--stt-process`: the batched Kyutai STT in a child process of its own, on CPU with the tiny random checkpoint.
+
+Random weights give garbage words, the same garbage for the same audio: these tests check that a call hears in
+the child what it would hear in process, that rows, capacity, resets and metrics cross the pipe, that the child
+follows the KAME engine's ticks from the engine's own process, and that a killed child fails its calls clearly
+and comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soxr
+
+from engine.checkpoint import CheckpointError
+from engine.interface import FRAME_SAMPLES
+from knowledge.backend import BackendConfig, BackendServices
+from knowledge.stt import SttResult
+from knowledge.stt_kyutai import KyutaiSttEngine, SttCapacityError
+from knowledge.stt_process import ProcessStreamingSTT, SttChildSpec, SttProcess
+from knowledge.tiny_stt_checkpoint import make_tiny_stt_checkpoint
+
+from .phone_fixtures import metric
+
+PACKET = 480  # 20 ms at 24 kHz: what the phone edge hands the back-end
+
+
+@pytest.fixture(scope="module")
+def stt_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_stt_checkpoint(tmp_path_factory.mktemp("tiny-stt"))
+
+
+@pytest.fixture(scope="module")
+def speech(tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:
+    """A caller's question (flite), 24 kHz float32."""
+    from .phone_fixtures import flite_wav
+
+    path = flite_wav("Hello, what time does the store open on Monday?", tmp_path_factory.mktemp("speech") / "q.wav")
+    with wave.open(str(path)) as w:
+        rate, pcm = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), "<i2")
+    return soxr.resample(pcm.astype(np.float32) / 32768.0, rate, 24_000).astype(np.float32)
+
+
+@pytest.fixture
+def make_process(stt_checkpoint: Path):
+    made: list[SttProcess] = []
+
+    def make(rows: int = 2, **kwargs) -> SttProcess:
+        process = SttProcess(SttChildSpec(str(stt_checkpoint), "cpu", rows), **kwargs)
+        made.append(process)
+        process.start()
+        return process
+
+    yield make
+    for process in made:
+        process.close()
+
+
+def wait_for(check, within: float) -> None:  # type: ignore[no-untyped-def]
+    """Poll a condition another process decides (a guard against a hang, not a timing assertion)."""
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def hear(stt, pcm: np.ndarray, settle_s: float = 0.8) -> list[SttResult]:  # type: ignore[no-untyped-def]
+    """Feed `pcm` in real time, 20 ms at a time, then let the steps catch up and flush: everything heard."""
+    heard: list[SttResult] = []
+    started = time.monotonic()
+    for i, at in enumerate(range(0, len(pcm), PACKET)):
+        heard += stt.feed(pcm[at : at + PACKET])
+        time.sleep(max(0.0, started + (i + 1) * 0.02 - time.monotonic()))
+    time.sleep(settle_s)
+    heard += stt.feed(np.zeros(0, np.float32))
+    return heard + stt.flush()
+
+
+def test_a_call_hears_in_the_stt_process_what_it_hears_in_this_one(make_process, stt_checkpoint, speech) -> None:
+    """The same audio, the same rows' tokens, the same partials and final, whichever process steps the model;
+    the child's steps land in this process's metrics (the child's registry is nobody's to scrape)."""
+    local = KyutaiSttEngine(str(stt_checkpoint), "cpu", 2)
+    try:
+        stream = local.open_stream()
+        expected = hear(stream, speech)
+        stream.close()
+    finally:
+        local.close()
+    assert len(expected) > 5 and expected[-1].final  # garbage words, but words, then the final
+
+    process = make_process()
+    steps = metric("kame_stt_step_seconds_count")
+    stream = process.open_stream()
+    assert isinstance(stream, ProcessStreamingSTT)
+    assert hear(stream, speech) == expected
+    stream.close()
+    assert metric("kame_stt_step_seconds_count") >= steps + len(speech) // FRAME_SAMPLES
+
+
+def test_capacity_is_the_same_clear_error_and_a_closed_call_frees_its_row(make_process) -> None:
+    process = make_process(rows=1)
+    first = process.open_stream()
+    with pytest.raises(SttCapacityError, match="KAME_STT_MAX_STREAMS"):
+        process.open_stream()
+    first.close()
+    second = process.open_stream()  # the release went ahead of this open on the same pipe
+    assert second.row == first.row
+    second.close()
+    first.close()  # idempotent; a stale stream never releases a row another call holds now
+    third = process.open_stream()
+    third.close()
+
+
+def test_what_was_heard_before_a_reset_never_reaches_the_call_after_it(make_process, stt_checkpoint, speech) -> None:
+    """Results the child made before the reset, still on their way through the pipe, are dropped by their epoch:
+    after `reset` the call hears what it hears in process after the same reset."""
+
+    def reset_then_hear(stream) -> list[SttResult]:  # type: ignore[no-untyped-def]
+        for at in range(0, len(speech), PACKET):  # the whole question at once: steps still to come, or on their way
+            stream.feed(speech[at : at + PACKET])
+        time.sleep(0.3)
+        stream.reset()
+        heard = hear(stream, speech[:24_000])
+        stream.close()
+        return heard
+
+    local = KyutaiSttEngine(str(stt_checkpoint), "cpu", 2)
+    try:
+        want = reset_then_hear(local.open_stream())
+    finally:
+        local.close()
+    assert want and want[-1].final
+    process = make_process()
+    dispatch = process._dispatch
+
+    def late(*args):  # type: ignore[no-untyped-def]
+        time.sleep(0.15)  # this process busy (its GIL): the child's results wait in the pipe, and cross a reset
+        dispatch(*args)
+
+    process._dispatch = late  # type: ignore[method-assign]
+    assert reset_then_hear(process.open_stream()) == want
+
+
+def test_a_bad_checkpoint_is_the_same_clear_error_from_the_child(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="KAME_STT_CHECKPOINT"):
+        SttProcess(SttChildSpec(str(tmp_path / "missing"), "cpu", 1)).start()
+
+
+def test_a_killed_stt_process_fails_its_calls_clearly_and_comes_back(make_process, speech) -> None:
+    process = make_process(restart_backoff_s=(0.2, 1.0))
+    call = process.open_stream()
+    call.feed(speech[:PACKET])
+    restarts = metric("kame_stt_process_restarts_total")
+    first_pid = process.pid
+    assert first_pid is not None
+    os.kill(first_pid, signal.SIGKILL)  # a CUDA fault, the OOM killer
+    wait_for(lambda: not process.alive, 10)
+    with pytest.raises(RuntimeError, match="STT process died"):
+        call.feed(speech[:PACKET])
+    assert metric("kame_stt_process_restarts_total") == restarts + 1
+    with pytest.raises(RuntimeError, match="being restarted"):
+        process.open_stream()
+    call.close()  # a dead child's row: nothing to release, no error
+
+    wait_for(lambda: process.alive, 60)
+    assert process.pid != first_pid and process.restarts == 1
+    again = process.open_stream()
+    assert hear(again, speech[: 24_000])  # hears again
+    again.close()
+
+
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
+async def test_the_stt_process_steps_right_after_each_engine_tick(
+    stt_checkpoint: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, engine_process: bool
+) -> None:
+    """The engine sets the STT process's pace itself, from its own process when it has one (no hop through the
+    busy phone edge), so on one GPU the two still take turns."""
+    from engine.service import EngineConfig, LocalEngine
+
+    monkeypatch.setenv("KAME_STT_CHECKPOINT", str(stt_checkpoint))
+    monkeypatch.setenv("KAME_STT_DEVICE", "cpu")
+    services = await asyncio.to_thread(
+        BackendServices, BackendConfig(stt="kyutai", stt_process=True, llm_enabled=False, stt_rows=2)
+    )
+    stt = services.stt_process
+    assert stt is not None
+    engine = await LocalEngine.load(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", max_calls=2,
+                                                 warmup_ticks=1, engine_process=engine_process), services)  # fmt: skip
+
+    class Recorded(threading.Event):
+        def __init__(self) -> None:
+            super().__init__()
+            self.times: list[float] = []
+
+        def set(self) -> None:
+            self.times.append(time.monotonic())
+            super().set()
+
+    ticked = engine._ticked = Recorded()  # when this process hears of each tick (from the child: a little later)
+    try:
+        await engine.start()
+        call = await engine.open_call("CA-paced")
+        began = time.monotonic()
+        for i in range(25):  # 2 s of a call, in real time
+            call.push_audio((np.random.default_rng(i).standard_normal(FRAME_SAMPLES) * 0.1).astype(np.float32))
+            await asyncio.sleep(0.08)
+        await call.close()
+    finally:
+        await engine.stop()  # closes the back-end, and the STT process with it
+    assert not stt.alive
+    mine = [s for s, _ in stt.recent_steps if s > began + 0.2]
+    near_a_tick = [s for s in mine if any(-0.015 <= s - t < 0.015 for t in ticked.times)]
+    # On its own clock a step would fall within 15 ms of a tick about 3 times in 8.
+    assert len(mine) >= 15 and len(near_a_tick) >= 0.8 * len(mine), (len(mine), len(near_a_tick))
+
+
+async def test_serve_runs_the_kyutai_stt_in_its_own_process_unless_told_not_to(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kame_phone.app import backend_from_args
+    from kame_phone.cli import build_parser
+    from kame_phone.env_flags import resolve_env_defaults
+
+    for argv, env, want in [([], {}, True), (["--no-stt-process"], {}, False), ([], {"KAME_STT_PROCESS": "0"}, False)]:
+        monkeypatch.delenv("KAME_STT_PROCESS", raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        args = build_parser().parse_args(["serve", "--insecure-dev", "--stt", "none", *argv])
+        resolve_env_defaults(args)
+        services = backend_from_args(args)
+        assert services is not None
+        try:
+            assert services.config.stt_process is want, (argv, env)
+            assert services.stt_process is None  # --stt none: nothing to run
+        finally:
+            await services.aclose()
