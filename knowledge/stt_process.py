@@ -427,7 +427,8 @@ class ProcessStreamingSTT:
             n = buf.size // FRAME_SAMPLES
             self._carry = buf[n * FRAME_SAMPLES :].copy()
             if n:
-                self.host._push(self._generation, self.row, self._lease, buf[: n * FRAME_SAMPLES].reshape(n, -1))
+                frames = buf[: n * FRAME_SAMPLES].reshape(n, FRAME_SAMPLES).copy()  # queued: not the caller's buffer
+                self.host._push(self._generation, self.row, self._lease, frames)
         return self.host._drain(self._generation, self.row, self._lease)
 
     def flush(self) -> list[SttResult]:
@@ -509,17 +510,19 @@ class _ChildSttEngine(KyutaiSttEngine):
             self.send(("flushed", request_id, results, error))
 
     def open_row(self, request_id: int) -> None:
-        try:
-            index, lease = self._acquire()
-        except SttCapacityError as e:
-            self.send(("opened", request_id, -1, 0, str(e)))
-            return
-        except RuntimeError as e:
-            self.send(("opened", request_id, -2, 0, str(e)))
-            return
+        # Under the lock to the answer: the row's first results (a tick may step it at once) must not reach the
+        # parent before it knows the row is its call's, nor carry the epoch of the call that had it before.
         with self._lock:
+            try:
+                index, lease = self._acquire()
+            except SttCapacityError as e:
+                self.send(("opened", request_id, -1, 0, str(e)))
+                return
+            except RuntimeError as e:
+                self.send(("opened", request_id, -2, 0, str(e)))
+                return
             self.epochs[index] = 0
-        self.send(("opened", request_id, index, lease, None))
+            self.send(("opened", request_id, index, lease, None))
 
 
 def _child_main(conn: Connection, spec: SttChildSpec, tick_signal: Any) -> None:

@@ -14,12 +14,12 @@ set -uo pipefail
 # part -> budget in seconds: the sum of its commands' timeouts, and 5 s a command for `reap` (a bench
 # dies at timeout's SIGTERM: none traps it; the SIGKILL 10 s later is for one that would not).
 declare -A budget=(
-  [batch1]=430 [node-48]=275 [node-64]=275 [node]=550 [weights]=305 [kv-cache]=285 [kv-weights]=285 [kv]=570
+  [batch1]=430 [node-48]=275 [node-64]=275 [node-64-stt-thread]=275 [node]=550 [weights]=305 [kv-cache]=285 [kv-weights]=285 [kv]=570
   [compiled-int8]=575 [weights-autotune]=575 [batch1-autotune]=575 [batch1-no-main]=255 [capacity]=575
   [engine]=545 [oracle]=410
   [media]=375 [stt]=315
 )
-parts="stt batch1 node-48 node-64 node weights kv-cache kv-weights kv compiled-int8 weights-autotune batch1-autotune batch1-no-main capacity engine oracle media"
+parts="stt batch1 node-48 node-64 node-64-stt-thread node weights kv-cache kv-weights kv compiled-int8 weights-autotune batch1-autotune batch1-no-main capacity engine oracle media"
 usage="usage: scripts/bench-gpu.sh OUTDIR PART | --budget PART | --parts (PART: ${parts// /|}|all)"
 case ${1:-} in
   --budget) [[ -n ${budget[${2:-}]:-} ]] || { echo "$usage" >&2; exit 2; }; echo "${budget[$2]}"; exit 0 ;;
@@ -145,20 +145,25 @@ if [[ $what == kv-weights || $what == kv || $what == all ]]; then
   run kv-weights 280 kv --size moshi-7b --context 3000 --steps 300 --kv-dtype int8 --weights-dtype int8 \
     --json "$out/kv-weights.json"
 fi
-if [[ $what == node-48 || $what == node-64 || $what == node || $what == all ]]; then
+if [[ $what == node-48 || $what == node-64 || $what == node-64-stt-thread || $what == node || $what == all ]]; then
   # The whole node (issue 15) with no weights on the box: KAME random at full size, the STT in Kyutai's
   # 2.6B layout with random weights on the same GPU, a local LLM stand-in; the callers' voices come from
   # VOICES, default var/voices (made beforehand where flite is: scripts/gpu-carry.sh). WEIGHTS: bf16
   # (auto, the default) serves 48 calls and the STT on an H100; int8 weights, eager, are too slow to keep
   # time beside the STT (H100, session 21); 64 calls with this STT on bf16 weights need ~82 of an H100's
   # 85.5 GB (docs/benchmarks.md): an H200 if that runs out. serve's log: OUTDIR/node-N.serve.log.
-  case $what in node-48) counts=48 ;; node-64) counts=64 ;; *) counts="48 64" ;; esac
+  # node-64-stt-thread: the STT as before --stt-process, a thread beside serve's event loop (its GIL), to
+  # set against node-64.
+  case $what in node-48) counts=48 ;; node-64*) counts=64 ;; *) counts="48 64" ;; esac
+  stt_process=--stt-process name=node
+  [[ $what == node-64-stt-thread ]] && stt_process=--no-stt-process name=node-stt-thread
   for calls in $counts; do
     # --hold: 25 s on the line after the question (HOLD), so most of a call is past the burst of starts.
-    KAME_STT_CHECKPOINT=random:stt-2.6b-en run "node-$calls" 270 node --calls "$calls" --hold "${HOLD:-25}" \
+    KAME_STT_CHECKPOINT=random:stt-2.6b-en run "$name-$calls" 270 node --calls "$calls" --hold "${HOLD:-25}" \
       --checkpoint random:moshi-7b --voices "${VOICES:-var/voices}" --serve-arg=--stt=kyutai \
+      --serve-arg="$stt_process" \
       --serve-arg=--kv-dtype=int8 --serve-arg=--weights-dtype="${WEIGHTS:-auto}" --serve-arg=--context=3000 \
-      --json "$out/node-$calls.json"
+      --json "$out/$name-$calls.json"
   done
 fi
 if [[ $what == oracle || $what == all ]]; then

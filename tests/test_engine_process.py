@@ -165,7 +165,7 @@ async def test_an_engine_whose_every_tick_fails_is_broken_its_calls_told_and_liv
     assert 1 <= len(failures) <= 3, len(failures)  # not a traceback per tick
 
 
-def _child_that_breaks_after_warmup(conn: Any, spec: Any, warmup_ticks: int) -> None:
+def _child_that_breaks_after_warmup(conn: Any, spec: Any, warmup_ticks: int, tick_signal: Any = None) -> None:
     """The real engine child, with a fault that sticks once it is up (as the in-process test above: a text
     weight cut short, so every tick with a call fails). Runs in the spawned child: module-level, importable."""
 
@@ -177,7 +177,7 @@ def _child_that_breaks_after_warmup(conn: Any, spec: Any, warmup_ticks: int) -> 
         emb.weight.data = emb.weight.data[:1]
 
     frame_loop_process._ChildFrameLoop.start = start_then_break  # type: ignore[method-assign]
-    frame_loop_process._child_main(conn, spec, warmup_ticks)
+    frame_loop_process._child_main(conn, spec, warmup_ticks, tick_signal)
 
 
 async def test_an_engine_process_whose_every_tick_fails_exits_and_its_calls_are_told(
