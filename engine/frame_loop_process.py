@@ -32,6 +32,7 @@ import numpy as np
 
 from . import metrics
 from .batch import ModelMemory
+from .child_logging import LogSetup
 from .frame_loop import (
     FrameLoop,
     LoopStats,
@@ -126,8 +127,8 @@ class FrameLoopProcess:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA or threads
         ours, theirs = ctx.Pipe(duplex=True)
         self._process = ctx.Process(
-            target=_child_main, args=(theirs, self.spec, warmup_ticks, self.tick_signal), name="kame-engine",
-            daemon=True,
+            target=_child_main, args=(theirs, self.spec, warmup_ticks, self.tick_signal, LogSetup.of_this_process()),
+            name="kame-engine", daemon=True,
         )
         self._process.start()
         theirs.close()
@@ -371,8 +372,13 @@ def _downloads(checkpoint: str) -> bool:
 # The child
 
 
-def _child_main(conn: Connection, spec: ChildSpec, warmup_ticks: int, tick_signal: Any = None) -> None:
+def _child_main(
+    conn: Connection, spec: ChildSpec, warmup_ticks: int, tick_signal: Any = None, log_setup: LogSetup | None = None
+) -> None:
     import signal
+
+    if log_setup is not None:
+        log_setup.apply()
 
     import torch
 

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from engine.checkpoint import CheckpointError
+from engine.child_logging import LogSetup
 from engine.interface import FRAME_SAMPLES
 from engine.pipe_sender import PipeSender
 
@@ -128,8 +129,8 @@ class SttProcess:
 
     def _spawn(self) -> None:
         ours, theirs = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=_child_main, args=(theirs, self.spec, self.tick_signal),
-                                    name="kame-stt", daemon=True)  # fmt: skip
+        process = self._ctx.Process(target=_child_main, name="kame-stt", daemon=True,
+                                    args=(theirs, self.spec, self.tick_signal, LogSetup.of_this_process()))
         process.start()
         theirs.close()
         try:
@@ -525,8 +526,11 @@ class _ChildSttEngine(KyutaiSttEngine):
             self.send(("opened", request_id, index, lease, None))
 
 
-def _child_main(conn: Connection, spec: SttChildSpec, tick_signal: Any) -> None:
+def _child_main(conn: Connection, spec: SttChildSpec, tick_signal: Any, log_setup: LogSetup | None = None) -> None:
     import signal
+
+    if log_setup is not None:
+        log_setup.apply()
 
     # Ctrl-C reaches the whole process group: the parent drains its calls and then stops us over the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

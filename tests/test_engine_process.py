@@ -165,7 +165,7 @@ async def test_an_engine_whose_every_tick_fails_is_broken_its_calls_told_and_liv
     assert 1 <= len(failures) <= 3, len(failures)  # not a traceback per tick
 
 
-def _child_that_breaks_after_warmup(conn: Any, spec: Any, warmup_ticks: int, tick_signal: Any = None) -> None:
+def _child_that_breaks_after_warmup(conn: Any, spec: Any, warmup_ticks: int, *rest: Any) -> None:
     """The real engine child, with a fault that sticks once it is up (as the in-process test above: a text
     weight cut short, so every tick with a call fails). Runs in the spawned child: module-level, importable."""
 
@@ -177,7 +177,7 @@ def _child_that_breaks_after_warmup(conn: Any, spec: Any, warmup_ticks: int, tic
         emb.weight.data = emb.weight.data[:1]
 
     frame_loop_process._ChildFrameLoop.start = start_then_break  # type: ignore[method-assign]
-    frame_loop_process._child_main(conn, spec, warmup_ticks, tick_signal)
+    frame_loop_process._child_main(conn, spec, warmup_ticks, *rest)
 
 
 async def test_an_engine_process_whose_every_tick_fails_exits_and_its_calls_are_told(
@@ -464,3 +464,26 @@ def test_a_parent_slow_to_read_does_not_make_the_engine_process_late(tiny_checkp
     assert paused.is_set()
     assert max(elapsed for elapsed, _ in timings) < 0.5, max(elapsed for elapsed, _ in timings)  # never 1.5 s
     assert len(ticks) >= 25  # the held ticks came through after the pause, none lost
+
+
+def test_the_engine_childs_log_lines_come_out_as_the_services_own(capfd: pytest.CaptureFixture[str]) -> None:
+    """Under --log-json the engine process's lines (a broken engine, random weights) were Python's last-resort
+    ones, bare messages a log pipeline could not parse; it now logs as its parent was set up to."""
+    import json
+    import logging
+
+    from telephony.logs import setup_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    setup_logging(json_lines=True)
+    try:
+        loop = FrameLoopProcess(ChildSpec("random:tiny", "cpu", 1, None, SamplingOverrides(), 0.0, 4))
+        loop.start(1)
+        loop.stop()
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+    lines = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.startswith("{")]
+    assert any(r["logger"] == "engine.checkpoint" and "RANDOM WEIGHTS" in r["msg"] and r["level"] == "warning"
+               for r in lines), lines  # fmt: skip

@@ -242,3 +242,28 @@ async def test_serve_runs_the_kyutai_stt_in_its_own_process_unless_told_not_to(
             assert services.stt_process is None  # --stt none: nothing to run
         finally:
             await services.aclose()
+
+
+def test_the_childs_log_lines_come_out_as_the_services_own(
+    stt_checkpoint: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Under --log-json a spawned child's lines were Python's last-resort ones (bare messages, no INFO at all):
+    the only lines a log pipeline could not parse. The child now logs as its parent was set up to."""
+    import json
+    import logging
+
+    from telephony.logs import setup_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    setup_logging(json_lines=True)
+    try:
+        process = SttProcess(SttChildSpec(str(stt_checkpoint), "cpu", 1))
+        process.start()
+        process.close()
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+    lines = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.startswith("{")]
+    assert any(r["logger"] == "knowledge.stt_kyutai" and "Kyutai STT" in r["msg"] and r["level"] == "info"
+               for r in lines), lines  # fmt: skip
