@@ -91,7 +91,7 @@ class FrameLoopProcess:
         tick_signal: Any = None,
     ) -> None:
         self.spec = spec
-        # A multiprocessing Event the child sets right after each tick (the STT's own process steps then), or None.
+        # A TickSignal (engine/tick_signal.py) the child sets right after each tick (the STT's process steps then).
         self.tick_signal = tick_signal
         self.on_tick = on_tick
         self.on_death = on_death  # from the reader thread, once, if the child dies unasked

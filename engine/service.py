@@ -70,8 +70,8 @@ class BackendProvider(Protocol):
 
     @property
     def process_tick_signal(self) -> Any:
-        """A multiprocessing Event for the engine to set after each tick, in the process it ticks in, when the
-        back-end's GPU loop runs in a process of its own (the STT's, which follows it there); else None."""
+        """A `TickSignal` (engine/tick_signal.py) for the engine to set after each tick, in the process it ticks in,
+        when the back-end's GPU loop runs in a process of its own (the STT's, which follows it there); else None."""
         ...
 
     async def aclose(self) -> None: ...

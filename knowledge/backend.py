@@ -39,7 +39,7 @@ from .agents import AgentDirectory, Agents
 from .conversation import DEFAULT_SYSTEM_PROMPT, Conversation, ToolExchange, word_count
 from .llm import LlmClient, LlmConfig, LlmError, ToolCallRequest
 from .oracle_policy import OraclePolicy, OraclePolicyConfig, TriggerReason
-from .stt import DECODER_POOL, StreamingSTT, SttResult, make_stt
+from .stt import DECODER_POOL, StreamingSTT, SttResult, SttUnavailable, make_stt
 from .tools import CallTools, HttpSession, ToolResult
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ DRAFT_UPDATE_INTERVAL_S = 0.08  # a growing draft reaches the engine at most onc
 # (draft text, triggered_at, candidate_id, complete). triggered_at: when the transcript update behind the LLM
 # request came (the oracle lag's start); None for a line no request made (the greeting, a call action's line).
 OracleCallback = Callable[[str, float | None, int, bool], None]
+STT_UNAVAILABLE_RETRY_S = 0.5  # how often a call asks an STT that said it is coming back (SttUnavailable)
 ErrorCallback = Callable[[Literal["stt_error", "llm_error"], str], None]  # (kind, detail)
 ToolCallback = Callable[[ToolUse], None]
 # What a tool call's result reads as in the history until it answers.
@@ -204,7 +205,7 @@ class BackendServices:
 
     @property
     def process_tick_signal(self) -> Any:
-        """The STT process's pace (a multiprocessing Event) for the engine to set after each tick, or None."""
+        """The STT process's pace (a TickSignal) for the engine to set after each tick, or None."""
         return self.stt_process.tick_signal if self.stt_process is not None else None
 
     async def aclose(self) -> None:
@@ -257,6 +258,7 @@ class CallBackend:
         self._clock = clock
         self._restart_backoff_s = stt_restart_backoff_s
         self._stt_failures = 0  # consecutive
+        self._stt_unavailable = False  # the last failure said the STT is coming back (its process restarting)
         self.conversation = Conversation(system_prompt=system_prompt)
         self._greeting = greeting
         self._llm_model = llm_model
@@ -430,7 +432,7 @@ class CallBackend:
                 stt = self._stt
                 assert stt is not None
                 results = await self._in_worker(functools.partial(stt.feed, pcm))
-                self._stt_failures = 0
+                self._stt_failures, self._stt_unavailable = 0, False
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -444,6 +446,18 @@ class CallBackend:
         self._stt = self._stt_factory()
 
     async def _stt_failed(self, exc: Exception) -> None:
+        if isinstance(exc, SttUnavailable):
+            # Coming back (the STT's process restarting, a minute for a large model on a GPU): asked again every
+            # half second, at no cost, and told once, so the call hears again as soon as it is back, not up to a
+            # 30 s backoff later, and 64 calls do not log twice a second each meanwhile.
+            if not self._stt_unavailable:
+                self._stt_unavailable = True
+                metrics.STT_ERRORS.inc()
+                log.error("call %s: STT unavailable, asking again until it is back: %s", self.call_id, exc)
+                self._report_error("stt_error", f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(STT_UNAVAILABLE_RETRY_S)
+            self._drop_pending_audio()
+            return
         metrics.STT_ERRORS.inc()
         self._stt_failures += 1
         log.error("call %s: STT failed, restarting it: %s: %s", self.call_id, type(exc).__name__, exc)
@@ -458,11 +472,14 @@ class CallBackend:
         # A model that keeps failing must not spin a core or flood the log: back off, doubling to 30 s.
         # (The exponent capped: 2 ** 1023 and up overflows a float, which killed the task after 1024 failures.)
         await asyncio.sleep(min(30.0, self._restart_backoff_s * 2 ** min(self._stt_failures - 1, 30)))
+        self._drop_pending_audio()
+        # The next frame makes a fresh STT.
+
+    def _drop_pending_audio(self) -> None:
         # Audio from before the restart would arrive late and out of context: dropped, and counted as such.
         if self._audio:
             metrics.STT_DROPPED_FRAMES.inc(len(self._audio))
         self._audio.clear()
-        # The next frame makes a fresh STT.
 
     def _handle_transcript(self, result: SttResult, newest_frame_at: float) -> None:
         now = self._clock()

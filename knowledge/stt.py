@@ -45,6 +45,11 @@ class SttResult:
     final: bool  # True: the utterance ended; the next result starts a new one
 
 
+class SttUnavailable(RuntimeError):
+    """The STT cannot take a call now but will shortly (its process is being restarted): try again soon, not after
+    a backoff sized for a model that keeps failing."""
+
+
 class StreamingSTT(Protocol):
     def feed(self, pcm24k: np.ndarray) -> list[SttResult]:
         """Take float32 mono 24 kHz audio (any length); return partials (when the hypothesis changed)

@@ -15,9 +15,9 @@ flushed. `feed` never waits for the child: frames leave through a sender thread,
 reader thread and wait in the row's inbox for the call's next `feed`, as in process they wait in the engine's
 outbox. A reset's epoch drops the results the child made before it, still on their way.
 
-The pace: the KAME engine sets `tick_signal` (a multiprocessing Event, handed to both children at their start)
+The pace: the KAME engine sets `tick_signal` (engine/tick_signal.py, handed to both children at their start)
 right after each tick, in the engine's own process when it has one, so the STT steps after the engine's ticks
-with no hop through this busy process.
+with no hop through this busy process; either child may be killed without leaving the other blocked on it.
 
 A child that dies fails its calls' streams (their back-ends report it and open new ones after a backoff) and is
 started again, after 1 s, then twice as long after each start that fails, up to 30 s.
@@ -45,9 +45,10 @@ from engine.checkpoint import CheckpointError
 from engine.child_logging import LogSetup
 from engine.interface import FRAME_SAMPLES
 from engine.pipe_sender import PipeSender
+from engine.tick_signal import TickSignal
 
 from . import metrics
-from .stt import SttResult
+from .stt import SttResult, SttUnavailable
 from .stt_kyutai import KyutaiSttEngine, KyutaiSttOptions, SttCapacityError, settings_from_env
 from .stt_random import RANDOM_PREFIX
 
@@ -104,7 +105,7 @@ class SttProcess:
         self.spec = spec
         self.batch_size = spec.rows
         self._ctx = multiprocessing.get_context("spawn")  # never fork a process with threads (or CUDA)
-        self.tick_signal = self._ctx.Event()
+        self.tick_signal = TickSignal()
         self._following = False
         self._restart_backoff_s = restart_backoff_s
         self._lock = threading.Lock()
@@ -114,6 +115,7 @@ class SttProcess:
         self._request_ids = itertools.count(1)
         self._held: dict[int, _Held] = {}
         self._counted = (0, 0)  # the child's (dropped frames, catch-up steps) already in this process's metrics
+        self._counted_generation = 0
         self._max_frames_queued = 8 * spec.rows  # ~640 ms of every call's audio
         self._closed = threading.Event()
         self.restarts = 0
@@ -197,6 +199,7 @@ class SttProcess:
                 request.set_exception(RuntimeError("the Kyutai STT process is closing"))
             self._requests.clear()
         if link is None:
+            self.tick_signal.close()
             return
         link.outbox.put(("stop",))
         link.outbox.put(None)
@@ -205,6 +208,7 @@ class SttProcess:
             link.process.kill()
             link.process.join()
         link.conn.close()
+        self.tick_signal.close()  # an engine still ticking finds it closed: its `set` does nothing
 
     @property
     def alive(self) -> bool:
@@ -224,17 +228,12 @@ class SttProcess:
         with self._lock:
             link = self._link
             if link is None or not link.alive:
-                raise RuntimeError("the Kyutai STT process is not running (it is being restarted)")
+                raise SttUnavailable("the Kyutai STT process is not running (it is being restarted)")
             request_id = next(self._request_ids)
             answer: Future[Any] = Future()
             self._requests[request_id] = answer
         self._send(link, ("open", request_id))
-        try:
-            row, lease, error = answer.result(timeout=ANSWER_TIMEOUT_S)
-        except FutureTimeout:
-            with self._lock:
-                self._requests.pop(request_id, None)  # a late answer's row is released by the reader
-            raise RuntimeError(f"the Kyutai STT process did not seat a call in {ANSWER_TIMEOUT_S:.0f} s") from None
+        row, lease, error = self._answer(request_id, answer, "seat a call")
         if error is not None:
             raise SttCapacityError(error) if row == -1 else RuntimeError(error)
         return ProcessStreamingSTT(self, link.generation, row, lease)
@@ -256,26 +255,32 @@ class SttProcess:
             return out
 
     def _flush(self, generation: int, row: int, lease: int) -> list[SttResult]:
-        link = self._current(generation, row, lease)
         with self._lock:
+            link = self._current_locked(generation, row, lease)
             request_id = next(self._request_ids)
             answer: Future[Any] = Future()
             self._requests[request_id] = answer
         self._send(link, ("flush", request_id, row, lease))
-        try:
-            results, error = answer.result(timeout=ANSWER_TIMEOUT_S)
-        except FutureTimeout:
-            with self._lock:
-                self._requests.pop(request_id, None)
-            raise RuntimeError(f"the Kyutai STT process did not flush in {ANSWER_TIMEOUT_S:.0f} s") from None
+        # With the inbox's results ahead of the final (the reader joins them as the answer comes: results the child
+        # makes after the flush must not come before it).
+        results, error = self._answer(request_id, answer, "flush")
         if error is not None:
             raise RuntimeError(error)
-        # The results the child made before the flush are ahead of its answer on the pipe: in the inbox by now.
-        return self._drain(generation, row, lease) + results
+        return results
+
+    def _answer(self, request_id: int, answer: Future[Any], what: str) -> Any:
+        try:
+            return answer.result(timeout=ANSWER_TIMEOUT_S)
+        except FutureTimeout:
+            with self._lock:
+                waiting = self._requests.pop(request_id, None) is not None
+            if waiting:  # else the reader took it just now: its answer is being set, and is ours (a seated row)
+                raise RuntimeError(f"the Kyutai STT process did not {what} in {ANSWER_TIMEOUT_S:.0f} s") from None
+            return answer.result()
 
     def _reset(self, generation: int, row: int, lease: int) -> None:
-        link = self._current(generation, row, lease)
         with self._lock:
+            link = self._current_locked(generation, row, lease)
             held = self._held_row(generation, row, lease)
             held.epoch += 1
             held.inbox.clear()
@@ -302,9 +307,13 @@ class SttProcess:
 
     def _current(self, generation: int, row: int, lease: int) -> _Link:
         with self._lock:
-            self._held_row(generation, row, lease)  # raises for a failed row or a dead child's
-            link = self._link
-        assert link is not None and link.generation == generation
+            return self._current_locked(generation, row, lease)
+
+    def _current_locked(self, generation: int, row: int, lease: int) -> _Link:
+        self._held_row(generation, row, lease)  # raises for a failed row or a dead child's
+        link = self._link
+        if link is None or link.generation != generation or not link.alive:  # closed, or dying as we speak
+            raise RuntimeError("the Kyutai STT process this call's row was on is gone")
         return link
 
     # ---- the pipe ----
@@ -378,7 +387,7 @@ class SttProcess:
             self.recent_steps.extend(step_seconds)
             for _, seconds in step_seconds:
                 metrics.STT_STEP_SECONDS.observe(seconds)
-            self._count(counters)
+            self._count(link.generation, counters)
         elif kind == "opened":
             request_id, row, lease, error = body
             with self._lock:
@@ -391,16 +400,20 @@ class SttProcess:
                 return
             answer.set_result((row, lease, error))
         elif kind == "flushed":
-            request_id, results, error = body
+            request_id, row, lease, results, error = body
             with self._lock:
                 answer = self._requests.pop(request_id, None)
+                held = self._held.get(row)
+                ours = held is not None and (held.generation, held.lease) == (link.generation, lease)
+                if answer is not None and held is not None and ours:
+                    results, held.inbox = held.inbox + results, []
             if answer is not None:
                 answer.set_result((results, error))
 
-    def _count(self, counters: tuple[int, int]) -> None:
+    def _count(self, generation: int, counters: tuple[int, int]) -> None:
         dropped, catchups = counters
-        if self._counted > counters:  # a restarted child counts from 0 again
-            self._counted = (0, 0)
+        if generation != self._counted_generation:  # a restarted child counts from 0 again
+            self._counted, self._counted_generation = (0, 0), generation
         before_dropped, before_catchups = self._counted
         if dropped > before_dropped:
             metrics.STT_DROPPED_FRAMES.inc(dropped - before_dropped)
@@ -499,8 +512,8 @@ class _ChildSttEngine(KyutaiSttEngine):
 
     def reset_row(self, index: int, lease: int, epoch: int) -> None:
         with self._lock:
+            self._reset(index, lease)  # raises for a row no longer this lease's: its new holder's epoch stays
             self.epochs[index] = epoch
-            self._reset(index, lease)
 
     def flush_row(self, request_id: int, index: int, lease: int) -> None:
         with self._lock:
@@ -508,7 +521,12 @@ class _ChildSttEngine(KyutaiSttEngine):
                 results, error = self._flush(index, lease), None
             except RuntimeError as e:
                 results, error = [], str(e)
-            self.send(("flushed", request_id, results, error))
+            self.send(("flushed", request_id, index, lease, results, error))
+
+    def _release(self, index: int, lease: int) -> None:
+        with self._lock:
+            super()._release(index, lease)
+            self._failures_sent.discard((index, lease))
 
     def open_row(self, request_id: int) -> None:
         # Under the lock to the answer: the row's first results (a tick may step it at once) must not reach the

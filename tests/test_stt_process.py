@@ -117,6 +117,11 @@ def test_capacity_is_the_same_clear_error_and_a_closed_call_frees_its_row(make_p
     first.close()  # idempotent; a stale stream never releases a row another call holds now
     third = process.open_stream()
     third.close()
+    left_open = process.open_stream()
+    process.close()  # the service stopping while a call's back-end still closes
+    with pytest.raises(RuntimeError, match="is gone"):
+        left_open.feed(np.zeros(FRAME_SAMPLES, np.float32))
+    left_open.close()
 
 
 def test_what_was_heard_before_a_reset_never_reaches_the_call_after_it(make_process, stt_checkpoint, speech) -> None:
@@ -267,3 +272,48 @@ def test_the_childs_log_lines_come_out_as_the_services_own(
     lines = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.startswith("{")]
     assert any(r["logger"] == "knowledge.stt_kyutai" and "Kyutai STT" in r["msg"] and r["level"] == "info"
                for r in lines), lines  # fmt: skip
+
+
+async def test_a_live_call_rides_out_its_stt_process_dying(
+    stt_checkpoint: Path, tiny_checkpoint: Path, question_wav: Path, llm_server, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The STT's process is killed while a call speaks (the engine setting its pace all the while): the call keeps
+    its line and its bot audio, the failure is counted and logged with the call's id, once, and as soon as the
+    process is back the same call is heard again (its words reach the LLM)."""
+    from telephony.sim_caller import simulate_call
+
+    from .phone_fixtures import running_phone
+
+    monkeypatch.setenv("KAME_STT_CHECKPOINT", str(stt_checkpoint))
+    monkeypatch.setenv("KAME_STT_DEVICE", "cpu")
+    config = BackendConfig(stt="kyutai", stt_process=True, stt_rows=2, stt_restart_backoff_s=0.2,
+                           llm_base_url=llm_server.base_url, llm_api_key="sk-test", llm_model="m")  # fmt: skip
+    services = await asyncio.to_thread(BackendServices, config)
+    stt = services.stt_process
+    assert stt is not None
+    stt._restart_backoff_s = (0.2, 1.0)
+    with wave.open(str(question_wav)) as w:
+        rate, pcm = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), "<i2")
+    question = pcm.astype(np.float32) / 32768.0
+    gap = np.zeros(rate, np.float32)
+    said = np.concatenate([question, gap] * 5)  # ~18 s of a caller asking again and again
+    errors = metric("kame_stt_errors_total")
+    async with running_phone(tiny_checkpoint, backend=services) as phone:
+        call = asyncio.create_task(simulate_call(phone.ws_url, said, sample_rate=rate, auth_token=phone.token,
+                                                 public_url=phone.base, hold_after=1.0))  # fmt: skip
+        await asyncio.to_thread(wait_for, lambda: len(llm_server.requests) >= 1, 30)  # heard: words reached the LLM
+        first_pid = stt.pid
+        assert first_pid is not None
+        os.kill(first_pid, signal.SIGKILL)
+        await asyncio.to_thread(wait_for, lambda: stt.restarts == 1 and stt.alive, 60)
+        back = len(llm_server.requests)
+        report = await call
+        assert len(llm_server.requests) > back  # heard again, on a row of the new process
+    assert report.outcome == "completed", report.errors
+    assert report.bot_seconds_received >= 0.9 * report.call_seconds  # the bot's audio never stopped
+    assert metric("kame_stt_errors_total") == errors + 2  # its row's death, then its wait for the new process
+    sid = report.call_sid
+    said_down = [r for r in caplog.records if sid in r.getMessage() and "STT" in r.getMessage()]
+    assert [r.getMessage().split(": ")[1] for r in said_down] == [
+        "STT failed, restarting it", "STT unavailable, asking again until it is back"]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import torch  # noqa: F401  (imported here, not by the ticker's thread: that takes a second the first time)
 
+from engine.tick_signal import TickSignal
 from engine.ticker import FrameTicker
 
 
@@ -87,3 +89,40 @@ def _steps_following(other_loop, period_s: float) -> list[float]:  # type: ignor
     finally:
         ticker.stop()
     return steps
+
+
+def _follow_forever(signal: TickSignal, ready: Any) -> None:  # a spawned child: module level
+    ready.set()
+    while True:
+        if signal.wait(0.05):
+            signal.clear()
+
+
+def test_a_tick_signal_survives_a_follower_killed_while_waiting() -> None:
+    """A multiprocessing Event left its lock held by a follower killed in `wait`: the engine's next `set` blocked
+    for good, and so did the restarted follower. A TickSignal's `set` never blocks, a full pipe included."""
+    import multiprocessing
+    import os
+    import signal as signals
+
+    tick = TickSignal()
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    child = ctx.Process(target=_follow_forever, args=(tick, ready), daemon=True)
+    child.start()
+    assert ready.wait(30)
+    for _ in range(20):  # it follows ticks for a while, then is killed in the middle of a wait
+        tick.set()
+        time.sleep(0.01)
+    assert child.pid is not None
+    os.kill(child.pid, signals.SIGKILL)
+    child.join(10)
+    began = time.monotonic()
+    for _ in range(50_000):  # over an hour of ticks nobody reads: the pipe fills, and `set` drops them
+        tick.set()
+    assert time.monotonic() - began < 30  # (a guard against a hang: it takes well under a second)
+    tick.clear()  # a new follower drains what piled up, then waits for the next tick
+    assert not tick.wait(0.05)
+    threading.Timer(0.1, tick.set).start()
+    assert tick.wait(5)
+    tick.close()
