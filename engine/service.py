@@ -69,6 +69,11 @@ class BackendProvider(Protocol):
         ...
 
     @property
+    def ready(self) -> bool:
+        """Whether it can serve a new call now (False while its STT's process is being restarted)."""
+        ...
+
+    @property
     def process_tick_signal(self) -> Any:
         """A `TickSignal` (engine/tick_signal.py) for the engine to set after each tick, in the process it ticks in,
         when the back-end's GPU loop runs in a process of its own (the STT's, which follows it there); else None."""
@@ -335,8 +340,10 @@ class LocalEngine:
     @property
     def ready(self) -> bool:
         # An engine process that died takes its slots with it: not ready (readyz 503, no new calls). One
-        # that cannot keep its 80 ms ticks takes no more calls: another would degrade every seated one.
-        return self._ready and self.frame_loop.alive and not self._falling_behind()
+        # that cannot keep its 80 ms ticks takes no more calls: another would degrade every seated one. Nor does
+        # one whose back-end cannot hear callers for now (its STT's process restarting): a deaf agent.
+        backend_ready = self.backend is None or self.backend.ready
+        return self._ready and self.frame_loop.alive and not self._falling_behind() and backend_ready
 
     def _falling_behind(self) -> bool:
         stats = self.frame_loop.stats

@@ -130,6 +130,7 @@ class _Provider:
         return False  # its STT is the scripted caller's text: nothing on the GPU
 
     process_tick_signal = None  # nor in a process of its own
+    ready = True
 
     def open_call(self, call_id, on_transcript, on_oracle, on_error, setup=None, on_tool=None):  # type: ignore[no-untyped-def]
         def tapped(text: str, triggered_at: float | None, candidate_id: int, complete: bool) -> None:

@@ -189,6 +189,11 @@ class BackendServices:
             DECODER_POOL.max_idle = max(DECODER_POOL.max_idle, calls)
             await asyncio.get_running_loop().run_in_executor(self.executor, DECODER_POOL.prewarm, calls)
 
+    @property
+    def ready(self) -> bool:
+        """False while the STT's own process is down (being restarted): a new call would not be heard."""
+        return self.stt_process is None or self.stt_process.alive
+
     def follow_engine_ticks(self, pace: threading.Event) -> bool:
         """The batched Kyutai STT steps after each tick of the engine in this process (`pace`, set at each):
         the two share the GPU, and on unrelated clocks the STT's steps ran inside the engine's ticks. False:

@@ -16,6 +16,7 @@ import time
 import wave
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pytest
 import soxr
@@ -306,7 +307,13 @@ async def test_a_live_call_rides_out_its_stt_process_dying(
         first_pid = stt.pid
         assert first_pid is not None
         os.kill(first_pid, signal.SIGKILL)
-        await asyncio.to_thread(wait_for, lambda: stt.restarts == 1 and stt.alive, 60)
+        await asyncio.to_thread(wait_for, lambda: not stt.alive, 10)
+        async with aiohttp.ClientSession() as http:  # deaf for now: new calls go elsewhere, or hear busy
+            async with http.get(phone.base + "/readyz") as resp:
+                assert resp.status == 503 and phone.ctx.free_slots() == 0
+            await asyncio.to_thread(wait_for, lambda: stt.restarts == 1 and stt.alive, 60)
+            async with http.get(phone.base + "/readyz") as resp:
+                assert resp.status == 200
         back = len(llm_server.requests)
         report = await call
         assert len(llm_server.requests) > back  # heard again, on a row of the new process
