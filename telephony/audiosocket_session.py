@@ -279,7 +279,7 @@ class AudioSocketSession(CallLeg):
         now, st = time.monotonic(), self.state
         seconds = len(payload) / (LINE_RATE * SAMPLE_BYTES)
         # Real time counts from the connection, as for Twilio's streams (see MediaStreamSession._on_media).
-        if st.inbound_audio_s + seconds > now - self.opened_at + self.ctx.config.flood_burst_packets * PACKET_S:
+        if not self.audio_allowance.take(seconds, now):
             self.protocol_error(FLOODING, "inbound audio faster than real time")
             return False
         st.inbound_packets += 1

@@ -32,6 +32,7 @@ from knowledge.agents import Agent
 from . import metrics
 from .framing import InboundFramer
 from .playout_clock import BARGE_IN_AFTER_S, CLEAR_ON_BARGE_IN_ABOVE_S
+from .stream_limits import RealTimeAllowance
 from .turns import SILENCE_DBFS, TurnTracker, Unanswered
 
 if TYPE_CHECKING:
@@ -100,6 +101,11 @@ class CallLeg:
         # Connected but not started (no call known yet): such sockets are capped per node and closed after the
         # start timeout, however much they send.
         self.opened_at = time.monotonic()
+        # The caller's audio, against real time from here (see RealTimeAllowance); the carriers' packets are 20 ms.
+        cfg = ctx.config
+        burst_s = cfg.flood_burst_packets * 0.02
+        self.audio_allowance = RealTimeAllowance(max(cfg.start_timeout_s, cfg.silent_socket_s) + burst_s, burst_s,
+                                                 self.opened_at)  # fmt: skip
         self._evicted = False
         self._unstarted = True
         ctx.unstarted[self.endpoint] += 1

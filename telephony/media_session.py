@@ -320,10 +320,9 @@ class MediaStreamSession(CallLeg):
         seconds = len(message.media.payload) / LINE_RATE
         # Real time counts from the upgrade: Twilio opens the socket and sends `start` and audio on it at once,
         # so a network stall that held up `start` held up its audio too and delivered both in one burst (from
-        # `start` as read, a 1.5 s stall lost the caller's first half second as a "flood"). A socket that waits
-        # before it starts is closed after --start-timeout, so that is all the extra burst it can save up.
-        allowed = now - self.opened_at + self.ctx.config.flood_burst_packets * 0.02
-        if st.inbound_audio_s + seconds > allowed:
+        # `start` as read, a 1.5 s stall lost the caller's first half second as a "flood"). What a stream saves
+        # up is capped at the longest stall it may survive (call_leg's audio_allowance).
+        if not self.audio_allowance.take(seconds, now):
             # Faster than real time: drop rather than let the caller push the engine behind.
             self.protocol_error(FLOODING, "inbound audio faster than real time")
             return "media"

@@ -53,6 +53,28 @@ class _Bucket:
 
 
 @dataclass(slots=True)
+class RealTimeAllowance:
+    """Seconds of caller audio a stream may still send: real time accrues from the connection's opening, on top
+    of a burst. Before, the allowance was all the time since the opening: a stream that sent little (a peer
+    pausing, or feigning it) banked it for good, then pushed minutes of audio at once, to be transcribed at 25x
+    real time. Banking now stops at `cap_s`, the longest silence the watchdog lets a stream keep its socket
+    (start or silent-socket timeout) plus the burst: a network stall it survives still arrives whole."""
+
+    cap_s: float
+    credit_s: float
+    at: float
+
+    def take(self, seconds: float, now: float) -> bool:
+        """False: `seconds` more now would be ahead of real time by more than the bank (refuse them)."""
+        self.credit_s = min(self.cap_s, self.credit_s + max(0.0, now - self.at))
+        self.at = max(self.at, now)
+        if seconds > self.credit_s + 1e-6:  # (a sender exactly at real time, less float rounding, is on time)
+            return False
+        self.credit_s -= seconds
+        return True
+
+
+@dataclass(slots=True)
 class StreamLimits:
     """One stream's buckets, made on first use of each kind."""
 

@@ -20,7 +20,7 @@ from telephony.call_store import CallRecord
 from telephony.server import MEDIA_PATH, VOICE_PATH
 from telephony.sim_caller import simulate_call
 from telephony.sim_playout import CallReport
-from telephony.stream_limits import END_AFTER_DROPS, LIMITS, StreamLimits
+from telephony.stream_limits import END_AFTER_DROPS, LIMITS, RealTimeAllowance, StreamLimits
 from telephony.twiml import parse_connect_stream
 
 from .phone_fixtures import Phone, metric, new_call_sid, running_phone
@@ -220,6 +220,39 @@ async def test_media_floods_end_their_stream_and_the_call_beside_it_goes_on(
         assert sum(media) > 900, media
 
 
+async def test_a_stream_cannot_bank_real_time_to_push_it_all_at_once_later(
+    tiny_checkpoint: Path, question_wav: Path
+) -> None:
+    """A stream that sent little (10 ms of audio a second) banked the rest of real time, without end, and could
+    later push it all at once: what it may save up now stops at the longest silence the watchdog allows it
+    (--silent-socket-timeout, here 2 s) plus the 1 s burst. The call beside it goes on."""
+    async with running_phone(tiny_checkpoint, max_calls=3, silent_socket_s=2.0, start_timeout_s=1.0,
+                             engine_process=True) as phone, aiohttp.ClientSession() as http:  # fmt: skip
+        good = asyncio.create_task(simulate_call(phone.ws_url, question_wav, auth_token=phone.token,
+                                                 public_url=phone.base, hold_after=1.0))  # fmt: skip
+        sid, params = await phone.answer(http)
+        ws = await phone.open_stream(http)
+        await ws.send_str(tm.start_msg("MZbank", sid, "AC1", params))
+        for i in range(7):  # 7 s at 10 ms of audio a second: 6.9 s saved up, before
+            await ws.send_str(tm.media_msg("MZbank", 2 + i, 1 + i, 1000 * i, b"\x7f" * 80))
+            await asyncio.sleep(1.0)
+        dropped = metric("kame_stream_messages_dropped_total", event="media")
+        burst = [tm.media_msg("MZbank", 10 + i, 10 + i, 7000 + 20 * i, b"\x7f" * 160) for i in range(300)]  # 6 s
+        for i in range(0, len(burst), 50):  # in the ~0.1 s a client takes to write them
+            for message in burst[i : i + 50]:
+                await ws.send_str(message)
+            await asyncio.sleep(0.02)
+        await until(lambda: phone.ctx.streams.get(sid) is not None
+                    and phone.ctx.streams[sid].state.inbound_packets >= 7 + 100)  # fmt: skip
+        await asyncio.sleep(0.3)  # what is still in flight is read
+        refused = metric("kame_stream_messages_dropped_total", event="media") - dropped
+        # 3 s banked (of 6.9) and the fraction of a second the burst took: ~150 of the 300 pass, not all.
+        assert 100 <= refused <= 160, refused
+        await ws.close()
+        report = await good
+    assert report.outcome == "completed", report.errors
+
+
 async def test_unstarted_sockets_are_capped_and_closed_while_a_call_runs(
     tiny_checkpoint: Path, question_wav: Path
 ) -> None:
@@ -405,6 +438,20 @@ def test_drops_end_a_stream_only_when_they_come_fast() -> None:
     for i in range(END_AFTER_DROPS + 200):  # marks past their bucket (100 pass) count the same way
         kept.allow("mark", now=0.0 + i * 1e-4)
     assert kept.flooding
+
+
+def test_real_time_banks_only_up_to_its_cap() -> None:
+    """Audio is allowed up to real time plus a burst, as before, but what a quiet stream saves up stops at the cap:
+    an hour of silence does not buy an hour of audio at once."""
+    allowance = RealTimeAllowance(cap_s=11.0, credit_s=1.0, at=0.0)
+    assert allowance.take(1.0, now=0.0) and not allowance.take(0.02, now=0.0)  # the burst, then nothing ahead
+    assert all(allowance.take(0.02, now=i * 0.02) for i in range(1, 3000))  # a minute at real time
+    sent = 0.0
+    while sent < 3600 and allowance.take(0.02, now=3660.0):  # an hour quiet, then as fast as it can
+        sent += 0.02
+    assert 10.9 < sent <= 11.0
+    late = RealTimeAllowance(cap_s=11.0, credit_s=1.0, at=0.0)  # a 3 s stall at the start arrives whole
+    assert sum(late.take(0.02, now=3.0) for _ in range(300)) == 200
 
 
 def test_mark_echoes_at_twice_our_mark_rate_are_never_dropped() -> None:
