@@ -2,7 +2,7 @@
 the ticks' bot frames.
 
 Before its hello a peer is nobody: the hello is capped at a few KB and 2 s, and only a few such peers are
-held at once, so a flood of connections costs the engine nothing. Once welcomed, an edge's call ids are its
+held at once, TLS handshakes included, so a flood of connections costs the engine nothing. Once welcomed, an edge's call ids are its
 own: the engine seats them as "<call id>@e<edge number>", so an edge holding the shared token still cannot
 open, close or hear another edge's call. Both sides name their PROTOCOL_VERSION and refuse a mismatch.
 
@@ -59,9 +59,17 @@ from .link_wire import (
 log = logging.getLogger(__name__)
 
 HELLO_MAX_BYTES = 4096  # a hello is ~100 bytes; before it the peer is unauthenticated
-HELLO_TIMEOUT_S = 2.0  # from accept (after TLS) to a whole hello; TLS handshakes get the same
+HELLO_TIMEOUT_S = 2.0  # for a TLS handshake, then again from it (or accept) to a whole hello
 MAX_UNAUTHENTICATED = 8  # peers between accept and welcome held at once; edges reconnect one at a time
 
+
+
+@dataclass
+class _Unwelcomed:
+    """A peer before its hello."""
+
+    handshaking: asyncio.Task[None] | None = None  # its TLS handshake, under way in this task
+    evicted: bool = False  # closed for a newer peer (the cap)
 
 
 @dataclass(eq=False)
@@ -106,7 +114,8 @@ class EngineServer:
         self._owner: dict[str, tuple[_Edge, str]] = {}  # engine call id -> (its edge, the edge's call id)
         self._edge_numbers = itertools.count(1)
         # Connections accepted and not yet welcomed, oldest first (a dict's insertion order).
-        self._awaiting_hello: dict[asyncio.StreamWriter, None] = {}
+        self._awaiting_hello: dict[asyncio.StreamWriter, _Unwelcomed] = {}  # peers before their hello, oldest first
+        self._listen_tls: ssl.SSLContext | None = None
         self._closing: set[asyncio.Task[None]] = set()  # calls the edges hung up, still saying their last words
         self._server: asyncio.Server | None = None
         self._fanout: asyncio.Task[None] | None = None
@@ -132,11 +141,10 @@ class EngineServer:
         else:
             if address.tls and self.tls is None:
                 raise ValueError(f"{address} needs a certificate and key (engine-serve --tls-cert/--tls-key)")
-            ssl_context = self.tls if address.tls else None
-            self._server = await asyncio.start_server(
-                self._serve_edge, address.host, address.port, ssl=ssl_context,
-                ssl_handshake_timeout=HELLO_TIMEOUT_S if ssl_context else None,
-            )  # fmt: skip
+            # TLS is started by `_serve_edge`, inside the cap on peers before their hello: done by the server, each
+            # handshake was a socket (and its key exchange) held for 2 s outside any cap, as many as a peer opened.
+            self._listen_tls = self.tls if address.tls else None
+            self._server = await asyncio.start_server(self._serve_edge, address.host, address.port)
             bound = Address(host=address.host, port=self._server.sockets[0].getsockname()[1], tls=address.tls)
         self._fanout = asyncio.create_task(self._fan_out_frames(), name="engine-link-frames")
         self._status = asyncio.create_task(self._send_status(), name="engine-link-status")
@@ -198,15 +206,36 @@ class EngineServer:
             # A flood of connections: the oldest that has not said hello goes (an edge says it at once). Refusing
             # the newest let a few silent sockets, reopened as they timed out, keep every edge from joining.
             oldest = next(iter(self._awaiting_hello))
-            del self._awaiting_hello[oldest]
+            waiting = self._awaiting_hello.pop(oldest)
             metrics.ENGINE_LINK_ERRORS.labels(kind="unauthenticated_cap").inc()
             log.warning("engine link: %d connections await their hello; the oldest (%s) closed for one from %s",
                         MAX_UNAUTHENTICATED, oldest.get_extra_info("peername") or "unix socket", peer)  # fmt: skip
-            oldest.write(json_message(b"W", {"error": "too many connections awaiting their hello; retry"}))
-            oldest.close()
+            if waiting.handshaking is not None:
+                # Mid-handshake: its handshake is stopped (and closes the socket). Closed under it instead, the
+                # handshake "succeeded" with no transport, and the writer failed on its way out.
+                waiting.evicted = True
+                waiting.handshaking.cancel()
+            else:
+                oldest.write(json_message(b"W", {"error": "too many connections awaiting their hello; retry"}))
+                oldest.close()
+        tls = self._listen_tls
         try:
-            self._awaiting_hello[writer] = None
+            unwelcomed = self._awaiting_hello[writer] = _Unwelcomed()
             try:
+                if tls is not None:
+                    unwelcomed.handshaking = asyncio.current_task()
+                    try:
+                        await writer.start_tls(tls, ssl_handshake_timeout=HELLO_TIMEOUT_S)
+                    except asyncio.CancelledError:
+                        if not unwelcomed.evicted:
+                            raise
+                        return  # closed for a newer peer, and counted as such
+                    except (OSError, asyncio.TimeoutError) as e:  # (ssl.SSLError is an OSError)
+                        metrics.ENGINE_LINK_ERRORS.labels(kind="bad_hello").inc()
+                        log.warning("engine link from %s: no TLS handshake (%s); closing it", peer,
+                                    type(e).__name__)  # fmt: skip
+                        return
+                    unwelcomed.handshaking = None
                 edge = await self._welcome(reader, writer, peer)
             finally:
                 self._awaiting_hello.pop(writer, None)
