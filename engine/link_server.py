@@ -2,9 +2,10 @@
 the ticks' bot frames.
 
 Before its hello a peer is nobody: the hello is capped at a few KB and 2 s, and only a few such peers are
-held at once, TLS handshakes included, so a flood of connections costs the engine nothing. Once welcomed, an edge's call ids are its
-own: the engine seats them as "<call id>@e<edge number>", so an edge holding the shared token still cannot
-open, close or hear another edge's call. Both sides name their PROTOCOL_VERSION and refuse a mismatch.
+held at once, TLS handshakes included, so a flood of connections costs the engine nothing. Once welcomed, an
+edge's call ids are its own: the engine seats them as "<call id>@e<edge number>", so an edge holding the shared
+token still cannot open, close or hear another edge's call. Both sides name their PROTOCOL_VERSION and refuse a
+mismatch.
 
 Seats are a hard partition: an edge's grant is never given to another edge while it holds it. A draining edge
 (protocol 5, "D") gives back the seats its calls do not use at once, and each other one as its call ends, so a

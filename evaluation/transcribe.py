@@ -10,7 +10,7 @@ import io
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from scipy.signal import resample_poly
@@ -88,6 +88,11 @@ class PocketsphinxTranscriber:
         return Transcript(" ".join(w.text for w in words), words)
 
 
+# OpenAI's gpt-4o transcription models answer `json` or `text` only: asked for `verbose_json` (word timings, which
+# whisper-1 and Whisper servers give) they refuse the request. Their replies are scored without a first-word time.
+TEXT_ONLY_MODELS = ("gpt-4o",)
+
+
 @dataclass(frozen=True)
 class OpenAITranscriber:
     base_url: str | None
@@ -101,13 +106,14 @@ class OpenAITranscriber:
         buf = io.BytesIO()
         write_wav(buf, np.asarray(pcm8k, dtype=np.int16), RATE)
         client = openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=3, timeout=120)
+        timed = not self.model.startswith(TEXT_ONLY_MODELS)
         try:
-            resp = client.audio.transcriptions.create(
-                model=self.model,
-                file=("reply.wav", buf.getvalue(), "audio/wav"),
-                response_format="verbose_json",
-                timestamp_granularities=["word"],
-            )
+            try:
+                resp = self._ask(client, buf.getvalue(), timed)
+            except openai.BadRequestError as exc:
+                if not timed or "response_format" not in str(exc):
+                    raise
+                resp = self._ask(client, buf.getvalue(), timed=False)  # another model without word timings
         except openai.OpenAIError as exc:
             raise AsrError(f"--asr openai failed: {type(exc).__name__}: {str(exc)[:200]}") from None
         finally:
@@ -115,3 +121,8 @@ class OpenAITranscriber:
         text = (getattr(resp, "text", "") or "").strip()
         words = [Word(str(w.word).strip(), float(w.start)) for w in (getattr(resp, "words", None) or [])]
         return Transcript(text, words)
+
+    def _ask(self, client: Any, wav: bytes, timed: bool) -> Any:
+        extra: dict[str, Any] = {"response_format": "verbose_json", "timestamp_granularities": ["word"]} if timed else {
+            "response_format": "json"}
+        return client.audio.transcriptions.create(model=self.model, file=("reply.wav", wav, "audio/wav"), **extra)

@@ -47,6 +47,7 @@ class FakeJudge:
     requests: list[dict[str, Any]] = field(default_factory=list)
     speech_requests: list[dict[str, Any]] = field(default_factory=list)
     transcription_requests: int = 0
+    untimed_models: tuple[str, ...] = ()  # transcription models that refuse verbose_json (as gpt-4o-transcribe does)
     _unrated: set[str] = field(default_factory=set)
     base_url: str = ""
 
@@ -82,7 +83,15 @@ class FakeJudge:
     async def transcriptions(self, request: web.Request) -> web.StreamResponse:
         form = await request.post()
         self.transcription_requests += 1
-        assert form["response_format"] == "verbose_json"
+        model, response_format = str(form["model"]), str(form["response_format"])
+        if response_format == "json":
+            return web.json_response({"text": "hello there friend"})
+        if model.startswith("gpt-4o") or model in self.untimed_models:  # as OpenAI answers it
+            return web.json_response({"error": {
+                "message": f"response_format 'verbose_json' is not compatible with model '{model}'. Use 'json' or "
+                           "'text' instead.",
+                "type": "invalid_request_error", "param": "response_format", "code": "unsupported_value"}}, status=400)
+        assert response_format == "verbose_json"
         if self.transcription is not None:
             return web.json_response(self.transcription)
         return web.json_response({

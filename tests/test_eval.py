@@ -343,6 +343,14 @@ async def test_openai_speech_and_transcription_clients() -> None:
                                                 "response_format": "wav"}
         t = await asyncio.to_thread(OpenAITranscriber(fake.base_url, "k").transcribe, np.zeros(16000, np.int16))
         assert t.text == "hello there friend" and t.first_word_s == 0.5 and fake.transcription_requests == 1
+        # gpt-4o-transcribe refuses verbose_json (word timings): asked for json, its text scores without a time.
+        t = await asyncio.to_thread(OpenAITranscriber(fake.base_url, "k", "gpt-4o-transcribe").transcribe,
+                                    np.zeros(16000, np.int16))  # fmt: skip
+        assert t.text == "hello there friend" and t.first_word_s is None and fake.transcription_requests == 2
+        fake.untimed_models = ("local-asr",)  # a server's model that refuses it too: asked again, for json
+        t = await asyncio.to_thread(OpenAITranscriber(fake.base_url, "k", "local-asr").transcribe,
+                                    np.zeros(16000, np.int16))  # fmt: skip
+        assert t.text == "hello there friend" and fake.transcription_requests == 4
 
 
 def _results(delay: float, scores: list[float], latency: float) -> list[Result]:
