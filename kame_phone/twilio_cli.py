@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import statistics
@@ -93,6 +94,10 @@ async def twilio_setup(args: argparse.Namespace) -> None:
         await rest.aclose()
 
 
+TWILIO_STATUS_EVERY_S = 5.0  # how often `dial --wait` asks Twilio about a call the service has no record of
+UNANSWERED = ("busy", "no-answer", "failed", "canceled")  # final Twilio statuses of a call never answered
+
+
 async def dial(args: argparse.Namespace) -> None:
     # A SIP URI too: an extension on a PBX (through its trunk), a test softphone on a Twilio SIP Domain.
     to = args.to
@@ -108,14 +113,15 @@ async def dial(args: argparse.Namespace) -> None:
         raise CliError("--wait reads the call's record from the service: set ADMIN_TOKEN")
     rest = _rest()
     try:
-        call_sid = await rest.dial(to, from_, voice_url, public + CALL_STATUS_PATH)
-    except TwilioRestError as e:
-        raise CliError(str(e), code=1) from None
+        try:
+            call_sid = await rest.dial(to, from_, voice_url, public + CALL_STATUS_PATH)
+        except TwilioRestError as e:
+            raise CliError(str(e), code=1) from None
+        print(call_sid, flush=True)
+        if args.wait:
+            await _follow(public, call_sid, args.admin_token, args.wait_timeout, rest)
     finally:
         await rest.aclose()
-    print(call_sid, flush=True)
-    if args.wait:
-        await _follow(public, call_sid, args.admin_token, args.wait_timeout)
 
 
 def _check_agent(name: str, agents_file: str | None) -> None:
@@ -129,13 +135,21 @@ def _check_agent(name: str, agents_file: str | None) -> None:
         raise CliError(f"--agent {name!r} is not in {agents_file} (agents: {', '.join(sorted(agents.by_name))})")
 
 
-async def _follow(public: str, call_sid: str, admin_token: str, timeout_s: float) -> None:
-    """Poll the service's record of the call until it has ended; print its figures."""
+async def _follow(public: str, call_sid: str, admin_token: str, timeout_s: float, rest: TwilioRest) -> None:
+    """Poll the service's record of the call until it has ended; print its figures. A call never answered
+    (busy, no answer) has no record: Twilio's own status says so, rather than the whole timeout."""
     deadline = time.monotonic() + timeout_s
     headers = {"Authorization": f"Bearer {admin_token}"}
     record: dict | None = None
+    asked_twilio = 0.0
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as http:
         while time.monotonic() < deadline:
+            if record is None and time.monotonic() - asked_twilio >= TWILIO_STATUS_EVERY_S:
+                asked_twilio = time.monotonic()
+                with contextlib.suppress(TwilioRestError):  # Twilio unreachable for now: the record may still come
+                    status = await rest.call_status(call_sid)
+                    if status in UNANSWERED:
+                        raise CliError(f"call {call_sid} was not answered: {status}", code=1)
             try:
                 async with http.get(f"{public}/calls/{call_sid}") as r:
                     if r.status in (401, 403):

@@ -199,6 +199,15 @@ class TwilioRest:
             raise TwilioRestError(_why(e, f"calling {to}")) from e
         return str(call.sid)
 
+    async def call_status(self, call_sid: str) -> str:
+        """The call's status as Twilio has it: queued, ringing, in-progress, completed, busy, no-answer, ..."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                call = await self._client.api.v2010.account.calls(call_sid).fetch_async()
+        except _FAILURES as e:
+            raise TwilioRestError(_why(e, f"looking up call {call_sid}")) from e
+        return str(call.status)
+
     async def _update(self, call_sid: str, **changes: str) -> None:
         try:
             async with asyncio.timeout(self.timeout_s):

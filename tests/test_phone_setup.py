@@ -198,6 +198,11 @@ async def test_dial_places_a_call_that_takes_the_inbound_path_and_reports_its_fi
         assert rc == 0, err
         assert twilio.created[-1]["To"] == "sip:1001@pbx.acme.example;transport=tls"
         assert (await twilio.reports[-1]).outcome == "completed"
+        # Nobody answers: the service never hears of the call, and --wait waited out its 15 minutes for a record.
+        # Twilio's own status ends it.
+        twilio.answer_wav = None
+        rc, out, err = await _kame(["dial", "+15557654321", "--from", NUMBER, "--wait"], env)
+        assert rc == 1 and f"call {out.strip()} was not answered: no-answer" in err, err
 
 
 async def test_the_call_status_callback_closes_a_call_that_never_streamed(tiny_checkpoint: Path) -> None:

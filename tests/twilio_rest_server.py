@@ -45,6 +45,10 @@ class TwilioRestStandIn:
     media_ws_url: str = ""
     auth_token: str | None = None
     reports: list[asyncio.Task[CallReport]] = field(default_factory=list)
+    # With no `answer_wav`, nobody answers dialed calls: their status, once Twilio has given up on them.
+    unanswered_status: str = "no-answer"
+    call_status: dict[str, str] = field(default_factory=dict)  # CallSid -> status, for calls created here
+    status_fetches: int = 0
 
     def add_number(self, number: str, voice_url: str | None = None, voice_application_sid: str | None = None,
                    trunk_sid: str | None = None) -> str:  # fmt: skip
@@ -86,6 +90,15 @@ class TwilioRestStandIn:
         self.updated_at.append(time.time())
         status = form.get("Status", "in-progress")
         return web.json_response({"sid": sid, "account_sid": self.account_sid, "status": status})
+
+    async def fetch_call(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._refused()
+        sid = request.match_info["call"]
+        self.status_fetches += 1
+        if sid not in self.call_status:
+            return web.json_response({"code": 20404, "message": "not found", "status": 404}, status=404)
+        return web.json_response({"sid": sid, "account_sid": self.account_sid, "status": self.call_status[sid]})
 
     async def list_numbers(self, request: web.Request) -> web.Response:
         wanted = request.query.get("PhoneNumber")
@@ -134,6 +147,7 @@ class TwilioRestStandIn:
         form = {k: str(v) for k, v in (await request.post()).items()}
         self.created.append(form)
         sid = "CA" + secrets.token_hex(16)
+        self.call_status[sid] = self.unanswered_status if self.answer_wav is None else "in-progress"
         if self.answer_wav is not None:  # the callee answers: Twilio requests the call's Url
             url = form["Url"]
             parts = urlsplit(url)
@@ -152,6 +166,7 @@ async def serve_twilio_rest(account_sid: str, username: str, password: str) -> A
     app = web.Application()
     api = "/2010-04-01/Accounts/{account}"
     app.router.add_post(api + "/Calls/{call}.json", stand_in.update_call)
+    app.router.add_get(api + "/Calls/{call}.json", stand_in.fetch_call)
     app.router.add_post(api + "/Calls.json", stand_in.create_call)
     app.router.add_get(api + "/IncomingPhoneNumbers.json", stand_in.list_numbers)
     app.router.add_post(api + "/IncomingPhoneNumbers/{number}.json", stand_in.update_number)
