@@ -12,6 +12,10 @@ from scipy import stats
 
 from .report import TOO_FEW, delay_label, load_report
 
+# Settings that change the figures whatever the service does: two runs that differ in one are not comparable as is.
+MEASURED_BY = (("source", "questions"), ("questions", "question count"), ("judge_model", "judge"), ("asr", "ASR"),
+               ("tts", "caller voice"))  # fmt: skip
+
 
 def _values(report: dict[str, Any], delay: float, category: str | None, key: str) -> list[float]:
     return [
@@ -62,6 +66,11 @@ def compare(a_path: Path, b_path: Path) -> str:
                                   f"B: {', '.join(delay_label(d) for d in sorted(db))})"])
     if a.get("random_weights") or b.get("random_weights"):
         lines.append("note: a run used random weights; its scores mean nothing")
+    sa, sb = a.get("settings") or {}, b.get("settings") or {}
+    for key, what in MEASURED_BY:
+        if sa.get(key) != sb.get(key):
+            lines.append(f"note: the runs differ in {what} (A: {sa.get(key, '?')}; B: {sb.get(key, '?')}): a change "
+                         "may be that, not the service")  # fmt: skip
     for d_a, d_b in pairs:
         lines.append(f"\nforced delay {delay_label(d_a)}" + (f" vs {delay_label(d_b)}" if d_a != d_b else ""))
         cats = sorted({r["category"] for r in a["results"] + b["results"]})

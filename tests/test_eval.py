@@ -358,6 +358,23 @@ def _results(delay: float, scores: list[float], latency: float) -> list[Result]:
             for i, s in enumerate(scores)]
 
 
+def test_compare_says_when_the_runs_were_measured_differently(tmp_path: Path) -> None:
+    """Two runs judged by different models (or asked other questions, or heard by another ASR) differ for that
+    reason alone: compare says so instead of putting the change down to the service."""
+    def write(name: str, **settings: object) -> Path:
+        base = {"source": "builtin", "questions": 6, "judge_model": "gpt-4.1", "asr": "pocketsphinx", "tts": "flite"}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(build_report(_results(0.0, [5, 5, 6, 5, 6, 5], 0.3), [], target={"url": "x"},
+                                                settings=base | settings, random_weights=False)))  # fmt: skip
+        return path
+
+    same = compare(write("a"), write("b"))
+    assert "differ in" not in same
+    differs = compare(write("c"), write("d", judge_model="gpt-4o-mini", asr="openai"))
+    assert "note: the runs differ in judge (A: gpt-4.1; B: gpt-4o-mini)" in differs
+    assert "note: the runs differ in ASR (A: pocketsphinx; B: openai)" in differs and "caller voice" not in differs
+
+
 def test_compare_says_when_a_change_is_real(tmp_path: Path) -> None:
     def write(name: str, results: list[Result]) -> Path:
         path = tmp_path / f"{name}.json"
