@@ -17,7 +17,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class LogSetup:
     level: int
-    handlers: tuple[tuple[logging.Formatter | None, tuple[logging.Filter, ...]], ...]  # formatter, filters
+    # The parent's stderr handlers, each (formatter, filters, level), pickled here: a formatter the child cannot
+    # rebuild (a class of the parent's __main__) then costs the child its format, not its start.
+    handlers: tuple[bytes, ...]
 
     @classmethod
     def of_this_process(cls) -> LogSetup:
@@ -27,24 +29,29 @@ class LogSetup:
         for handler in root.handlers:
             if type(handler) is not logging.StreamHandler or handler.stream is not sys.stderr:
                 continue  # a file, a test's capture: this process's own
-            entry = (handler.formatter, tuple(f for f in handler.filters if isinstance(f, logging.Filter)))
+            filters = tuple(f for f in handler.filters if isinstance(f, logging.Filter))
             try:
-                pickle.dumps(entry)
+                handlers.append(pickle.dumps((handler.formatter, filters, handler.level)))
             except Exception:  # a formatter that cannot cross: that handler's lines keep the default
                 continue
-            handlers.append(entry)
         return cls(root.level, tuple(handlers))
 
     def apply(self) -> None:
         """In the child, first thing: nothing to copy (logging never set up in the parent) leaves it alone."""
-        if not self.handlers:
-            return
-        root = logging.getLogger()
-        root.handlers[:] = []
-        for formatter, filters in self.handlers:
+        built = []
+        for payload in self.handlers:
+            try:
+                formatter, filters, level = pickle.loads(payload)
+            except Exception:
+                continue
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(formatter)
+            handler.setLevel(level)
             for f in filters:
                 handler.addFilter(f)
-            root.addHandler(handler)
+            built.append(handler)
+        if not built:
+            return
+        root = logging.getLogger()
+        root.handlers[:] = built
         root.setLevel(self.level)

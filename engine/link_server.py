@@ -62,15 +62,8 @@ log = logging.getLogger(__name__)
 HELLO_MAX_BYTES = 4096  # a hello is ~100 bytes; before it the peer is unauthenticated
 HELLO_TIMEOUT_S = 2.0  # for a TLS handshake, then again from it (or accept) to a whole hello
 MAX_UNAUTHENTICATED = 8  # peers between accept and welcome held at once; edges reconnect one at a time
+MAX_HANDSHAKES = 64  # TLS handshakes under way at once (before the hello's cap)
 
-
-
-@dataclass
-class _Unwelcomed:
-    """A peer before its hello."""
-
-    handshaking: asyncio.Task[None] | None = None  # its TLS handshake, under way in this task
-    evicted: bool = False  # closed for a newer peer (the cap)
 
 
 @dataclass(eq=False)
@@ -115,7 +108,10 @@ class EngineServer:
         self._owner: dict[str, tuple[_Edge, str]] = {}  # engine call id -> (its edge, the edge's call id)
         self._edge_numbers = itertools.count(1)
         # Connections accepted and not yet welcomed, oldest first (a dict's insertion order).
-        self._awaiting_hello: dict[asyncio.StreamWriter, _Unwelcomed] = {}  # peers before their hello, oldest first
+        self._awaiting_hello: dict[asyncio.StreamWriter, None] = {}  # peers before their hello, oldest first
+        self._handshaking: dict[asyncio.StreamWriter, asyncio.Task[None]] = {}  # peers in their TLS handshake
+        self._evicted: set[asyncio.Task[None]] = set()  # handshakes cancelled for a newer peer
+        self._handshakes_evicted = 0
         self._listen_tls: ssl.SSLContext | None = None
         self._closing: set[asyncio.Task[None]] = set()  # calls the edges hung up, still saying their last words
         self._server: asyncio.Server | None = None
@@ -203,40 +199,22 @@ class EngineServer:
     async def _serve_edge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername") or "unix socket"
         edge: _Edge | None = None
-        if len(self._awaiting_hello) >= MAX_UNAUTHENTICATED:
-            # A flood of connections: the oldest that has not said hello goes (an edge says it at once). Refusing
-            # the newest let a few silent sockets, reopened as they timed out, keep every edge from joining.
-            oldest = next(iter(self._awaiting_hello))
-            waiting = self._awaiting_hello.pop(oldest)
-            metrics.ENGINE_LINK_ERRORS.labels(kind="unauthenticated_cap").inc()
-            log.warning("engine link: %d connections await their hello; the oldest (%s) closed for one from %s",
-                        MAX_UNAUTHENTICATED, oldest.get_extra_info("peername") or "unix socket", peer)  # fmt: skip
-            if waiting.handshaking is not None:
-                # Mid-handshake: its handshake is stopped (and closes the socket). Closed under it instead, the
-                # handshake "succeeded" with no transport, and the writer failed on its way out.
-                waiting.evicted = True
-                waiting.handshaking.cancel()
-            else:
-                oldest.write(json_message(b"W", {"error": "too many connections awaiting their hello; retry"}))
-                oldest.close()
         tls = self._listen_tls
         try:
-            unwelcomed = self._awaiting_hello[writer] = _Unwelcomed()
+            if tls is not None and not await self._handshake(writer, tls, peer):
+                return
+            if len(self._awaiting_hello) >= MAX_UNAUTHENTICATED:
+                # A flood of connections: the oldest that has not said hello goes (an edge says it at once).
+                # Refusing the newest let a few silent sockets, reopened as they timed out, keep every edge out.
+                oldest = next(iter(self._awaiting_hello))
+                del self._awaiting_hello[oldest]
+                metrics.ENGINE_LINK_ERRORS.labels(kind="unauthenticated_cap").inc()
+                log.warning("engine link: %d connections await their hello; the oldest (%s) closed for one from %s",
+                            MAX_UNAUTHENTICATED, oldest.get_extra_info("peername") or "unix socket", peer)  # fmt: skip
+                oldest.write(json_message(b"W", {"error": "too many connections awaiting their hello; retry"}))
+                oldest.close()
+            self._awaiting_hello[writer] = None
             try:
-                if tls is not None:
-                    unwelcomed.handshaking = asyncio.current_task()
-                    try:
-                        await writer.start_tls(tls, ssl_handshake_timeout=HELLO_TIMEOUT_S)
-                    except asyncio.CancelledError:
-                        if not unwelcomed.evicted:
-                            raise
-                        return  # closed for a newer peer, and counted as such
-                    except (OSError, asyncio.TimeoutError) as e:  # (ssl.SSLError is an OSError)
-                        metrics.ENGINE_LINK_ERRORS.labels(kind="bad_hello").inc()
-                        log.warning("engine link from %s: no TLS handshake (%s); closing it", peer,
-                                    type(e).__name__)  # fmt: skip
-                        return
-                    unwelcomed.handshaking = None
                 edge = await self._welcome(reader, writer, peer)
             finally:
                 self._awaiting_hello.pop(writer, None)
@@ -278,6 +256,44 @@ class EngineServer:
             if edge is not None:
                 await self._drop_edge(edge)
             writer.close()
+            if edge is None and tls is not None:
+                # A TLS close waits up to 30 s for the peer's close_notify: a peer never welcomed gets a second.
+                asyncio.get_running_loop().call_later(1.0, _abort, writer)
+
+    async def _handshake(self, writer: asyncio.StreamWriter, tls: ssl.SSLContext, peer: object) -> bool:
+        """TLS, started here (not by the server) so that handshakes have a cap of their own: done by the server,
+        each was a socket and a key exchange held for up to 2 s, as many as a peer opened. The cap is wider than
+        the hello's (an honest edge is exposed to eviction for its whole handshake, a round trip or two, not just
+        for its hello, which comes in the same flight as the handshake's end): the oldest goes for a newer one."""
+        if len(self._handshaking) >= MAX_HANDSHAKES:
+            oldest, task = next(iter(self._handshaking.items()))
+            del self._handshaking[oldest]
+            metrics.ENGINE_LINK_ERRORS.labels(kind="unauthenticated_cap").inc()
+            self._handshakes_evicted += 1
+            if (n := self._handshakes_evicted) in (1, 10) or n % 100 == 0:
+                log.warning("engine link: %d TLS handshakes under way; the oldest stopped for one from %s (#%d)",
+                            MAX_HANDSHAKES, peer, n)  # fmt: skip
+            # Its handshake is cancelled (which closes the socket): closed under it instead, the handshake
+            # "succeeded" with no transport, and the writer failed on its way out.
+            self._evicted.add(task)
+            task.cancel()
+        task = asyncio.current_task()
+        assert task is not None
+        self._handshaking[writer] = task
+        try:
+            await writer.start_tls(tls, ssl_handshake_timeout=HELLO_TIMEOUT_S)
+        except asyncio.CancelledError:
+            if task not in self._evicted:
+                raise
+            self._evicted.discard(task)
+            return False  # stopped for a newer peer, and counted as such
+        except (OSError, asyncio.TimeoutError) as e:  # (ssl.SSLError is an OSError)
+            metrics.ENGINE_LINK_ERRORS.labels(kind="bad_hello").inc()
+            log.warning("engine link from %s: no TLS handshake (%s); closing it", peer, type(e).__name__)
+            return False
+        finally:
+            self._handshaking.pop(writer, None)
+        return True
 
     async def _welcome(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: object) -> _Edge | None:
         try:
@@ -504,3 +520,9 @@ class EngineServer:
                     log.warning("edge %s is not reading: %d ticks dropped", edge.name, edge.frames_dropped)
                 continue
             edge.writer.write(frames_message(frames, mine, now, ids))
+
+
+def _abort(writer: asyncio.StreamWriter) -> None:
+    """End a closed connection's transport for good: a TLS close still waiting for the peer's close_notify."""
+    with contextlib.suppress(Exception):  # already gone
+        writer.transport.abort()

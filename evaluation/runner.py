@@ -296,7 +296,7 @@ async def _write_report(
         got.results, got.probes, target=plan.target.describe(), random_weights=plan.target.random_weights,
         notes=notes, settings={
             "questions": len(plan.questions), "source": plan.source, "tts": plan.voice.name,
-            "asr": plan.transcriber.name, "judge_model": plan.judge.model, "concurrency": plan.concurrency,
+            "asr": plan.transcriber.describe(), "judge_model": plan.judge.model, "concurrency": plan.concurrency,
             "forced_delays_ms": [d for d in plan.delays if d is not None], "probes": probes_per_delay,
             "pause_s": plan.pause_s, "listening": dataclasses.asdict(plan.listening),
         },

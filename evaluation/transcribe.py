@@ -43,6 +43,10 @@ class Transcriber(Protocol):
 
     def transcribe(self, pcm8k: np.ndarray) -> Transcript: ...
 
+    def describe(self) -> str:
+        """What heard the replies, as the report records it (the model too: two models are two measurements)."""
+        ...
+
 
 _FILLER = re.compile(r"^(<.*>|\[.*\])$")  # <s>, </s>, <sil>, [NOISE]: not words
 _VARIANT = re.compile(r"\(\d+\)$")  # the(2): a pronunciation variant of "the"
@@ -66,6 +70,9 @@ class PocketsphinxTranscriber:
 
             d = self._local.decoder = pocketsphinx.Decoder(samprate=16000, loglevel="ERROR")
         return d
+
+    def describe(self) -> str:
+        return self.name
 
     def transcribe(self, pcm8k: np.ndarray) -> Transcript:
         if len(pcm8k) == 0:
@@ -91,6 +98,7 @@ class PocketsphinxTranscriber:
 # OpenAI's gpt-4o transcription models answer `json` or `text` only: asked for `verbose_json` (word timings, which
 # whisper-1 and Whisper servers give) they refuse the request. Their replies are scored without a first-word time.
 TEXT_ONLY_MODELS = ("gpt-4o",)
+_UNTIMED: set[tuple[str | None, str]] = set()  # (base URL, model) found to refuse verbose_json in this run
 
 
 @dataclass(frozen=True)
@@ -100,19 +108,23 @@ class OpenAITranscriber:
     model: str = "whisper-1"
     name: str = "openai"
 
+    def describe(self) -> str:
+        return f"{self.name}:{self.model}"
+
     def transcribe(self, pcm8k: np.ndarray) -> Transcript:
         import openai
 
         buf = io.BytesIO()
         write_wav(buf, np.asarray(pcm8k, dtype=np.int16), RATE)
         client = openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=3, timeout=120)
-        timed = not self.model.startswith(TEXT_ONLY_MODELS)
+        timed = not self.model.startswith(TEXT_ONLY_MODELS) and (self.base_url, self.model) not in _UNTIMED
         try:
             try:
                 resp = self._ask(client, buf.getvalue(), timed)
             except openai.BadRequestError as exc:
-                if not timed or "response_format" not in str(exc):
+                if not timed or not ("response_format" in str(exc) or "timestamp" in str(exc)):
                     raise
+                _UNTIMED.add((self.base_url, self.model))  # said once: its next replies are asked for json at once
                 resp = self._ask(client, buf.getvalue(), timed=False)  # another model without word timings
         except openai.OpenAIError as exc:
             raise AsrError(f"--asr openai failed: {type(exc).__name__}: {str(exc)[:200]}") from None

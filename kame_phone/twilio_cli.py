@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import re
 import statistics
@@ -141,15 +142,23 @@ async def _follow(public: str, call_sid: str, admin_token: str, timeout_s: float
     deadline = time.monotonic() + timeout_s
     headers = {"Authorization": f"Bearer {admin_token}"}
     record: dict | None = None
-    asked_twilio = 0.0
+    asked_twilio = -math.inf
+    ended_unrecorded = 0  # polls since Twilio said the call completed while the service still had no record of it
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as http:
         while time.monotonic() < deadline:
-            if record is None and time.monotonic() - asked_twilio >= TWILIO_STATUS_EVERY_S:
+            if record is None and ended_unrecorded:
+                ended_unrecorded += 1
+                if ended_unrecorded > 3:  # its record's writes had seconds to land: it never reached the service
+                    raise CliError(f"call {call_sid} was answered and has ended, but the service has no record of "
+                                   "it: its webhook or stream never reached this service (see the Twilio console's "
+                                   "call log)", code=1)  # fmt: skip
+            elif record is None and time.monotonic() - asked_twilio >= TWILIO_STATUS_EVERY_S:
                 asked_twilio = time.monotonic()
                 with contextlib.suppress(TwilioRestError):  # Twilio unreachable for now: the record may still come
                     status = await rest.call_status(call_sid)
                     if status in UNANSWERED:
                         raise CliError(f"call {call_sid} was not answered: {status}", code=1)
+                    ended_unrecorded = int(status == "completed")
             try:
                 async with http.get(f"{public}/calls/{call_sid}") as r:
                     if r.status in (401, 403):

@@ -60,6 +60,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -76,6 +77,9 @@ from engine.ticker import FrameTicker
 from . import metrics
 from .stt import SttResult
 from .stt_random import RANDOM_PREFIX, random_stt_info
+
+if TYPE_CHECKING:
+    from .stt_process import SttProcess
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +341,7 @@ class KyutaiSttEngine:
             raise RuntimeError(f"Kyutai STT engine step failed: {row.failure}")
         return row
 
-    def _push(self, index: int, lease: int, frames: list[np.ndarray]) -> None:
+    def _push(self, index: int, lease: int, frames: np.ndarray) -> None:  # [n, FRAME_SAMPLES]
         with self._lock:
             row = self._row(index, lease)
             row.inbox.extend(frames)
@@ -543,42 +547,58 @@ class KyutaiSttEngine:
             log.exception("Kyutai STT step failed; its calls' STT objects will report it")
 
 
-class KyutaiStreamingSTT:
-    """One call's `StreamingSTT` on a row of a shared `KyutaiSttEngine`."""
+class WholeFrames:
+    """A call's audio cut into whole 80 ms frames: what is short of one waits for the next piece."""
 
-    def __init__(self, engine: KyutaiSttEngine, row: int, lease: int) -> None:
+    def __init__(self) -> None:
+        self._carry = np.zeros(0, np.float32)
+
+    def cut(self, pcm24k: np.ndarray) -> np.ndarray:
+        """[n, FRAME_SAMPLES] float32 (n may be 0), a copy: never a view of the caller's buffer."""
+        x = np.asarray(pcm24k, dtype=np.float32).reshape(-1)
+        buf = np.concatenate([self._carry, x]) if self._carry.size else x
+        n = buf.size // FRAME_SAMPLES
+        self._carry = buf[n * FRAME_SAMPLES :].copy()
+        return buf[: n * FRAME_SAMPLES].reshape(n, FRAME_SAMPLES).copy()
+
+    def reset(self) -> None:
+        self._carry = np.zeros(0, np.float32)
+
+
+class KyutaiStreamingSTT:
+    """One call's `StreamingSTT` on a row of a shared `KyutaiSttEngine`, or of the engine in the STT's own process
+    (knowledge/stt_process.py's `SttProcess`, whose rows are also named by the child they live in)."""
+
+    def __init__(
+        self, engine: KyutaiSttEngine | SttProcess, row: int, lease: int, generation: int | None = None
+    ) -> None:
         self.engine = engine
         self.row = row
-        self._lease = lease
-        self._carry = np.zeros(0, np.float32)  # samples short of a whole frame
+        self._key = (row, lease) if generation is None else (generation, row, lease)  # how the engine names the row
+        self._frames = WholeFrames()
         self._closed = False
 
     def feed(self, pcm24k: np.ndarray) -> list[SttResult]:
         self._check_open()
-        x = np.asarray(pcm24k, dtype=np.float32).reshape(-1)
-        if x.size:
-            buf = np.concatenate([self._carry, x]) if self._carry.size else x
-            n = buf.size // FRAME_SAMPLES
-            frames = [buf[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES].copy() for i in range(n)]
-            self._carry = buf[n * FRAME_SAMPLES :].copy()
-            if frames:
-                self.engine._push(self.row, self._lease, frames)
-        return self.engine._drain(self.row, self._lease)
+        frames = self._frames.cut(pcm24k)
+        if len(frames):
+            self.engine._push(*self._key, frames)  # type: ignore[call-arg]
+        return self.engine._drain(*self._key)  # type: ignore[call-arg]
 
     def flush(self) -> list[SttResult]:
         """The current utterance's final now (text still `audio_delay_seconds` behind is not in it)."""
         self._check_open()
-        return self.engine._flush(self.row, self._lease)
+        return self.engine._flush(*self._key)  # type: ignore[call-arg]
 
     def reset(self) -> None:
         self._check_open()
-        self._carry = np.zeros(0, np.float32)
-        self.engine._reset(self.row, self._lease)
+        self._frames.reset()
+        self.engine._reset(*self._key)  # type: ignore[call-arg]
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.engine._release(self.row, self._lease)
+            self.engine._release(*self._key)  # type: ignore[call-arg]
 
     def _check_open(self) -> None:
         if self._closed:

@@ -43,13 +43,12 @@ import numpy as np
 
 from engine.checkpoint import CheckpointError
 from engine.child_logging import LogSetup
-from engine.interface import FRAME_SAMPLES
 from engine.pipe_sender import PipeSender
 from engine.tick_signal import TickSignal
 
 from . import metrics
 from .stt import SttResult, SttUnavailable
-from .stt_kyutai import KyutaiSttEngine, KyutaiSttOptions, SttCapacityError, settings_from_env
+from .stt_kyutai import KyutaiStreamingSTT, KyutaiSttEngine, KyutaiSttOptions, SttCapacityError, settings_from_env
 from .stt_random import RANDOM_PREFIX
 
 log = logging.getLogger(__name__)
@@ -222,7 +221,7 @@ class SttProcess:
 
     # ---- streams (any thread) ----
 
-    def open_stream(self) -> ProcessStreamingSTT:
+    def open_stream(self) -> KyutaiStreamingSTT:
         """A `StreamingSTT` on a free row of the child (SttCapacityError if there is none; RuntimeError while
         the child is down: the back-end tries again after its backoff)."""
         with self._lock:
@@ -236,7 +235,7 @@ class SttProcess:
         row, lease, error = self._answer(request_id, answer, "seat a call")
         if error is not None:
             raise SttCapacityError(error) if row == -1 else RuntimeError(error)
-        return ProcessStreamingSTT(self, link.generation, row, lease)
+        return KyutaiStreamingSTT(self, row, lease, generation=link.generation)
 
     def _push(self, generation: int, row: int, lease: int, frames: np.ndarray) -> None:
         link = self._current(generation, row, lease)
@@ -422,49 +421,6 @@ class SttProcess:
         self._counted = counters
 
 
-class ProcessStreamingSTT:
-    """One call's `StreamingSTT` on a row of the STT process's engine."""
-
-    def __init__(self, host: SttProcess, generation: int, row: int, lease: int) -> None:
-        self.host = host
-        self.row = row
-        self._generation = generation
-        self._lease = lease
-        self._carry = np.zeros(0, np.float32)  # samples short of a whole frame
-        self._closed = False
-
-    def feed(self, pcm24k: np.ndarray) -> list[SttResult]:
-        self._check_open()
-        x = np.asarray(pcm24k, dtype=np.float32).reshape(-1)
-        if x.size:
-            buf = np.concatenate([self._carry, x]) if self._carry.size else x
-            n = buf.size // FRAME_SAMPLES
-            self._carry = buf[n * FRAME_SAMPLES :].copy()
-            if n:
-                frames = buf[: n * FRAME_SAMPLES].reshape(n, FRAME_SAMPLES).copy()  # queued: not the caller's buffer
-                self.host._push(self._generation, self.row, self._lease, frames)
-        return self.host._drain(self._generation, self.row, self._lease)
-
-    def flush(self) -> list[SttResult]:
-        """The current utterance's final now (text still `audio_delay_seconds` behind is not in it)."""
-        self._check_open()
-        return self.host._flush(self._generation, self.row, self._lease)
-
-    def reset(self) -> None:
-        self._check_open()
-        self._carry = np.zeros(0, np.float32)
-        self.host._reset(self._generation, self.row, self._lease)
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.host._release(self._generation, self.row, self._lease)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("ProcessStreamingSTT used after close()")
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The child
 
@@ -586,7 +542,7 @@ def _child_main(conn: Connection, spec: SttChildSpec, tick_signal: Any, log_setu
 def _dispatch(engine: _ChildSttEngine, kind: str, body: list[Any], tick_signal: Any) -> None:
     if kind == "push":
         row, lease, frames = body
-        engine._push(row, lease, list(frames))
+        engine._push(row, lease, frames)
     elif kind == "open":
         engine.open_row(*body)
     elif kind == "flush":

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 # (about a minute of speech): a caller on hold or silent would otherwise leave the live record without the
 # bot's side, and lose it with the node.
 BOT_TURN_FLUSH_WORDS = 150
+WATCHDOG_PERIOD_S = 1.0  # how often a call's watchdog checks for a silent or unstarted socket
 
 
 @dataclass
@@ -102,10 +103,13 @@ class CallLeg:
         # start timeout, however much they send.
         self.opened_at = time.monotonic()
         # The caller's audio, against real time from here (see RealTimeAllowance); the carriers' packets are 20 ms.
+        # What may pile up before it is read, and must then pass: a `start` as late as the start timeout allows, the
+        # seat's set-up after it (the receive loop waits), or a stall the silence watchdog (checking every second)
+        # lets the socket survive; they can follow one another.
         cfg = ctx.config
         burst_s = cfg.flood_burst_packets * 0.02
-        self.audio_allowance = RealTimeAllowance(max(cfg.start_timeout_s, cfg.silent_socket_s) + burst_s, burst_s,
-                                                 self.opened_at)  # fmt: skip
+        cap_s = cfg.start_timeout_s + cfg.silent_socket_s + WATCHDOG_PERIOD_S + burst_s
+        self.audio_allowance = RealTimeAllowance(cap_s, burst_s, self.opened_at)
         self._evicted = False
         self._unstarted = True
         ctx.unstarted[self.endpoint] += 1
@@ -196,7 +200,7 @@ class CallLeg:
         per call, rather than a timer armed and cancelled for every one of its 50 messages a second."""
         limit, start_limit = self.ctx.config.silent_socket_s, self.ctx.config.start_timeout_s
         while not self.closed:
-            await asyncio.sleep(min(1.0, limit / 2, start_limit / 2))
+            await asyncio.sleep(min(WATCHDOG_PERIOD_S, limit / 2, start_limit / 2))
             if self._unstarted and time.monotonic() - self.opened_at > start_limit:
                 self.protocol_error("no_start", f"no stream start within {start_limit:.0f}s of connecting")
                 self._end_reason = "no_start"

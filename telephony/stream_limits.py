@@ -57,8 +57,9 @@ class RealTimeAllowance:
     """Seconds of caller audio a stream may still send: real time accrues from the connection's opening, on top
     of a burst. Before, the allowance was all the time since the opening: a stream that sent little (a peer
     pausing, or feigning it) banked it for good, then pushed minutes of audio at once, to be transcribed at 25x
-    real time. Banking now stops at `cap_s`, the longest silence the watchdog lets a stream keep its socket
-    (start or silent-socket timeout) plus the burst: a network stall it survives still arrives whole."""
+    real time. Banking now stops at `cap_s`: what may pile up while the stream is not read or is stalled, and
+    still keep its socket (a late start, its seat's set-up, a stall the silence watchdog lets it survive), plus
+    the burst. Such a backlog still arrives whole."""
 
     cap_s: float
     credit_s: float

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import secrets
 import shutil
 import subprocess
 import textwrap
 import wave
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import numpy as np
+import pytest
 from prometheus_client import REGISTRY
 from twilio.request_validator import RequestValidator
 
@@ -25,6 +28,7 @@ from knowledge.agents import AgentDirectory
 from telephony import twilio_messages as tm
 from telephony.call_store import CallStore, MemoryCallStore
 from telephony.config import ServiceConfig
+from telephony.logs import setup_logging
 from telephony.server import MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
 from telephony.twilio_rest import TwilioRest
 from telephony.twiml import parse_connect_stream
@@ -171,3 +175,22 @@ async def running_phone(
     finally:
         await handle.aclose()
         await engine.stop()
+
+
+@contextlib.contextmanager
+def json_logging(capfd: pytest.CaptureFixture[str]) -> Iterator[Callable[[], list[dict]]]:
+    """Logging set up as `serve --log-json` sets it, inside a test (pytest's own handlers come and go between a
+    test's phases): yields a function giving the JSON lines written to stderr so far, a spawned child's included
+    (the child shares the captured file descriptor)."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    setup_logging(json_lines=True)
+
+    def lines() -> list[dict]:
+        return [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.startswith("{")]
+
+    try:
+        yield lines
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -28,3 +30,15 @@ async def until(check: Callable[[], bool | Awaitable[bool]], what: str = "", wit
 def _where(check: Callable[..., object]) -> str:
     code = getattr(check, "__code__", None)
     return f"{Path(code.co_filename).name}:{code.co_firstlineno}" if code else repr(check)
+
+
+class RecordedEvent(threading.Event):
+    """A `threading.Event` that keeps when it was set (time.monotonic()): a test's view of another loop's ticks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+    def set(self) -> None:
+        self.times.append(time.monotonic())
+        super().set()

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.interface import FRAME_SAMPLES, CallSetup
-from engine.link_server import HELLO_TIMEOUT_S, MAX_UNAUTHENTICATED
+from engine.link_server import HELLO_TIMEOUT_S, MAX_HANDSHAKES, MAX_UNAUTHENTICATED
 from engine.link_wire import PROTOCOL_VERSION, Address, LinkRefused, edge_tls
 from engine.remote import RemoteEngine
 from telephony.server import MEDIA_PATH, ServiceHandle
@@ -124,19 +124,19 @@ async def test_peers_without_a_proper_hello_cost_the_engine_nothing_while_a_call
         await edge_engine.stop()
 
 
-async def test_tls_handshakes_wait_inside_the_cap_on_peers_before_their_hello(engine_server) -> None:
-    """Over tls:// the server did each handshake before the cap on peers awaiting their hello saw them: a peer
-    could hold as many sockets (and key exchanges) as it opened, 2 s each. Now a handshake is inside the cap:
-    forty peers that connect and never say a TLS word hold eight sockets, and an edge still joins."""
+async def test_tls_handshakes_have_a_cap_and_an_edge_still_joins(engine_server) -> None:
+    """Over tls:// the server did each handshake before any cap saw the peer: a peer could hold as many sockets
+    (and key exchanges) as it opened, 2 s each. Handshakes now have a cap of their own (the oldest goes for a
+    newer one): eighty peers that connect and never say a TLS word hold 64 sockets, and an edge still joins."""
     _, address = await engine_server(2, tls=True, token=TOKEN)
     capped, bad = _errors("unauthenticated_cap"), _errors("bad_hello")
-    silent = [await asyncio.open_connection(address.host, address.port) for _ in range(40)]  # no ClientHello
+    silent = [await asyncio.open_connection(address.host, address.port) for _ in range(80)]  # no ClientHello
     joined = await RemoteEngine.connect(address, token=TOKEN, seats=1, tls=edge_tls(str(TLS_CERT)))
     assert joined.max_calls == 1
     await joined.stop()
     await asyncio.gather(*(_read_or_closed(r, HELLO_TIMEOUT_S + 2.0) for r, _ in silent))  # all hung up on
-    assert _errors("unauthenticated_cap") - capped == 40 - MAX_UNAUTHENTICATED + 1  # the edge made room too
-    assert _errors("bad_hello") - bad == MAX_UNAUTHENTICATED - 1  # the rest: no handshake in 2 s
+    assert _errors("unauthenticated_cap") - capped == 80 - MAX_HANDSHAKES + 1  # the edge made room too
+    assert _errors("bad_hello") - bad == MAX_HANDSHAKES - 1  # the rest: no handshake in 2 s
     for _, w in silent:
         w.close()
 

@@ -29,7 +29,7 @@ from telephony.server import MEDIA_PATH, ServerContext, ServiceHandle
 from telephony.sim_caller import simulate_call
 
 from .hf_hub_server import serve_hub
-from .phone_fixtures import metric
+from .phone_fixtures import json_logging, metric
 from .polling import until
 from .redis_support import free_port
 
@@ -469,21 +469,10 @@ def test_a_parent_slow_to_read_does_not_make_the_engine_process_late(tiny_checkp
 def test_the_engine_childs_log_lines_come_out_as_the_services_own(capfd: pytest.CaptureFixture[str]) -> None:
     """Under --log-json the engine process's lines (a broken engine, random weights) were Python's last-resort
     ones, bare messages a log pipeline could not parse; it now logs as its parent was set up to."""
-    import json
-    import logging
-
-    from telephony.logs import setup_logging
-
-    root = logging.getLogger()
-    saved = root.handlers[:], root.level
-    setup_logging(json_lines=True)
-    try:
+    with json_logging(capfd) as json_lines:
         loop = FrameLoopProcess(ChildSpec("random:tiny", "cpu", 1, None, SamplingOverrides(), 0.0, 4))
         loop.start(1)
         loop.stop()
-    finally:
-        root.handlers[:], level = saved
-        root.setLevel(level)
-    lines = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.startswith("{")]
+        lines = json_lines()
     assert any(r["logger"] == "engine.checkpoint" and "RANDOM WEIGHTS" in r["msg"] and r["level"] == "warning"
                for r in lines), lines  # fmt: skip

@@ -348,9 +348,12 @@ async def test_openai_speech_and_transcription_clients() -> None:
                                     np.zeros(16000, np.int16))  # fmt: skip
         assert t.text == "hello there friend" and t.first_word_s is None and fake.transcription_requests == 2
         fake.untimed_models = ("local-asr",)  # a server's model that refuses it too: asked again, for json
-        t = await asyncio.to_thread(OpenAITranscriber(fake.base_url, "k", "local-asr").transcribe,
-                                    np.zeros(16000, np.int16))  # fmt: skip
+        local = OpenAITranscriber(fake.base_url, "k", "local-asr")
+        t = await asyncio.to_thread(local.transcribe, np.zeros(16000, np.int16))
         assert t.text == "hello there friend" and fake.transcription_requests == 4
+        await asyncio.to_thread(local.transcribe, np.zeros(16000, np.int16))  # json at once: it said so before
+        assert fake.transcription_requests == 5
+        assert local.describe() == "openai:local-asr"  # the model is in the report's settings
 
 
 def _results(delay: float, scores: list[float], latency: float) -> list[Result]:

@@ -29,6 +29,8 @@ from knowledge.stt_kyutai import (
 )
 from knowledge.tiny_stt_checkpoint import TINY_STT_CONFIG, make_tiny_stt_checkpoint
 
+from .polling import RecordedEvent
+
 
 @pytest.fixture(scope="module")
 def stt_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -327,7 +329,7 @@ def test_streaming_stt_contract_with_the_engine_thread(make_engine) -> None:
     while engine._rows[stt.row].steps < 25 and time.monotonic() < deadline:
         time.sleep(0.02)  # the backlog drains through catch-up steps
     assert engine._rows[stt.row].steps == 25  # the warm-up primed the row: no silence prefix in the call
-    assert stt._carry.size == pcm.size % FRAME_SAMPLES
+    assert stt._frames._carry.size == pcm.size % FRAME_SAMPLES
     results += stt.feed(np.zeros(0, np.float32))
     results += stt.flush()
     assert results and all(isinstance(r, SttResult) for r in results)
@@ -465,8 +467,6 @@ async def test_the_stt_steps_right_after_each_engine_tick(
     """On one GPU the KAME engine and the batched STT stepped on their own 80 ms clocks, at unrelated phases,
     so the STT's kernels ran inside the engine's ticks and made them late (H100, docs/benchmarks.md section 4).
     Once the engine is up, the STT steps when an engine tick has just ended."""
-    import threading
-
     import knowledge.stt_kyutai as mod
     from engine.service import EngineConfig, LocalEngine
 
@@ -479,16 +479,7 @@ async def test_the_stt_steps_right_after_each_engine_tick(
     engine = await LocalEngine.load(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", max_calls=2,
                                                  warmup_ticks=1), services)  # fmt: skip
 
-    class Recorded(threading.Event):
-        def __init__(self) -> None:
-            super().__init__()
-            self.times: list[float] = []
-
-        def set(self) -> None:
-            self.times.append(time.monotonic())
-            super().set()
-
-    ticked = engine._ticked = Recorded()
+    ticked = engine._ticked = RecordedEvent()
     steps: list[float] = []
     real_step = stt.step
 

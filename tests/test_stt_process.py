@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 import time
 import wave
 from pathlib import Path
@@ -25,11 +24,12 @@ from engine.checkpoint import CheckpointError
 from engine.interface import FRAME_SAMPLES
 from knowledge.backend import BackendConfig, BackendServices
 from knowledge.stt import SttResult
-from knowledge.stt_kyutai import KyutaiSttEngine, SttCapacityError
-from knowledge.stt_process import ProcessStreamingSTT, SttChildSpec, SttProcess
+from knowledge.stt_kyutai import KyutaiStreamingSTT, KyutaiSttEngine, SttCapacityError
+from knowledge.stt_process import SttChildSpec, SttProcess
 from knowledge.tiny_stt_checkpoint import make_tiny_stt_checkpoint
 
-from .phone_fixtures import metric
+from .phone_fixtures import json_logging, metric
+from .polling import RecordedEvent
 
 PACKET = 480  # 20 ms at 24 kHz: what the phone edge hands the back-end
 
@@ -100,7 +100,7 @@ def test_a_call_hears_in_the_stt_process_what_it_hears_in_this_one(make_process,
     process = make_process()
     steps = metric("kame_stt_step_seconds_count")
     stream = process.open_stream()
-    assert isinstance(stream, ProcessStreamingSTT)
+    assert isinstance(stream, KyutaiStreamingSTT) and stream.engine is process
     assert hear(stream, speech) == expected
     stream.close()
     assert metric("kame_stt_step_seconds_count") >= steps + len(speech) // FRAME_SAMPLES
@@ -201,16 +201,7 @@ async def test_the_stt_process_steps_right_after_each_engine_tick(
     engine = await LocalEngine.load(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", max_calls=2,
                                                  warmup_ticks=1, engine_process=engine_process), services)  # fmt: skip
 
-    class Recorded(threading.Event):
-        def __init__(self) -> None:
-            super().__init__()
-            self.times: list[float] = []
-
-        def set(self) -> None:
-            self.times.append(time.monotonic())
-            super().set()
-
-    ticked = engine._ticked = Recorded()  # when this process hears of each tick (from the child: a little later)
+    ticked = engine._ticked = RecordedEvent()  # when this process hears of each tick (from the child: a little later)
     try:
         await engine.start()
         call = await engine.open_call("CA-paced")
@@ -255,22 +246,11 @@ def test_the_childs_log_lines_come_out_as_the_services_own(
 ) -> None:
     """Under --log-json a spawned child's lines were Python's last-resort ones (bare messages, no INFO at all):
     the only lines a log pipeline could not parse. The child now logs as its parent was set up to."""
-    import json
-    import logging
-
-    from telephony.logs import setup_logging
-
-    root = logging.getLogger()
-    saved = root.handlers[:], root.level
-    setup_logging(json_lines=True)
-    try:
+    with json_logging(capfd) as json_lines:
         process = SttProcess(SttChildSpec(str(stt_checkpoint), "cpu", 1))
         process.start()
         process.close()
-    finally:
-        root.handlers[:], level = saved
-        root.setLevel(level)
-    lines = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.startswith("{")]
+        lines = json_lines()
     assert any(r["logger"] == "knowledge.stt_kyutai" and "Kyutai STT" in r["msg"] and r["level"] == "info"
                for r in lines), lines  # fmt: skip
 
