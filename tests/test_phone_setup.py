@@ -203,6 +203,9 @@ async def test_dial_places_a_call_that_takes_the_inbound_path_and_reports_its_fi
         twilio.answer_wav = None
         rc, out, err = await _kame(["dial", "+15557654321", "--from", NUMBER, "--wait"], env)
         assert rc == 1 and f"call {out.strip()} was not answered: no-answer" in err, err
+        twilio.unanswered_status = "completed"  # answered and over, but its webhook never reached the service
+        rc, out, err = await _kame(["dial", "+15557654321", "--from", NUMBER, "--wait"], env)
+        assert rc == 1 and "the service has no record of it" in err, err
 
 
 async def test_the_call_status_callback_closes_a_call_that_never_streamed(tiny_checkpoint: Path) -> None:
