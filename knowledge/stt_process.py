@@ -222,8 +222,8 @@ class SttProcess:
     # ---- streams (any thread) ----
 
     def open_stream(self) -> KyutaiStreamingSTT:
-        """A `StreamingSTT` on a free row of the child (SttCapacityError if there is none; RuntimeError while
-        the child is down: the back-end tries again after its backoff)."""
+        """A `StreamingSTT` on a free row of the child (SttCapacityError if there is none; SttUnavailable while
+        the child is being restarted: the back-end asks again every half second)."""
         with self._lock:
             link = self._link
             if link is None or not link.alive:
