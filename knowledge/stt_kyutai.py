@@ -395,6 +395,7 @@ class KyutaiSttEngine:
         reset = np.zeros(B, dtype=bool)
         leases = [0] * B
         resets = [0] * B
+        silence = np.zeros(B, dtype=bool)  # a call's row stepping its silence prefix: its token is not the call's
         with self._model_lock:
             with self._lock:
                 if not self._priming and time.monotonic() - self._priming_failed_at > PRIMING_RETRY_S:
@@ -409,6 +410,7 @@ class KyutaiSttEngine:
                     if not row.inbox or row.failure is not None:
                         continue
                     pcm[index] = row.inbox.popleft()
+                    silence[index] = row.prefix_queued > 0
                     row.prefix_queued = max(0, row.prefix_queued - 1)
                     active[index] = True
                     leases[index], resets[index] = row.lease, row.resets
@@ -431,6 +433,10 @@ class KyutaiSttEngine:
                     if row is None or not active[index] or (row.lease, row.resets) != (leases[index], resets[index]):
                         continue  # left or reset during the step: its output is dropped
                     row.steps += 1
+                    if silence[index]:
+                        # Dropped, as a free row's priming drops them: a call that joins a row half primed, or
+                        # resets its own, hears what a call on a fully primed row hears.
+                        continue
                     prob = float(eot[index]) if eot is not None else None
                     row.outbox.extend(row.assembler.step(int(tokens[index]), prob))
         return SttStep(tokens=tokens, executed=active, end_of_turn=eot)
