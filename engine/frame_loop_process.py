@@ -18,7 +18,6 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import queue
 import threading
 import time
 from collections import deque
@@ -46,7 +45,7 @@ from .frame_loop import (
 )
 from .interface import FRAME_SAMPLES, EngineClosed, EngineError, EngineFull
 from .oracle_buffer import OracleBuffer
-from .pipe_sender import PipeSender
+from .pipe_sender import ParentSender, PipeSender, commands
 from .sampling import SamplingConfig, SamplingOverrides
 
 log = logging.getLogger(__name__)
@@ -110,11 +109,8 @@ class FrameLoopProcess:
         self._abort_start = threading.Event()  # SIGTERM while the child loads: kill it, stop waiting
         self.alive = False
         self._counted = (0, 0, 0)  # (underruns, overruns, catchups) already added to this process's metrics
-        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
-        self._audio_queued = 0
         self.audio_shed = 0  # caller frames never sent because the child was that far behind
-        self._max_audio_queued = 8 * spec.max_calls  # ~640 ms of every call's audio
-        self._sender: threading.Thread | None = None
+        self._sender: ParentSender | None = None
         # kame_engine_slots stays 0 until the child is ready (and again once it is gone): a loading or dead
         # engine's seats are not seats (capacity alerts and the free-slots panel counted them).
         metrics.ENGINE_SLOTS.set(0)
@@ -143,12 +139,12 @@ class FrameLoopProcess:
             raise EngineError(f"the engine process failed to start: {rest[0] if rest else kind}")
         self.sampling, self.memory = rest
         publish_memory(self.memory)
+        # ~640 ms of every call's audio may wait for the pipe.
+        self._sender = ParentSender(ours, "audio", 8 * self.max_calls, name="kame-engine")
         self.alive = True
         metrics.ENGINE_SLOTS.set(self.max_calls)
         self._reader = threading.Thread(target=self._read_forever, name="kame-engine-reader", daemon=True)
         self._reader.start()
-        self._sender = threading.Thread(target=self._send_forever, name="kame-engine-sender", daemon=True)
-        self._sender.start()
         log.info("engine process %d ready: %d slots; %s", self._process.pid, self.max_calls, self.memory.describe())
 
     def _await_start(self, conn: Connection, timeout: float) -> tuple[str, list[Any]]:
@@ -196,9 +192,8 @@ class FrameLoopProcess:
         with self._lock:
             self._closed = True
         self._send(("stop",))
-        self._outbox.put(None)  # the sender ends after the stop message
         if self._sender is not None:
-            self._sender.join(5)
+            self._sender.close()  # after the stop message
         if self._process is not None:
             self._process.join(10)
             if self._process.is_alive():
@@ -274,30 +269,12 @@ class FrameLoopProcess:
             self._send_locked(message)
 
     def _send_locked(self, message: tuple[Any, ...]) -> None:
-        """Queue a message for the sender thread. Never blocks: a pipe write can, when the child is behind,
-        and the callers are the event loop's thread. Audio is shed when too much is queued (as the loop
-        itself sheds audio faster than real time); control messages never are."""
-        if not self.alive:
+        """Queue a message for the sender (never blocks); audio is shed when too much is unsent."""
+        if not self.alive or self._sender is None:
             return
-        if message[0] == "audio":
-            if self._audio_queued >= self._max_audio_queued:
-                self.audio_shed += 1
-                metrics.ENGINE_OVERRUNS.inc()
-                return
-            self._audio_queued += 1
-        self._outbox.put(message)
-
-    def _send_forever(self) -> None:
-        assert self._conn is not None
-        while (message := self._outbox.get()) is not None:
-            if message[0] == "audio":
-                with self._lock:
-                    self._audio_queued -= 1
-            try:
-                self._conn.send(message)
-            except (OSError, ValueError) as e:  # the child is gone: the reader reports it
-                log.debug("engine process pipe closed: %s", e)
-                return
+        if not self._sender.put(message):
+            self.audio_shed += 1
+            metrics.ENGINE_OVERRUNS.inc()
 
     def _read_forever(self) -> None:
         assert self._conn is not None
@@ -421,13 +398,7 @@ def _child_main(
 
 
 def _serve_commands(conn: Connection, loop: _ChildFrameLoop) -> None:
-    while True:
-        try:
-            kind, *body = conn.recv()
-        except (EOFError, OSError):  # the parent is gone
-            break
-        if kind == "stop":
-            break
+    for kind, body in commands(conn):
         try:
             _dispatch(loop, kind, body)
         except Exception:  # one call's bad command must not end this process, and with it every call here

@@ -1,11 +1,17 @@
-"""The messages a child process (the engine's, the STT's) sends its parent, off the thread that makes them."""
+"""The messages between a parent and its child process (the engine's, the STT's), each written off the thread
+that makes it: `PipeSender` in the child, `ParentSender` in the parent."""
 
 from __future__ import annotations
 
+import logging
+import queue
 import threading
 from collections import deque
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # Messages the child may hold for a parent that is not reading (~5 s of ticks, ~32 MB at 64 calls): past it the
 # tick waits for the pipe, as every tick did before it had a sender of its own.
@@ -57,3 +63,59 @@ class PipeSender:
             self._closing = True
             self._cond.notify_all()
         self._thread.join(timeout_s)
+
+
+class ParentSender:
+    """A parent's messages to its child, written by a thread of their own: a pipe write blocks while the child is
+    behind, and the callers are the event loop's threads, which must never. In order. Messages of `shed_kind`
+    (a call's audio) are refused past `max_queued` unsent: the child that far behind sheds audio anyway, as a
+    loop behind real time does. Every other message is always queued."""
+
+    def __init__(self, conn: Connection, shed_kind: str, max_queued: int, name: str) -> None:
+        self._conn = conn
+        self._shed_kind = shed_kind
+        self._max = max_queued
+        self._queued = 0
+        self._lock = threading.Lock()
+        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._name = name
+        self._thread = threading.Thread(target=self._run, name=f"{name}-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, message: tuple[Any, ...]) -> bool:
+        """Queue `message`; False when it is of `shed_kind` and too many of those are unsent (it was dropped)."""
+        if message[0] == self._shed_kind:
+            with self._lock:
+                if self._queued >= self._max:
+                    return False
+                self._queued += 1
+        self._outbox.put(message)
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued, then stop (waits up to `timeout_s` for it)."""
+        self._outbox.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            if message[0] == self._shed_kind:
+                with self._lock:
+                    self._queued -= 1
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError) as e:  # the child is gone: the parent's reader says so
+                log.debug("%s pipe closed: %s", self._name, e)
+                return
+
+
+def commands(conn: Connection) -> Iterator[tuple[str, list[Any]]]:
+    """A child's commands from its parent, as (kind, body), until "stop" or the parent is gone."""
+    while True:
+        try:
+            kind, *body = conn.recv()
+        except (EOFError, OSError):
+            return
+        if kind == "stop":
+            return
+        yield kind, body

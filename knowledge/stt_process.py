@@ -28,7 +28,6 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
-import queue
 import threading
 import time
 from collections import deque
@@ -43,7 +42,7 @@ import numpy as np
 
 from engine.checkpoint import CheckpointError
 from engine.child_logging import LogSetup
-from engine.pipe_sender import PipeSender
+from engine.pipe_sender import ParentSender, PipeSender, commands
 from engine.tick_signal import TickSignal
 
 from . import metrics
@@ -92,8 +91,7 @@ class _Link:
     generation: int
     process: multiprocessing.process.BaseProcess
     conn: Connection
-    outbox: queue.SimpleQueue[tuple[Any, ...] | None] = field(default_factory=queue.SimpleQueue)
-    frames_queued: int = 0
+    sender: ParentSender
     alive: bool = True
 
 
@@ -115,7 +113,6 @@ class SttProcess:
         self._held: dict[int, _Held] = {}
         self._counted = (0, 0)  # the child's (dropped frames, catch-up steps) already in this process's metrics
         self._counted_generation = 0
-        self._max_frames_queued = 8 * spec.rows  # ~640 ms of every call's audio
         self._closed = threading.Event()
         self.restarts = 0
         self.recent_steps: deque[tuple[float, float]] = deque(maxlen=4096)  # the child's (began, seconds)
@@ -139,11 +136,12 @@ class SttProcess:
         except BaseException:
             ours.close()
             raise
-        link = _Link(next(self._generations), process, ours)
         with self._lock:
             closed = self._closed.is_set()
             if not closed:
-                self._link = link
+                # ~640 ms of every call's audio may wait for the pipe (this process starved): past it, dropped.
+                sender = ParentSender(ours, "push", 8 * self.batch_size, name="kame-stt")
+                link = self._link = _Link(next(self._generations), process, ours, sender)
         if closed:  # closed while this (re)start waited for the child: stop it, as `close` would have
             ours.send(("stop",))
             process.join(10)
@@ -151,7 +149,6 @@ class SttProcess:
             ours.close()
             return
         threading.Thread(target=self._read_forever, args=(link,), name="kame-stt-reader", daemon=True).start()
-        threading.Thread(target=self._send_forever, args=(link,), name="kame-stt-sender", daemon=True).start()
         if self._following:
             self._send(link, ("follow", True))
         log.info("Kyutai STT process %d ready: %d rows", process.pid, self.batch_size)
@@ -200,8 +197,8 @@ class SttProcess:
         if link is None:
             self.tick_signal.close()
             return
-        link.outbox.put(("stop",))
-        link.outbox.put(None)
+        link.sender.put(("stop",))
+        link.sender.close()
         link.process.join(10)
         if link.process.is_alive():
             link.process.kill()
@@ -239,13 +236,8 @@ class SttProcess:
 
     def _push(self, generation: int, row: int, lease: int, frames: np.ndarray) -> None:
         link = self._current(generation, row, lease)
-        with self._lock:
-            if link.frames_queued >= self._max_frames_queued:
-                # The sender is that far behind (this process starved): drop, as the child drops a backlog.
-                metrics.STT_DROPPED_FRAMES.inc(len(frames))
-                return
-            link.frames_queued += 1
-        link.outbox.put(("push", row, lease, frames))
+        if not link.sender.put(("push", row, lease, frames)):  # as the child drops a backlog
+            metrics.STT_DROPPED_FRAMES.inc(len(frames))
 
     def _drain(self, generation: int, row: int, lease: int) -> list[SttResult]:
         with self._lock:
@@ -319,18 +311,7 @@ class SttProcess:
 
     def _send(self, link: _Link, message: tuple[Any, ...]) -> None:
         if link.alive:
-            link.outbox.put(message)
-
-    def _send_forever(self, link: _Link) -> None:
-        while (message := link.outbox.get()) is not None:
-            if message[0] == "push":
-                with self._lock:
-                    link.frames_queued -= 1
-            try:
-                link.conn.send(message)
-            except (OSError, ValueError) as e:  # the child is gone: the reader says so
-                log.debug("Kyutai STT process pipe closed: %s", e)
-                return
+            link.sender.put(message)
 
     def _read_forever(self, link: _Link) -> None:
         while True:
@@ -343,7 +324,7 @@ class SttProcess:
             except Exception:  # a bad message must not stop the pipe
                 log.exception("Kyutai STT process message %r could not be handled", kind)
         link.alive = False
-        link.outbox.put(None)
+        link.sender.close(timeout_s=0)
         if self._closed.is_set():
             return
         link.process.join(1)
@@ -522,13 +503,7 @@ def _child_main(conn: Connection, spec: SttChildSpec, tick_signal: Any, log_setu
         return
     freeze_startup_heap()  # the heap is torch and the model: a full collection over it stalls a step
     send(("ready",))
-    while True:
-        try:
-            kind, *body = conn.recv()
-        except (EOFError, OSError):  # the parent is gone
-            break
-        if kind == "stop":
-            break
+    for kind, body in commands(conn):
         try:
             _dispatch(engine, kind, body, tick_signal)
         except RuntimeError as e:  # a row released or failed meanwhile: its stream already knows
