@@ -70,7 +70,7 @@ CUSHION_PACKETS = 2
 TICK_MESSAGES = round(FRAME_SECONDS / PACKET_S)  # 4: what the fan-out queues a tick
 LINE_WAIT_S = 10.0  # an `end_call`'s line: spoken and played out within this, or the call ends anyway
 CLOSE_WAIT_S = 2.0  # a peer that does not close its side after ours is dropped
-KNOWN_WAIT_S = 0.2  # the replay check's Redis read, at most: a hung Redis must not hold every call's answer
+CLAIM_WAIT_S = 0.2  # the replay check's Redis round trip, at most: a hung Redis must not hold every call's answer
 LINE_AUDIO_MESSAGES = 3 * TICK_MESSAGES  # the bot's audio trails its text by a few frames
 
 
@@ -312,25 +312,19 @@ class AudioSocketSession(CallLeg):
                         self.agent_name, agent.name)  # fmt: skip
         self._agent, self.state.agent = agent, agent.name
         # The UUID of a call live here, or of one with a record (Asterisk's ${UUID()} is fresh each call: taking
-        # it would write a stranger's words into that call's record): never a second leg.
-        if call_sid in ctx.streams or await self._known(call_sid) or call_sid in ctx.streams:
-            reason = "second_stream" if call_sid in ctx.streams else "replayed"
-            metrics.WEBHOOK_REJECTIONS.labels(endpoint="audiosocket", reason=reason).inc()
-            if n := ctx.sampled(f"audiosocket:{reason}"):
-                log.warning("audiosocket for %s refused (%s, #%d)", call_sid, reason, n)
-            metrics.CALLS_TOTAL.labels(outcome="rejected", agent=agent.name).inc()
-            self._end_reason = "rejected"
-            self._started()
-            return False
-        if ctx.engine is None or ctx.engine.failed or ctx.capacity_left <= 0:
-            # Counted and logged, no record: a dialplan may retry with the same UUID, and a flood of made-up
-            # ones against a full node must not write a record each.
-            if n := ctx.sampled("audiosocket:busy"):
-                log.warning("audiosocket call refused (#%d): no seat free here (draining=%s)", n, ctx.draining)
-            metrics.CALLS_TOTAL.labels(outcome="busy", agent=agent.name).inc()
-            self._end_reason = "busy"
-            self._started()
-            return False
+        # it would write a stranger's words into that call's record), or claimed by another node: never a
+        # second leg. The seat is checked first (a busy answer leaves no claim: a dialplan may retry the UUID)
+        # and again after the claim's round trip, which another call may have used to take the last seat.
+        if call_sid in ctx.streams:
+            return self._refuse(agent.name, call_sid, "second_stream")
+        if not self._seat_free():
+            return self._busy(agent.name)
+        claimed = await self._claim(call_sid)
+        if call_sid in ctx.streams or not claimed:
+            return self._refuse(agent.name, call_sid, "second_stream" if call_sid in ctx.streams else "replayed")
+        if not self._seat_free():
+            ctx.spawn(ctx.store.release_claim(call_sid, ctx.config.node_id))
+            return self._busy(agent.name)
         ctx.add_stream(call_sid, self)
         ctx.cluster.seat_taken()
         self._started()
@@ -344,12 +338,42 @@ class AudioSocketSession(CallLeg):
         await self.streaming(call_sid, str(call_uuid))
         return True
 
-    async def _known(self, call_sid: str) -> bool:
+    def _seat_free(self) -> bool:
+        ctx = self.ctx
+        return ctx.engine is not None and not ctx.engine.failed and ctx.capacity_left > 0
+
+    def _refuse(self, agent: str, call_sid: str, reason: str) -> bool:
+        metrics.WEBHOOK_REJECTIONS.labels(endpoint="audiosocket", reason=reason).inc()
+        if n := self.ctx.sampled(f"audiosocket:{reason}"):
+            log.warning("audiosocket for %s refused (%s, #%d)", call_sid, reason, n)
+        metrics.CALLS_TOTAL.labels(outcome="rejected", agent=agent).inc()
+        self._end_reason = "rejected"
+        self._started()
+        return False
+
+    def _busy(self, agent: str) -> bool:
+        # Counted and logged, no record: a dialplan may retry with the same UUID, and a flood of made-up ones
+        # against a full node must not write a record each.
+        if n := self.ctx.sampled("audiosocket:busy"):
+            log.warning("audiosocket call refused (#%d): no seat free here (draining=%s)", n, self.ctx.draining)
+        metrics.CALLS_TOTAL.labels(outcome="busy", agent=agent).inc()
+        self._end_reason = "busy"
+        self._started()
+        return False
+
+    async def _claim(self, call_sid: str) -> bool:
+        """Claim the UUID for this node (Redis: atomic across nodes). Redis down or slower than CLAIM_WAIT_S:
+        the call is answered unchecked, logged and counted (its record's writes wait for Redis) — a PBX's
+        calls must not all fail with the store."""
         try:
-            async with asyncio.timeout(KNOWN_WAIT_S):
-                return await self.ctx.store.brief(call_sid) is not None
-        except (CallStoreUnavailable, TimeoutError):
-            return False  # Redis down or slow: the call is answered; its record's writes wait for Redis
+            async with asyncio.timeout(CLAIM_WAIT_S):
+                return await self.ctx.store.claim(call_sid, self.ctx.config.node_id)
+        except (CallStoreUnavailable, TimeoutError) as exc:
+            metrics.AUDIOSOCKET_UNCHECKED.inc()
+            if n := self.ctx.sampled("audiosocket:unchecked"):
+                log.warning("audiosocket call answered without its replay check (#%d): call store %s", n,
+                            "slow" if isinstance(exc, TimeoutError) else "unavailable")  # fmt: skip
+            return True
 
     # ---- call actions ----
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -156,6 +157,8 @@ class CallStore(Protocol):
     async def end(self, call_sid: str, reason: str, at: float | None = None) -> None: ...
     async def get(self, call_sid: str) -> CallRecord | None: ...
     async def brief(self, call_sid: str) -> CallBrief | None: ...
+    async def claim(self, call_sid: str, node: str) -> bool: ...
+    async def release_claim(self, call_sid: str, node: str) -> None: ...
     async def list_recent(self, limit: int = 50) -> list[CallRecord]: ...
     async def streaming_nodes(self) -> set[str]: ...
     async def streaming_on(self, node: str) -> dict[str, CallBrief]: ...
@@ -352,6 +355,14 @@ class MemoryCallStore(_OpStore):
         entry = self._records.get(call_sid)
         return None if entry is None else CallBrief(entry[0].state, entry[0].node, entry[0].agent)
 
+    async def claim(self, call_sid: str, node: str) -> bool:
+        """Whether this call id is new (no record): one process, so nothing else can claim it between."""
+        self._expire()
+        return call_sid not in self._records
+
+    async def release_claim(self, call_sid: str, node: str) -> None:
+        return None
+
     async def list_recent(self, limit: int = 50) -> list[CallRecord]:
         """Live calls, most recently written first."""
         self._expire()
@@ -505,6 +516,21 @@ redis.call('SREM', KEYS[2] .. ':' .. ARGV[1], ARGV[5])
 return 1
 """
 
+# Claims a call id for one node, atomically: refused when the call has a record, or another node (or this one)
+# claimed it first. The claim outlives the call as its record does, so the id stays spent.
+# KEYS 1 hash, 2 the claim; ARGV 1 node, 2 ttl (ms).
+_CLAIM_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+"""
+
+# Gives back a claim this node holds (a call refused busy after claiming: its PBX may retry the same id).
+_RELEASE_CLAIM_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 _KEY_SUFFIXES = ("", ":turns", ":oracle", ":dtmf", ":turn_latencies", ":tools")  # KEYS 1-6, see _APPLY_LUA
 _LIST_KEY_POS = {"turns": 2, "oracle": 3, "dtmf": 4, "turn_latencies_s": 5, "tools": 6}
 _LIST_NAMES_BY_KEY = sorted(_LIST_KEY_POS, key=_LIST_KEY_POS.__getitem__)
@@ -624,6 +650,8 @@ class RedisCallStore(_OpStore):
         self._restore = client.register_script(_RESTORE_LUA)
         self._streaming_on = client.register_script(_STREAMING_ON_LUA)
         self._end_lost = client.register_script(_END_LOST_LUA)
+        self._claim = client.register_script(_CLAIM_LUA)
+        self._release_claim = client.register_script(_RELEASE_CLAIM_LUA)
         # Live calls' records as written here, so a Redis that comes back empty gets them back whole.
         self._shadows: collections.OrderedDict[str, _Shadow] = collections.OrderedDict()
         self.max_shadows = DEFAULT_MAX_RECORDS
@@ -899,6 +927,26 @@ class RedisCallStore(_OpStore):
             record = CallRecord(call_sid=call_sid, state=state, node=node, agent=agent)
         record = self._merge(record, int(applied or 0), pending)
         return None if record is None else CallBrief(record.state, record.node, record.agent)
+
+    async def claim(self, call_sid: str, node: str) -> bool:
+        """Take this call id for `node`: False if it has a record (here unflushed, or in Redis) or another
+        claim holds it. One script, so two nodes offered the same id never both win. Raises
+        CallStoreUnavailable when Redis cannot answer (the caller decides whether to answer unchecked)."""
+        if call_sid in self._by_call or call_sid in self._shadows:
+            return False
+        claimed = await self._guard(self._claim(
+            keys=[self._call_keys(call_sid)[0], self._claim_key(call_sid)],
+            args=[node, max(1, round(self.ttl_s * 1000))]))  # fmt: skip
+        return bool(claimed)
+
+    async def release_claim(self, call_sid: str, node: str) -> None:
+        """Give back `node`'s claim on this call id, if it still holds it; Redis trouble is logged, not raised
+        (the claim then expires with its ttl)."""
+        with contextlib.suppress(CallStoreUnavailable):
+            await self._guard(self._release_claim(keys=[self._claim_key(call_sid)], args=[node]))
+
+    def _claim_key(self, call_sid: str) -> str:
+        return f"{self.key_prefix}claim:{call_sid}"
 
     async def list_recent(self, limit: int = 50) -> list[CallRecord]:
         """Live calls, most recently written first."""

@@ -167,6 +167,11 @@ AUDIOSOCKET_QUEUE_DROPPED = Counter(
     "AudioSocket bot messages (20 ms each) dropped from the pacer's queue, the oldest first: more than a second "
     "was queued (a stall's burst), so the caller hears the bot's newest audio instead of a second late.",
 )
+AUDIOSOCKET_UNCHECKED = Counter(
+    "kame_audiosocket_unchecked_calls_total",
+    "AudioSocket calls answered without their replay check: the call store (Redis) was down or slower than "
+    "200 ms, so a UUID seen before (or answered by another node) could not be ruled out.",
+)
 MEDIA_PLAYOUT_DELAY_SECONDS = Histogram(
     "kame_media_playout_delay_seconds",
     "From sending a playout mark to Twilio's echo of it: the bot audio queued ahead of it at Twilio, plus the "

@@ -18,6 +18,7 @@ from knowledge.backend import BackendConfig, BackendServices
 from telephony import audiosocket_wire as wire
 from telephony.audiosocket_config import AudioSocketListen, allowed, parse_listeners, parse_networks
 from telephony.audiosocket_session import AudioSocketSession, PacedQueue, call_id_for
+from telephony.call_store import open_call_store
 from telephony.config import ConfigError, ServiceConfig
 from telephony.framing import InboundFramer
 from telephony.mulaw import float_to_ulaw, ulaw_to_pcm16
@@ -26,6 +27,7 @@ from telephony.sim_audiosocket import audiosocket_call, caller_slin
 
 from .phone_fixtures import Phone, metric, running_phone
 from .polling import until
+from .redis_support import REDIS_URL, RedisServer
 
 LOOPBACK = (AudioSocketListen("127.0.0.1", 0),)
 
@@ -352,6 +354,49 @@ async def test_a_finished_calls_uuid_is_refused_and_its_record_kept(tiny_checkpo
     assert again.hung_up_by_service and not again.bot_audio
     assert before is not None and before == after and after.dtmf == ["1"] and after.end_reason == "completed"
     assert metric("kame_webhook_rejections_total", endpoint="audiosocket", reason="replayed") == replayed + 1
+
+
+async def test_two_nodes_offered_one_uuid_at_once_answer_it_once(tiny_checkpoint: Path, prefix: str) -> None:
+    """Two nodes on one Redis, each offered the same UUID at the same moment (a dialplan retrying on the
+    next node, or a replay aimed at both): one answers, the other refuses it as a replay, and the record
+    holds the one call."""
+    replayed = metric("kame_webhook_rejections_total", endpoint="audiosocket", reason="replayed")
+    stores = [open_call_store(REDIS_URL, key_prefix=prefix) for _ in range(2)]
+    async with (
+        running_phone(tiny_checkpoint, audiosocket=LOOPBACK, store=stores[0], node_id="node-a") as a,
+        running_phone(tiny_checkpoint, audiosocket=LOOPBACK, store=stores[1], node_id="node-b") as b,
+    ):
+        call_uuid = uuid.uuid4()
+        reports = await asyncio.gather(*(
+            audiosocket_call("127.0.0.1", _port(p), [bytes(320)] * 25, hold_s=0.5, call_uuid=call_uuid)
+            for p in (a, b)))  # fmt: skip
+        await a.settled()
+        await b.settled()
+        record = await stores[0].get(call_id_for(call_uuid))
+    answered = [r for r in reports if not r.hung_up_by_service]
+    assert len(answered) == 1 and answered[0].bot_audio
+    assert metric("kame_webhook_rejections_total", endpoint="audiosocket", reason="replayed") == replayed + 1
+    assert record is not None and record.end_reason == "completed"
+    assert record.node == ("node-a" if reports[0] is answered[0] else "node-b")
+
+
+async def test_with_redis_down_a_call_is_answered_unchecked_and_counted(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """The replay check needs Redis; a Redis that is down must not turn every PBX call away: the call is
+    answered, and the skipped check is counted (its record waits for Redis like every other write)."""
+    server = RedisServer(tmp_path)
+    await server.start()
+    store = open_call_store(server.url, socket_timeout_s=0.5, retry_max_s=0.2)
+    unchecked = metric("kame_audiosocket_unchecked_calls_total")
+    try:
+        async with running_phone(tiny_checkpoint, audiosocket=LOOPBACK, store=store) as phone:
+            await server.kill()
+            report = await audiosocket_call("127.0.0.1", _port(phone), [bytes(320)] * 25, hold_s=0.5)
+            assert store.pending_ops > 0  # type: ignore[attr-defined]
+            store.close_timeout_s = 0.2  # type: ignore[attr-defined]
+    finally:
+        await server.kill()
+    assert not report.hung_up_by_service and report.bot_audio
+    assert metric("kame_audiosocket_unchecked_calls_total") == unchecked + 1
 
 
 async def test_a_channel_at_another_rate_ends_at_once_as_misconfigured(tiny_checkpoint: Path) -> None:

@@ -137,6 +137,46 @@ async def test_brief_reads_state_node_and_agent_with_our_unflushed_writes(kind: 
         await store.aclose()
 
 
+async def test_a_call_id_is_claimed_once_across_nodes_and_never_over_a_record(kind: str, prefix: str) -> None:
+    """AudioSocket's replay check: nodes offered the same id at the same moment, one wins; an id with a record
+    (here unflushed, or in Redis) is never claimed; a claim given back (a busy answer) can be taken again."""
+    a = make_store(kind, prefix)
+    b = make_store(kind, prefix) if kind == "redis" else a  # memory: one node, one store
+    try:
+        if kind == "redis":  # two nodes, one Redis: one claim each, at once
+            won = await asyncio.gather(*(s.claim("AS-race", n) for s, n in ((a, "node-a"), (b, "node-b"))))
+            assert sorted(won) == [False, True]
+        assert await a.claim("AS-free", "node-a")
+        await a.release_claim("AS-free", "node-b")  # not node-b's to give back
+        if kind == "redis":
+            assert not await b.claim("AS-free", "node-b")
+        await a.release_claim("AS-free", "node-a")
+        assert await b.claim("AS-free", "node-b")
+
+        await a.create(CallRecord(call_sid="AS-rec", node="node-a"))
+        assert not await a.claim("AS-rec", "node-a")  # its own write, not flushed yet
+        await flushed(a)
+        assert not await b.claim("AS-rec", "node-b") and not await a.claim("AS-rec", "node-a")
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_a_claim_raises_unavailable_when_redis_is_down(server: RedisServer) -> None:
+    store = open_call_store(server.url, socket_timeout_s=0.5, retry_max_s=0.2)
+    try:
+        assert await store.claim("AS-1", "node-a")
+        await server.kill()
+        errors = redis_errors()
+        with pytest.raises(CallStoreUnavailable):
+            await store.claim("AS-2", "node-a")
+        await store.release_claim("AS-1", "node-a")  # logged and counted, never raised
+        assert redis_errors() == errors + 2
+    finally:
+        store.close_timeout_s = 0.2  # type: ignore[attr-defined]
+        await store.aclose()
+
+
 async def test_each_nodes_streaming_calls_are_read_alone_and_end_lost_ends_each_once(kind: str, prefix: str) -> None:
     """The sweep of a crashed node's calls (lost_calls) reads which nodes have calls streaming, then one gone
     node's calls, without their lists: its cost grows with that node's calls, not the fleet's. end_lost ends a
