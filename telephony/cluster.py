@@ -221,10 +221,11 @@ return redis.call('ZCARD', KEYS[3])
 """
 
 # KEYS 1 nodes zset, 2 resv:<sid>. ARGV 1 prefix, 2 call sid, 3 local node id, 4 token, 5 reservation ttl ms,
-# 6 node ttl ms, 7 local node draining (0/1), 8 local node's free slots now (fresher than its heartbeat),
-# 9 ms to remember the CallSid, 10.. acked calls (see _HELD_LUA). Returns {node, url, token, reservations on
-# that node} or nil. A reservation is kept past its expiry (`until`): a webhook replayed after it (a captured
-# one) is used up, not granted a seat and a token again every few seconds.
+# 6 node ttl ms, 7 local node out of routing (draining, or AudioSocket only: 0/1), 8 local node's free slots now
+# (fresher than its heartbeat), 9 ms to remember the CallSid, 10 local node's stream url, 11.. acked calls (see
+# _HELD_LUA). Returns {node, url, token, reservations on that node} or nil. A reservation is kept past its
+# expiry (`until`): a webhook replayed after it (a captured one) is used up, not granted a seat and a token
+# again every few seconds.
 _RESERVE_LUA = _NOW_MS_LUA + _HELD_LUA + """
 local held = redis.call('HMGET', KEYS[2], 'node', 'url', 'token', 'state', 'until')
 if held[1] then
@@ -233,19 +234,24 @@ if held[1] then
   return {held[1], held[2], held[3], -1}
 end
 local p, me = ARGV[1], ARGV[3]
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - tonumber(ARGV[6])))
 local best, best_url, best_room = nil, nil, 0
-for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-  local n = redis.call('HMGET', p .. 'node:' .. id, 'url', 'free', 'draining')
-  if n[1] and n[3] ~= '1' and not (id == me and ARGV[7] == '1') then
-    local rz = p .. 'node:' .. id .. ':resv'
-    redis.call('ZREMRANGEBYSCORE', rz, '-inf', now)
-    local free = tonumber(n[2]) or 0
-    if id == me then free = tonumber(ARGV[8]) - unsubtracted(p .. 'node:' .. id .. ':held', 10, now) end
-    local room = free - redis.call('ZCARD', rz)
-    if room > 0 and best ~= me then
-      -- this node first (the webhook and the stream on one node: fewer hops), else the most room
-      if id == me or room > best_room or (room == best_room and id < best) then
+-- This node first (the webhook and the stream on one node: fewer hops), from its own figures: it is a
+-- candidate even while its heartbeat is missing here (Redis restarted empty, or its last beat came late).
+if ARGV[7] ~= '1' then
+  local rz = p .. 'node:' .. me .. ':resv'
+  redis.call('ZREMRANGEBYSCORE', rz, '-inf', now)
+  local room = tonumber(ARGV[8]) - unsubtracted(p .. 'node:' .. me .. ':held', 11, now) - redis.call('ZCARD', rz)
+  if room > 0 then best, best_url, best_room = me, ARGV[10], room end
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - tonumber(ARGV[6])))
+if not best then  -- else the node with the most room
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+    local n = redis.call('HMGET', p .. 'node:' .. id, 'url', 'free', 'draining')
+    if id ~= me and n[1] and n[3] ~= '1' then
+      local rz = p .. 'node:' .. id .. ':resv'
+      redis.call('ZREMRANGEBYSCORE', rz, '-inf', now)
+      local room = (tonumber(n[2]) or 0) - redis.call('ZCARD', rz)
+      if room > 0 and (room > best_room or (room == best_room and id < best)) then
         best, best_url, best_room = id, n[1], room
       end
     end
@@ -540,8 +546,8 @@ class RedisCluster:
         # a seat atomically, and a claim landing before it is subtracted there (held, not in `acked`).
         keys = [self._nodes_key, self._resv_key(call_sid)]
         args: list[Any] = [self.key_prefix, call_sid, self.node_id, new_token(), _ms(self.reservation_ttl_s),
-                           _ms(self.node_ttl_s), int(self.draining), self._free_here(), _ms(self.bound_ttl_s),
-                           *self._acked_now()]  # fmt: skip
+                           _ms(self.node_ttl_s), int(self.draining or not self.routable), self._free_here(),
+                           _ms(self.bound_ttl_s), self.stream_url, *self._acked_now()]  # fmt: skip
         try:
             got = await self._reserve_script(keys=keys, args=args)
         except _REDIS_FAILURES as exc:

@@ -103,6 +103,23 @@ async def test_reserves_here_first_then_on_the_node_with_most_room(prefix: str) 
         assert where(await reserve_many(n["a"], 4)) == ["c", "b", "c", None]
 
 
+async def test_a_node_missing_from_redis_still_reserves_its_own_seats(prefix: str, raw: aioredis.Redis) -> None:
+    """Redis restarted empty (or this node's last heartbeat came late and was pruned): until the next beat the
+    node is in no one's list, but a webhook landing on it still gets its free seat, never a busy signal. The
+    other node, missing too, is offered only once it beats again; the seat taken is counted once it does."""
+    async with nodes(prefix, {"a": 1, "b": 1}, heartbeat_s=30.0, node_ttl_s=60.0) as n:
+        a = n["a"]
+        await raw.delete(*[k async for k in raw.scan_iter(match=prefix + "*")])  # Redis came back empty
+        first = await a.reserve(new_call_sid())
+        assert first is not None and first.node_id == "a"
+        assert await a.reserve(new_call_sid()) is None  # "a" full; "b" unknown until it beats
+        await n["b"].refresh()
+        assert where(await reserve_many(a, 2)) == ["b", None]
+        a.draining = True  # out of routing: never a candidate, heartbeat or not
+        await raw.delete(*[k async for k in raw.scan_iter(match=prefix + "*")])
+        assert await a.reserve(new_call_sid()) is None
+
+
 async def test_claim_needs_this_node_and_the_token(prefix: str, raw: aioredis.Redis) -> None:
     async with nodes(prefix, {"a": 0, "b": 1}) as n:
         a, b = n["a"], n["b"]
