@@ -93,6 +93,34 @@ def _delays(text: str, own_service: bool) -> list[float | None]:
     return list(dict.fromkeys(values))
 
 
+def _agents_file(serve_args: list[str]) -> str | None:
+    """The agents file the throwaway service is given (the last one, as argparse takes it), if any."""
+    found = None
+    for i, arg in enumerate(serve_args):
+        if arg == "--agents" and i + 1 < len(serve_args):
+            found = serve_args[i + 1]
+        elif arg.startswith("--agents="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def _no_agent_delay(path: str | None, to_number: str) -> None:
+    """The agent answering the eval's calls must not set its own forced delay: it wins over the service's
+    --forced-delay-ms, so every call of the sweep would run at the agent's, reported under the sweep's."""
+    if path is None:
+        return
+    from knowledge.agents import Agents, AgentsError
+
+    try:
+        agent = Agents.load(path).for_call(to_number)
+    except AgentsError as exc:
+        raise UsageError(str(exc)) from None
+    if agent.forced_delay_ms is not None:
+        raise UsageError(f"agent {agent.name!r} (answering {to_number}) sets forced_delay_ms = "
+                         f"{agent.forced_delay_ms:g} in {path}: it would override every delay of the sweep "
+                         "(--forced-delay-ms); remove it there, or --to a number another agent answers")  # fmt: skip
+
+
 def _checkpoint(value: str) -> str:
     if value != "tiny":
         return value
@@ -141,6 +169,7 @@ def build_plan(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         for flag, value in (("--agents", args.agents), ("--stt", args.stt), ("--llm-model", args.llm_model)):
             if value:
                 serve_args += [flag, value]
+        _no_agent_delay(_agents_file(serve_args), args.to_number)
         target = Target(checkpoint=ckpt, serve_args=serve_args, random_weights=has_random_weights(ckpt))
     else:
         if args.agents or args.stt or args.llm_model or args.serve_arg:

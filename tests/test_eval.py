@@ -212,6 +212,12 @@ async def test_usage_errors_are_one_line(tmp_path: Path) -> None:
         (["--checkpoint", "x", "--questions", str(questions), "--categories", "math"], "no question in categories"),
         (["--checkpoint", "x", "--questions", str(questions), "--busy-redials", "-1"], "--busy-redials at least 0"),
     ]
+    agents = tmp_path / "agents.toml"
+    agents.write_text('[agents.sales]\ninstructions = "Sell."\nnumbers = ["+15005550001"]\nforced_delay_ms = 300\n')
+    cases.append((["--checkpoint", "x", "--questions", str(questions), "--agents", str(agents)],
+                  "agent 'sales' (answering +15005550001) sets forced_delay_ms = 300"))  # fmt: skip
+    cases.append((["--checkpoint", "x", "--questions", str(questions), f"--serve-arg=--agents={agents}"],
+                  "it would override every delay of the sweep"))  # fmt: skip
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question_id": 1, "category": "x", "turns": ["ok?"]}\n{"question_id": 2, "turns": []}\n')
     cases.append((["--checkpoint", "x", "--questions", str(bad)], "line 2: 'turns' must be a list"))
