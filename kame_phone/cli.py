@@ -420,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--sip-domain", help="a Twilio SIP Domain (acme.sip.twilio.com) a PBX's SIP trunk sends "
                                              "calls to")
     setup.add_argument("--dry-run", action="store_true", help="print what would change, change nothing")
+    setup.add_argument("--replace-status-callback", action="store_true",
+                       help="take over a status callback that points at another URL (else setup refuses)")
     env_flag(setup, "--public-url", "PUBLIC_URL", help="the https:// URL Twilio reaches this service at")
     setup.set_defaults(func=_twilio)
 

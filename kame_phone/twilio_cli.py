@@ -81,6 +81,16 @@ async def twilio_setup(args: argparse.Namespace) -> None:
             raise CliError(f"{before.name}'s calls go to {before.routed_elsewhere}, and Twilio ignores its voice URL "
                            "while it is set: detach it (console: Phone Numbers > the number > Voice Configuration) "
                            "and run this again; nothing changed", code=1)  # fmt: skip
+        theirs = before.status_callback if before.status_callback not in (None, "", status_url) else None
+        if theirs and not args.replace_status_callback:
+            # Another system (a CRM, a call log) reads this number's call statuses: taking them over silently
+            # would break it. The service needs them to close calls that never streamed.
+            message = (f"{before.name} sends its call statuses to {theirs}; this service needs them (to close calls "
+                       "that never streamed). Pass --replace-status-callback to send them here instead (that URL "
+                       "then gets none)")  # fmt: skip
+            if not args.dry_run:
+                raise CliError(message + "; nothing changed", code=1)
+            print(f"note: {message}")
         if args.dry_run:
             print("--dry-run: nothing changed")
             return

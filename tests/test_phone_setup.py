@@ -61,6 +61,25 @@ async def test_twilio_setup_points_the_number_at_the_service(tmp_path: Path) -> 
         assert "https://demo.twilio.com/welcome/voice/" in out and "done: calls to" in out  # before, and after
 
 
+async def test_twilio_setup_never_takes_over_another_systems_status_callback_unasked() -> None:
+    """A number whose call statuses go to another system (a CRM): setup refuses and changes nothing, unless
+    told to take them over; a callback already ours is no reason to stop (running setup twice is fine)."""
+    async with serve_twilio_rest(ACCOUNT, ACCOUNT, SECRET) as twilio:
+        twilio.add_number(NUMBER, status_callback="https://crm.example.com/status")
+        env = {**_rest_env(twilio), "PUBLIC_URL": "https://voice.example.com"}
+        rc, out, err = await _kame(["twilio", "setup", "--number", NUMBER, "--dry-run"], env)
+        assert rc == 0 and "note: " in out and "--replace-status-callback" in out
+        rc, _, err = await _kame(["twilio", "setup", "--number", NUMBER], env)
+        assert rc == 1 and "sends its call statuses to https://crm.example.com/status" in err
+        assert "nothing changed" in err and not twilio.number_updates
+        rc, _, err = await _kame(["twilio", "setup", "--number", NUMBER, "--replace-status-callback"], env)
+        assert rc == 0, err
+        rc, _, err = await _kame(["twilio", "setup", "--number", NUMBER], env)  # ours now: again is fine
+        assert rc == 0, err
+        ours = "https://voice.example.com" + CALL_STATUS_PATH
+        assert [u["StatusCallback"] for u in twilio.number_updates] == [ours, ours]
+
+
 async def test_twilio_setup_refuses_a_number_whose_calls_go_to_an_app_or_a_trunk() -> None:
     """A number attached to a TwiML App or an Elastic SIP Trunk ignores its voice URL: setup changed the URL
     and said "done", and calls still went to the app or the trunk (review, session 22)."""

@@ -51,10 +51,10 @@ class TwilioRestStandIn:
     status_fetches: int = 0
 
     def add_number(self, number: str, voice_url: str | None = None, voice_application_sid: str | None = None,
-                   trunk_sid: str | None = None) -> str:  # fmt: skip
+                   trunk_sid: str | None = None, status_callback: str | None = None) -> str:  # fmt: skip
         sid = "PN" + secrets.token_hex(16)
         self.numbers[sid] = {"sid": sid, "phone_number": number, "voice_url": voice_url, "voice_method": "POST",
-                             "status_callback": None, "status_callback_method": None,
+                             "status_callback": status_callback, "status_callback_method": status_callback and "POST",
                              "voice_application_sid": voice_application_sid, "trunk_sid": trunk_sid}  # fmt: skip
         return sid
 
