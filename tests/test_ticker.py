@@ -126,3 +126,25 @@ def test_a_tick_signal_survives_a_follower_killed_while_waiting() -> None:
     threading.Timer(0.1, tick.set).start()
     assert tick.wait(5)
     tick.close()
+
+
+def test_a_follower_killed_half_way_through_reading_leaves_the_signal_whole() -> None:
+    """A follower may die having read part of what is in the pipe (framed messages: a length without its body).
+    The next follower then misread a byte of zeros as a 16 MiB length and blocked in `clear` for good; raw
+    bytes carry nothing, so whatever was read before, the next `clear` drains and `wait` sees the next tick."""
+    import os
+
+    tick = TickSignal()
+    for _ in range(3):
+        tick.set()
+    os.read(tick._reader.fileno(), 1)  # what the killed follower took with it
+    cleared = threading.Thread(target=tick.clear, daemon=True)
+    cleared.start()
+    cleared.join(5)
+    assert not cleared.is_alive(), "clear() blocked"
+    assert not tick.wait(0.05)
+    tick.set()
+    assert tick.wait(5)
+    tick.clear()
+    assert not tick.wait(0.05)
+    tick.close()
