@@ -144,7 +144,13 @@ class BackendServices:
             self.stt_factory: Callable[[], StreamingSTT] = self.stt_process.open_stream
         else:
             self.stt_factory = make_stt(config.stt, rows=config.stt_rows)
-        self.executor = ThreadPoolExecutor(max_workers=config.stt_threads, thread_name_prefix="kame-stt")
+        workers = config.stt_threads
+        if self.stt_process is not None:
+            # Its calls' work here is a pipe write or a wait for the child's answer (a call's start or end, up to
+            # 5 s with the child stalled), both without the GIL: one thread a row, so no call's feed ever queues
+            # behind another call's wait. (Threads are made only as calls need them.)
+            workers = max(workers, self.stt_process.batch_size)
+        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kame-stt")
         self.llm = LlmClient(config.llm_config()) if config.llm_enabled else None
         self.tools_http = HttpSession()
 

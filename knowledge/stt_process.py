@@ -20,7 +20,10 @@ right after each tick, in the engine's own process when it has one, so the STT s
 with no hop through this busy process; either child may be killed without leaving the other blocked on it.
 
 A child that dies fails its calls' streams (their back-ends report it and open new ones after a backoff) and is
-started again, after 1 s, then twice as long after each start that fails, up to 30 s.
+started again, after 1 s, then twice as long after each start that fails (or each child that dies within a minute
+of its start), up to 30 s. A child is also made to die where it could not recover in place: its steps failing
+STEP_FAILURES_TO_EXIT times in a row (a CUDA fault leaves its context broken for good) make it exit; a step
+that never returns (a wedged GPU), with calls' audio still coming, makes this process kill it after STALL_S.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections import deque
@@ -56,6 +60,10 @@ START_TIMEOUT_S = 600.0  # load and warm-up (stt-2.6b-en from a cold disk, CUDA 
 FETCH_TIMEOUT_S = 7200.0  # a repo id with an empty Hugging Face cache downloads first (as the engine's)
 ANSWER_TIMEOUT_S = 5.0  # open and flush: the child answers between two steps
 RESTART_BACKOFF_S = (1.0, 30.0)  # first wait, longest wait
+SHORT_LIFE_S = 60.0  # a child dead within this of its start backs the next restart off, as a failed start does
+STEP_FAILURES_TO_EXIT = 3  # steps failing in a row: the child exits, to be started afresh
+STALL_S = 10.0  # calls' audio sent with no step since: the child is wedged, and is killed
+STEPS_FAILED_EXIT = 70  # the child's exit code when its steps keep failing
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,9 @@ class _Link:
     conn: Connection
     sender: ParentSender
     alive: bool = True
+    started_at: float = field(default_factory=time.monotonic)
+    unstepped_since: float | None = None  # the first audio sent since the child last reported a step
+    killed_stalled: bool = False
 
 
 class SttProcess:
@@ -105,6 +116,7 @@ class SttProcess:
         self.tick_signal = TickSignal()
         self._following = False
         self._restart_backoff_s = restart_backoff_s
+        self._next_restart_s = restart_backoff_s[0]
         self._lock = threading.Lock()
         self._link: _Link | None = None
         self._generations = itertools.count(1)
@@ -129,8 +141,13 @@ class SttProcess:
         ours, theirs = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(target=_child_main, name="kame-stt", daemon=True,
                                     args=(theirs, self.spec, self.tick_signal, LogSetup.of_this_process()))
-        process.start()
-        theirs.close()
+        try:
+            process.start()
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         try:
             self._await_ready(ours, process)
         except BaseException:
@@ -146,6 +163,7 @@ class SttProcess:
             ours.send(("stop",))
             process.join(10)
             process.kill()
+            process.join()
             ours.close()
             return
         threading.Thread(target=self._read_forever, args=(link,), name="kame-stt-reader", daemon=True).start()
@@ -173,6 +191,9 @@ class SttProcess:
         if kind == "failed":
             message, bad_checkpoint = rest
             process.join(5)
+            if process.is_alive():  # still letting go of its GPU memory: the next try must not start beside it
+                process.kill()
+                process.join()
             if bad_checkpoint:  # the same one clear line as in process
                 raise CheckpointError(message.removeprefix("CheckpointError: "))
             raise RuntimeError(f"the Kyutai STT process failed to start: {message}")
@@ -238,6 +259,21 @@ class SttProcess:
         link = self._current(generation, row, lease)
         if not link.sender.put(("push", row, lease, frames)):  # as the child drops a backlog
             metrics.STT_DROPPED_FRAMES.inc(len(frames))
+        self._check_stall(link)
+
+    def _check_stall(self, link: _Link) -> None:
+        """Audio is going to the child, so it should be stepping: with no step reported for STALL_S it is wedged
+        (its commands are still answered: another thread), and only a new process can step again."""
+        now = time.monotonic()
+        if link.unstepped_since is None:
+            link.unstepped_since = now
+        stalled_s = now - link.unstepped_since
+        if stalled_s < STALL_S or link.killed_stalled:
+            return
+        link.killed_stalled = True
+        log.error("the Kyutai STT process %d has not stepped for %.0f s while calls send it audio: killing it, to "
+                  "start it afresh", link.process.pid, stalled_s)  # fmt: skip
+        link.process.kill()  # its pipe's end closes: the reader fails its calls and restarts it
 
     def _drain(self, generation: int, row: int, lease: int) -> list[SttResult]:
         with self._lock:
@@ -333,20 +369,26 @@ class SttProcess:
             calls = [held for held in self._held.values() if held.generation == link.generation]
             for held in calls:
                 held.failure = reason
-            for request in self._requests.values():
-                request.set_exception(RuntimeError(reason))
+            for request in self._requests.values():  # a call starting now: asked again when it is back
+                request.set_exception(SttUnavailable(reason))
             self._requests.clear()
         metrics.STT_PROCESS_RESTARTS.inc()
-        log.error("%s: %d calls lose their transcript until it is back; starting it again", reason, len(calls))
-        threading.Thread(target=self._restart, name="kame-stt-restart", daemon=True).start()
+        first, longest = self._restart_backoff_s
+        if time.monotonic() - link.started_at >= SHORT_LIFE_S:
+            self._next_restart_s = first  # it had lived a while: not a crash loop
+        wait = self._next_restart_s
+        log.error("%s: %d calls lose their transcript until it is back; starting it again in %.0f s", reason,
+                  len(calls), wait)  # fmt: skip
+        threading.Thread(target=self._restart, args=(wait,), name="kame-stt-restart", daemon=True).start()
 
-    def _restart(self) -> None:
-        wait, longest = self._restart_backoff_s
+    def _restart(self, wait: float) -> None:
+        longest = self._restart_backoff_s[1]
         while not self._closed.wait(wait):
+            wait = min(wait * 2, longest)
+            self._next_restart_s = wait  # for the next death, should this child die young
             try:
                 self._spawn()
             except Exception as e:
-                wait = min(wait * 2, longest)
                 log.error("the Kyutai STT process did not start again (%s); next try in %.0f s", e, wait)
                 continue
             self.restarts += 1
@@ -364,6 +406,8 @@ class SttProcess:
                         held.failure = f"Kyutai STT engine step failed: {failure}"
                     elif epoch == held.epoch:
                         held.inbox.extend(results)
+            if step_seconds:
+                link.unstepped_since = None
             self.recent_steps.extend(step_seconds)
             for _, seconds in step_seconds:
                 metrics.STT_STEP_SECONDS.observe(seconds)
@@ -414,11 +458,23 @@ class _ChildSttEngine(KyutaiSttEngine):
         self.epochs: list[int] = []
         self._failures_sent: set[tuple[int, int]] = set()
         self._step_seconds: list[tuple[float, float]] = []
+        self.failed_in_a_row = 0
         super().__init__(*args, **kwargs)
         self.epochs = [0] * self.batch_size
 
     def step(self):  # type: ignore[no-untyped-def]
-        done = super().step()
+        try:
+            done = super().step()
+        except Exception:
+            self.failed_in_a_row += 1
+            if self.failed_in_a_row >= STEP_FAILURES_TO_EXIT:
+                self.report()  # the failed rows' calls hear why before the pipe closes
+                log.critical("Kyutai STT: %d steps in a row failed; exiting, to be started afresh",
+                             self.failed_in_a_row)  # fmt: skip
+                self.send.close()
+                os._exit(STEPS_FAILED_EXIT)  # not a clean close: a broken CUDA context can hang one
+            raise
+        self.failed_in_a_row = 0
         if done is not None:  # (when it began, on the machine's one monotonic clock; how long it took)
             self._step_seconds.append((time.monotonic() - self.last_step_s, self.last_step_s))
         return done

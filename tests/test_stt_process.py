@@ -22,14 +22,16 @@ import soxr
 
 from engine.checkpoint import CheckpointError
 from engine.interface import FRAME_SAMPLES
+from knowledge import stt_process
 from knowledge.backend import BackendConfig, BackendServices
-from knowledge.stt import SttResult
+from knowledge.stt import SttResult, SttUnavailable
 from knowledge.stt_kyutai import KyutaiStreamingSTT, KyutaiSttEngine, SttCapacityError
-from knowledge.stt_process import SttChildSpec, SttProcess
+from knowledge.stt_process import STEP_FAILURES_TO_EXIT, STEPS_FAILED_EXIT, SttChildSpec, SttProcess
 from knowledge.tiny_stt_checkpoint import make_tiny_stt_checkpoint
 
 from .phone_fixtures import json_logging, metric
 from .polling import RecordedEvent
+from .stt_faults import FAULT_FLAG_ENV, failing_steps_child_main
 
 PACKET = 480  # 20 ms at 24 kHz: what the phone edge hands the back-end
 
@@ -181,6 +183,73 @@ def test_a_killed_stt_process_fails_its_calls_clearly_and_comes_back(make_proces
     again = process.open_stream()
     assert hear(again, speech[: 24_000])  # hears again
     again.close()
+
+
+def test_an_stt_process_whose_steps_keep_failing_exits_and_comes_back(
+    make_process, speech, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CUDA fault leaves the child's context broken for good: every step fails, while the process lives on and
+    answers its commands. Calls retrying on it would fail forever; after 3 failed steps in a row it exits, and
+    is started again like a crashed one."""
+    flag = tmp_path / "fault"
+    monkeypatch.setenv(FAULT_FLAG_ENV, str(flag))
+    monkeypatch.setattr(stt_process, "_child_main", failing_steps_child_main)
+    process = make_process(restart_backoff_s=(0.2, 1.0))
+    assert process._link is not None
+    first = process._link.process
+    flag.touch()
+    failures: list[str] = []
+    for _ in range(STEP_FAILURES_TO_EXIT):  # a call's back-end: open, fail, open again
+        try:
+            call = process.open_stream()
+            with pytest.raises(RuntimeError) as failed:
+                for _ in range(100):
+                    call.feed(speech[:PACKET])
+                    time.sleep(0.02)
+            failures.append(str(failed.value))
+            call.close()
+        except SttUnavailable:
+            break
+    assert "illegal memory access" in failures[0]
+    wait_for(lambda: first.exitcode is not None, 30)
+    assert first.exitcode == STEPS_FAILED_EXIT
+    flag.unlink()  # the new process has a new CUDA context
+    wait_for(lambda: process.alive and process.restarts == 1, 60)
+    again = process.open_stream()
+    assert hear(again, speech[:24_000])
+    again.close()
+
+
+def test_a_wedged_stt_process_is_killed_and_a_crash_loop_backs_off(
+    make_process, speech, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step that never returns (a wedged GPU) leaves every call deaf without an error: audio going out and no
+    step coming back for STALL_S gets the child killed and started again. A child that dies young waits longer
+    before its next start than the one before it, as a failed start does."""
+    monkeypatch.setattr(stt_process, "STALL_S", 1.0)
+    process = make_process(restart_backoff_s=(0.2, 1.0))
+    call = process.open_stream()
+    call.feed(speech[:PACKET])
+    assert process._link is not None
+    first = process._link.process
+    assert first.pid is not None
+    os.kill(first.pid, signal.SIGSTOP)  # nothing steps, nothing answers: as wedged as it gets
+    with pytest.raises(RuntimeError, match="STT process died"):
+        for _ in range(500):
+            call.feed(speech[:PACKET])
+            time.sleep(0.02)
+    assert first.exitcode == -signal.SIGKILL
+    call.close()
+    wait_for(lambda: process.alive and process.restarts == 1, 60)
+    assert process._next_restart_s == 0.4
+    again = process.open_stream()
+    assert hear(again, speech[:24_000])
+    again.close()
+    second = process.pid
+    assert second is not None
+    os.kill(second, signal.SIGKILL)  # dead within a minute of its start: the next waits twice as long
+    wait_for(lambda: process.alive and process.restarts == 2, 60)
+    assert process._next_restart_s == 0.8
 
 
 @pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
