@@ -56,6 +56,7 @@ from .link_wire import (
     setup_from_wire,
     tune_socket,
 )
+from .log_sampler import LogSampler
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class EngineServer:
         self._awaiting_hello: dict[asyncio.StreamWriter, None] = {}  # peers before their hello, oldest first
         self._handshaking: dict[asyncio.StreamWriter, asyncio.Task[None]] = {}  # peers in their TLS handshake
         self._evicted: set[asyncio.Task[None]] = set()  # handshakes cancelled for a newer peer
-        self._handshakes_evicted = 0
+        self._sampled = LogSampler()  # anyone reaching the port can repeat these: a sample of each kind is logged
         self._listen_tls: ssl.SSLContext | None = None
         self._closing: set[asyncio.Task[None]] = set()  # calls the edges hung up, still saying their last words
         self._server: asyncio.Server | None = None
@@ -209,8 +210,10 @@ class EngineServer:
                 oldest = next(iter(self._awaiting_hello))
                 del self._awaiting_hello[oldest]
                 metrics.ENGINE_LINK_ERRORS.labels(kind="unauthenticated_cap").inc()
-                log.warning("engine link: %d connections await their hello; the oldest (%s) closed for one from %s",
-                            MAX_UNAUTHENTICATED, oldest.get_extra_info("peername") or "unix socket", peer)  # fmt: skip
+                if n := self._sampled("hello_cap"):
+                    log.warning("engine link: %d connections await their hello; the oldest (%s) closed for one from "
+                                "%s (#%d)", MAX_UNAUTHENTICATED, oldest.get_extra_info("peername") or "unix socket",
+                                peer, n)  # fmt: skip
                 oldest.write(json_message(b"W", {"error": "too many connections awaiting their hello; retry"}))
                 oldest.close()
             self._awaiting_hello[writer] = None
@@ -251,7 +254,8 @@ class EngineServer:
         # A broken or hostile peer (deep JSON nesting, a number past float range included): drop it, not us.
         except (LinkError, ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:
             metrics.ENGINE_LINK_ERRORS.labels(kind="bad_message").inc()
-            log.warning("engine link from %s: %s; closing it", peer, e)
+            if edge is not None or (n := self._sampled("bad_message")):  # a welcomed edge's is always said
+                log.warning("engine link from %s: %s; closing it", peer, e)
         finally:
             if edge is not None:
                 await self._drop_edge(edge)
@@ -269,8 +273,7 @@ class EngineServer:
             oldest, task = next(iter(self._handshaking.items()))
             del self._handshaking[oldest]
             metrics.ENGINE_LINK_ERRORS.labels(kind="unauthenticated_cap").inc()
-            self._handshakes_evicted += 1
-            if (n := self._handshakes_evicted) in (1, 10) or n % 100 == 0:
+            if n := self._sampled("handshake_cap"):
                 log.warning("engine link: %d TLS handshakes under way; the oldest stopped for one from %s (#%d)",
                             MAX_HANDSHAKES, peer, n)  # fmt: skip
             # Its handshake is cancelled (which closes the socket): closed under it instead, the handshake
@@ -289,7 +292,8 @@ class EngineServer:
             return False  # stopped for a newer peer, and counted as such
         except (OSError, asyncio.TimeoutError) as e:  # (ssl.SSLError is an OSError)
             metrics.ENGINE_LINK_ERRORS.labels(kind="bad_hello").inc()
-            log.warning("engine link from %s: no TLS handshake (%s); closing it", peer, type(e).__name__)
+            if n := self._sampled("no_tls"):
+                log.warning("engine link from %s: no TLS handshake (%s); closing it (#%d)", peer, type(e).__name__, n)
             return False
         finally:
             self._handshaking.pop(writer, None)
@@ -310,12 +314,14 @@ class EngineServer:
             if writer.is_closing():  # closed to make room for a newer connection: counted as such already
                 return None
             metrics.ENGINE_LINK_ERRORS.labels(kind="bad_hello").inc()
-            log.warning("engine link from %s: no hello; closing it", peer)
+            if n := self._sampled("no_hello"):
+                log.warning("engine link from %s: no hello; closing it (#%d)", peer, n)
             return None
         given = str(hello.get("token", "")).encode()  # bytes: compare_digest refuses non-ASCII str
         if self.token is not None and not hmac.compare_digest(given, self.token.encode()):
             metrics.ENGINE_LINK_ERRORS.labels(kind="bad_token").inc()
-            log.warning("engine link from %s: wrong token; refused", peer)
+            if n := self._sampled("bad_token"):
+                log.warning("engine link from %s: wrong token; refused (#%d)", peer, n)
             writer.write(json_message(b"W", {"error": "wrong token", "permanent": True}))
             return None
         version = hello.get("version", 1)

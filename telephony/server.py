@@ -23,6 +23,7 @@ from multidict import MultiDictProxy
 from twilio.twiml.voice_response import VoiceResponse
 
 from engine.interface import MAX_SETUP_TEXT, Engine
+from engine.log_sampler import LogSampler
 from knowledge.agents import AgentDirectory, Agents
 
 from . import metrics
@@ -34,7 +35,7 @@ from .call_store import CallRecord, CallStore, CallStoreUnavailable
 from .cluster import Cluster, LocalCluster, open_cluster
 from .config import ServiceConfig
 from .connection_cap import cap_connections
-from .logs import LogSampler, call_id_var
+from .logs import call_id_var
 from .lost_calls import LostCallSweep
 from .media_session import AGENT_PARAMETER, TOKEN_PARAMETER, MediaStreamSession
 from .metrics_http import MetricsListener
@@ -202,7 +203,8 @@ def _counted(request: web.Request, endpoint: str, ok: bool) -> bool:
     if not ok:
         reason = "missing_signature" if SIGNATURE_HEADER not in request.headers else "bad_signature"
         metrics.WEBHOOK_REJECTIONS.labels(endpoint=endpoint, reason=reason).inc()
-        log.warning("%s refused (%s) from %s", endpoint, reason, request.remote)
+        if n := _ctx(request).sampled(f"{endpoint}:{reason}"):  # anyone can send these: never a line each
+            log.warning("%s refused (%s) from %s (#%d)", endpoint, reason, request.remote, n)
     return ok
 
 
@@ -239,7 +241,8 @@ async def _webhook_form(request: web.Request, endpoint: str) -> MultiDictProxy[A
 
 def _refused(request: web.Request, endpoint: str, reason: str, answer: web.HTTPException) -> web.HTTPException:
     metrics.WEBHOOK_REJECTIONS.labels(endpoint=endpoint, reason=reason).inc()
-    log.warning("%s refused (%s) from %s", endpoint, reason, request.remote)
+    if n := _ctx(request).sampled(f"{endpoint}:{reason}"):
+        log.warning("%s refused (%s) from %s (#%d)", endpoint, reason, request.remote, n)
     return answer
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import socket
 import struct
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from engine.interface import FRAME_SAMPLES, CallSetup
 from engine.link_server import HELLO_TIMEOUT_S, MAX_HANDSHAKES, MAX_UNAUTHENTICATED
@@ -61,8 +63,11 @@ async def _read_or_closed(reader: asyncio.StreamReader, within: float) -> bytes:
 
 
 async def test_peers_without_a_proper_hello_cost_the_engine_nothing_while_a_call_runs(
-    tmp_path: Path, engine_server
+    tmp_path: Path, engine_server, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Peers that never say a proper hello cost the engine no memory, no edge's place and no log line each (every
+    one is counted; a sample of each kind is logged), while a call runs."""
+    caplog.set_level(logging.INFO, logger="engine.link_server")
     _, address = await engine_server(2, tcp=True, token=TOKEN)
     edge_engine = await RemoteEngine.connect(address, token=TOKEN, seats=1)
     edge = await edge_service(edge_engine)
@@ -118,6 +123,8 @@ async def test_peers_without_a_proper_hello_cost_the_engine_nothing_while_a_call
         assert late.max_calls == 1
         await late.stop()
         _assert_heard(await call, 700.0, out)
+        refusals = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert 3 <= len(refusals) <= 12, [r.getMessage() for r in refusals]  # of 117 refused peers
     finally:
         call.cancel()
         await edge.aclose()

@@ -146,6 +146,27 @@ async def test_a_body_twilio_never_sends_is_a_counted_400_not_a_traceback(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text[-2000:]
 
 
+async def test_a_flood_of_unsigned_webhooks_is_counted_each_and_logged_sampled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Anyone can post to /twilio/*: 300 unsigned or forged requests on one keep-alive connection are each
+    counted, but logged only as a sample (a line each was a log flood, and on a slow log sink a loop stall)."""
+    caplog.set_level(logging.INFO)
+    missing = metric("kame_webhook_rejections_total", endpoint="voice", reason="missing_signature")
+    bad = metric("kame_webhook_rejections_total", endpoint="voice", reason="bad_signature")
+    async with _service() as h, aiohttp.ClientSession() as http:
+        for i in range(300):
+            headers = {SIGNATURE_HEADER: "forged"} if i % 2 else {}
+            async with http.post(h.http_url + VOICE_PATH, data={"CallSid": _sid()}, headers=headers) as resp:
+                assert resp.status == 403
+        status, _ = await _voice(http, h.http_url, _sid())  # a good call comes in as before
+    assert status == 200
+    assert metric("kame_webhook_rejections_total", endpoint="voice", reason="missing_signature") == missing + 150
+    assert metric("kame_webhook_rejections_total", endpoint="voice", reason="bad_signature") == bad + 150
+    lines = [r for r in caplog.records if "refused (" in r.getMessage()]
+    assert 2 <= len(lines) <= 8, len(lines)  # the 1st, 10th and 100th of each kind
+
+
 async def test_a_call_whose_reservation_expired_unclaimed_is_ended_by_its_final_status() -> None:
     """Its stream never started (not opened; the caller had the agent's fallback, or hung up): Twilio's final
     call status, after the reservation expired, ends the record as no_stream. Taken for a stream started
