@@ -25,7 +25,7 @@ from engine.heap import freeze_startup_heap
 from engine.link_server import EngineServer
 from engine.link_wire import Address, server_tls
 from knowledge.agents import AgentsError
-from telephony.config import unfilled_message, unfilled_placeholders
+from telephony.config import MIN_ADMIN_TOKEN_CHARS, unfilled_message, unfilled_placeholders
 from telephony.metrics_http import METRICS_PATH, handle_metrics, internal_runner
 from telephony.server import LOADING_STOP_TIMEOUT_S
 
@@ -81,6 +81,12 @@ async def run_engine_server(args: argparse.Namespace) -> int:
     if token is None and not address.local_only:
         print("kame-phone engine-serve: listening beyond this machine needs KAME_ENGINE_TOKEN "
               "(edges send the same value)", file=sys.stderr)  # fmt: skip
+        return 2
+    if token is not None and not address.local_only and len(token) < MIN_ADMIN_TOKEN_CHARS:
+        # Each connection may guess once, and connections are not limited in number: a guessed token takes every
+        # free seat (edges' seats are a hard partition), and hears callers.
+        print(f"kame-phone engine-serve: KAME_ENGINE_TOKEN must be at least {MIN_ADMIN_TOKEN_CHARS} characters on "
+              "an address beyond this machine (e.g. `openssl rand -hex 32`)", file=sys.stderr)  # fmt: skip
         return 2
     tls = None
     if address.tls:

@@ -581,6 +581,8 @@ class RedisCluster:
             return False
         if self._fallback.token_for(call_sid) is not None:
             return self._fallback.claim(call_sid, token)
+        if self._failing:  # as `reserve`: no stream waits out a hung Redis's timeout while the heartbeat probes it
+            return self._claim_from_mine(call_sid, token)
         keys = [self._resv_key(call_sid), self._my_resv_key, self._node_key(self.node_id), self._my_held_key]
         try:
             node_id, held, url = await self._redis.hmget(self._resv_key(call_sid), ["node", "token", "url"])

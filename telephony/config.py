@@ -23,6 +23,7 @@ DEFAULT_METRICS_PORT = 9092
 
 
 MIN_ADMIN_TOKEN_CHARS = 16
+MIN_START_TIMEOUT_S, MAX_START_TIMEOUT_S = 0.5, 30.0  # --start-timeout's bounds (ServiceConfig.check)
 
 
 def is_loopback(host: str | None) -> bool:
@@ -188,6 +189,11 @@ class ServiceConfig:
         for name, value in positive.items():
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be above 0, got {value:g}")
+        # Twilio's `start` (and Asterisk's UUID) comes within a second: a long wait only lets a peer bank caller
+        # audio (the real-time bank is sized from it), a tiny one busy-wakes each call's watchdog.
+        if not MIN_START_TIMEOUT_S <= self.start_timeout_s <= MAX_START_TIMEOUT_S:
+            raise ConfigError(f"--start-timeout (KAME_START_TIMEOUT) must be {MIN_START_TIMEOUT_S:g} to "
+                              f"{MAX_START_TIMEOUT_S:g} seconds, got {self.start_timeout_s:g}")  # fmt: skip
         if not (math.isfinite(self.max_call_s) and self.max_call_s >= 0):  # 0: no limit
             raise ConfigError(f"--max-call-minutes (KAME_MAX_CALL_MINUTES) must be 0 (no limit) or more, "
                               f"got {self.max_call_s / 60:g}")  # fmt: skip

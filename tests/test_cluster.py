@@ -221,16 +221,23 @@ async def test_a_hung_redis_does_not_queue_webhooks_behind_its_timeout(prefix: s
     try:
         async with nodes(prefix, {"a": 20}, url=redis.url, heartbeat_s=0.2, node_ttl_s=1.0) as n:
             a = n["a"]
+            early_sid = new_call_sid()
+            early = await a.reserve(early_sid)  # through Redis, just before it hangs: its stream comes after
+            assert early is not None
             redis.proc.send_signal(signal.SIGSTOP)
             try:
                 loop = asyncio.get_running_loop()
                 started = loop.time()
                 got = await asyncio.gather(*[a.reserve(new_call_sid()) for _ in range(10)])
                 took = loop.time() - started
+                started = loop.time()
+                claimed = await a.claim(early_sid, early.token)  # from this node's own book, not after a timeout
+                claim_took = loop.time() - started
             finally:
                 redis.proc.send_signal(signal.SIGCONT)
             assert where(list(got)) == ["a"] * 10
             assert took < 5.0, f"{took:.1f} s for 10 reservations"  # was 10 s and more (one timeout each)
+            assert claimed and claim_took < 0.5, f"{claim_took:.2f} s"  # was the 1 s socket timeout
             await until(lambda: not a._failing, "a heartbeat reaching Redis again", within=10)
             r = await a.reserve(new_call_sid())
             assert r is not None and r.node_id == "a" and a._fallback.reserved == 10  # this one through Redis
