@@ -1,41 +1,93 @@
-"""A cap on the public listener's connections that hold no started call.
+"""A cap on a listener's connections that hold no started call.
 
 Every connection is unauthenticated until a request on it proves itself (a webhook's signature, a stream's
 single-use token), and aiohttp keeps an idle one open until its keep-alive timeout (`keepalive_timeout_s`,
-75 s; aiohttp's own default is an hour). Without a cap, a
-few thousand idle sockets take file descriptors and memory from the calls. Connections carrying a started
-stream are not counted: the calls are capped by the engine's seats."""
+75 s; aiohttp's own default is an hour). Without a cap, a few thousand idle sockets take file descriptors and
+memory from the calls. Connections carrying a started stream are not counted: the calls are capped by the
+engine's seats.
+
+At the cap, a new connection closes the oldest one with no request in flight (a silent socket, an idle
+keep-alive, headers trickling in) rather than being refused: refusing the newest let 256 silent sockets, opened
+by anyone and reopened as they timed out, shut out every webhook and stream. A connection is busy from its
+request's start to its answer (a media stream: its whole call); only when every one is busy is the new one
+refused.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from aiohttp import web
+
+from engine.log_sampler import LogSampler
 
 from . import metrics
 
 log = logging.getLogger(__name__)
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-def cap_connections(
-    server: web.Server, limit: int, streaming: Callable[[], int] = lambda: 0, listener: str = "public listener"
-) -> None:
-    """Refuse (abort at once) each connection beyond `limit` that is not one of `streaming()`'s calls."""
-    admit = server.connection_made
-    refused = 0
 
-    def connection_made(handler: web.RequestHandler, transport: asyncio.Transport) -> None:
-        nonlocal refused
-        if len(server.connections) - streaming() >= limit:
-            refused += 1
-            metrics.HTTP_CONNECTIONS_REFUSED.inc()
-            if refused in (1, 10) or refused % 1000 == 0:  # a flood must not flood the logs
-                log.warning("%s: %d connections without a call already; refusing (%d so far)",
-                            listener, limit, refused)  # fmt: skip
-            transport.abort()
-            return
-        admit(handler, transport)
+@dataclass(eq=False)
+class ConnectionCap:
+    """`middleware` goes on the app before its runner is set up (it tells busy connections from idle ones);
+    `install` on the runner's server after."""
 
-    server.connection_made = connection_made  # type: ignore[method-assign]
+    limit: int
+    streaming: Callable[[], int] = lambda: 0  # connections carrying a started call, not counted
+    listener: str = "public listener"
+    _busy: dict[web.RequestHandler, int] = field(default_factory=dict)  # requests in flight, by connection
+    _sampled: LogSampler = field(default_factory=LogSampler)
+
+    def __post_init__(self) -> None:
+        @web.middleware
+        async def track_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+            connection = request.protocol
+            self._busy[connection] = self._busy.get(connection, 0) + 1
+            try:
+                return await handler(request)
+            finally:
+                if (left := self._busy.pop(connection) - 1) > 0:
+                    self._busy[connection] = left
+
+        self.middleware = track_requests
+
+    def install(self, server: web.Server) -> None:
+        admit = server.connection_made
+
+        def connection_made(handler: web.RequestHandler, transport: asyncio.Transport) -> None:
+            if len(server.connections) - self.streaming() - self._closing(server) >= self.limit:
+                idle = self._oldest_idle(server)
+                if idle is None:  # every one of them is in a request: the newcomer goes
+                    metrics.HTTP_CONNECTIONS_REFUSED.inc()
+                    if n := self._sampled("refused"):
+                        log.warning("%s: %d connections without a call, all in a request; refusing (#%d)",
+                                    self.listener, self.limit, n)  # fmt: skip
+                    transport.abort()
+                    return
+                metrics.HTTP_CONNECTIONS_EVICTED.inc()
+                if n := self._sampled("evicted"):
+                    log.warning("%s: %d connections without a call; the oldest idle one closed for a new one (#%d)",
+                                self.listener, self.limit, n)  # fmt: skip
+                assert idle.transport is not None
+                idle.transport.abort()
+            admit(handler, transport)
+
+        server.connection_made = connection_made  # type: ignore[method-assign]
+
+    def _oldest_idle(self, server: web.Server) -> web.RequestHandler | None:
+        # server.connections is in the order they came (aiohttp appends each).
+        for connection in server.connections:
+            transport = connection.transport
+            if connection not in self._busy and transport is not None and not transport.is_closing():
+                return connection
+        return None
+
+    @staticmethod
+    def _closing(server: web.Server) -> int:
+        """Connections aborted but not yet gone from the list (their `connection_lost` comes a turn later): a
+        burst of newcomers in one turn must not pick the same victim, nor count it."""
+        return sum(1 for c in server.connections if c.transport is None or c.transport.is_closing())

@@ -116,7 +116,13 @@ CALL_ACTIONS = zero_series(
 )  # fmt: skip
 HTTP_CONNECTIONS_REFUSED = Counter(
     "kame_http_connections_refused_total",
-    "Connections to the public port aborted at once: too many already open without a call on them.",
+    "Connections to a listener aborted at once: the cap of connections without a call was full, every one of "
+    "them in a request.",
+)
+HTTP_CONNECTIONS_EVICTED = Counter(
+    "kame_http_connections_evicted_total",
+    "Idle connections (no request in flight) to a listener closed for a new one: the cap of connections without "
+    "a call was full (silent sockets, a flood of connections, or many idle keep-alives).",
 )
 REDIS_ERRORS = Counter("kame_redis_errors_total", "Failed writes or reads against Redis.")
 CALL_STORE_DROPPED_OPS = Counter(

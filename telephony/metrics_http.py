@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from .connection_cap import cap_connections
+from .connection_cap import ConnectionCap
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +37,13 @@ INTERNAL_KEEPALIVE_S = 5.0
 
 async def internal_runner(app: web.Application, name: str) -> web.AppRunner:
     """An AppRunner set up for an internal listener (capped, short keep-alive); the caller starts its site."""
+    cap = ConnectionCap(INTERNAL_MAX_CONNECTIONS, listener=name)
+    app.middlewares.append(cap.middleware)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=INTERNAL_KEEPALIVE_S,
                            lingering_time=0)  # fmt: skip
     await runner.setup()
     assert runner.server is not None
-    cap_connections(runner.server, INTERNAL_MAX_CONNECTIONS, listener=name)
+    cap.install(runner.server)
     return runner
 
 

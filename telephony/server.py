@@ -34,7 +34,7 @@ from .call_leg import CallLeg
 from .call_store import CallRecord, CallStore, CallStoreUnavailable
 from .cluster import Cluster, LocalCluster, open_cluster
 from .config import ServiceConfig
-from .connection_cap import cap_connections
+from .connection_cap import ConnectionCap
 from .logs import call_id_var
 from .lost_calls import LostCallSweep
 from .media_session import AGENT_PARAMETER, TOKEN_PARAMETER, MediaStreamSession
@@ -546,7 +546,12 @@ class ServiceHandle:
         self.ctx = ctx
         # lingering_time 0: a request answered before its body came (408, 400) is closed at once, not held
         # another 10 s reading what the peer still sends.
-        self.runner = web.AppRunner(build_app(ctx), handle_signals=False,
+        # Only the calls on this listener (Twilio's streams) are its connections, not AudioSocket's.
+        self.connection_cap = ConnectionCap(ctx.config.max_idle_connections,
+                                            lambda: sum(leg.carrier == "twilio" for leg in self.ctx.streams.values()))
+        app = build_app(ctx)
+        app.middlewares.append(self.connection_cap.middleware)
+        self.runner = web.AppRunner(app, handle_signals=False,
                                     keepalive_timeout=ctx.config.keepalive_timeout_s, lingering_time=0)
         self.port = 0
         self.metrics: MetricsListener | None = None
@@ -558,9 +563,7 @@ class ServiceHandle:
             self.metrics = await MetricsListener(config.metrics_host, config.metrics_port).start()
         await self.runner.setup()
         assert self.runner.server is not None
-        # Only the calls on this listener (Twilio's streams) are its connections, not AudioSocket's.
-        cap_connections(self.runner.server, config.max_idle_connections,
-                        lambda: sum(leg.carrier == "twilio" for leg in self.ctx.streams.values()))
+        self.connection_cap.install(self.runner.server)
         site = web.TCPSite(self.runner, self.ctx.config.host, self.ctx.config.port)
         await site.start()
         self.port = self.runner.addresses[0][1]
