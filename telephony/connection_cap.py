@@ -59,7 +59,8 @@ class ConnectionCap:
         admit = server.connection_made
 
         def connection_made(handler: web.RequestHandler, transport: asyncio.Transport) -> None:
-            if len(server.connections) - self.streaming() - self._closing(server) >= self.limit:
+            over = len(server.connections) - self.streaming() >= self.limit  # the usual case: no walk
+            if over and len(server.connections) - self.streaming() - self._closing(server) >= self.limit:
                 idle = self._oldest_idle(server)
                 if idle is None:  # every one of them is in a request: the newcomer goes
                     metrics.HTTP_CONNECTIONS_REFUSED.inc()
