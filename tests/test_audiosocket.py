@@ -362,17 +362,21 @@ async def test_two_nodes_offered_one_uuid_at_once_answer_it_once(tiny_checkpoint
     holds the one call."""
     replayed = metric("kame_webhook_rejections_total", endpoint="audiosocket", reason="replayed")
     stores = [open_call_store(REDIS_URL, key_prefix=prefix) for _ in range(2)]
-    async with (
-        running_phone(tiny_checkpoint, audiosocket=LOOPBACK, store=stores[0], node_id="node-a") as a,
-        running_phone(tiny_checkpoint, audiosocket=LOOPBACK, store=stores[1], node_id="node-b") as b,
-    ):
-        call_uuid = uuid.uuid4()
-        reports = await asyncio.gather(*(
-            audiosocket_call("127.0.0.1", _port(p), [bytes(320)] * 25, hold_s=0.5, call_uuid=call_uuid)
-            for p in (a, b)))  # fmt: skip
-        await a.settled()
-        await b.settled()
-        record = await stores[0].get(call_id_for(call_uuid))
+    try:
+        async with (
+            running_phone(tiny_checkpoint, audiosocket=LOOPBACK, store=stores[0], node_id="node-a") as a,
+            running_phone(tiny_checkpoint, audiosocket=LOOPBACK, store=stores[1], node_id="node-b") as b,
+        ):
+            call_uuid = uuid.uuid4()
+            reports = await asyncio.gather(*(
+                audiosocket_call("127.0.0.1", _port(p), [bytes(320)] * 25, hold_s=0.5, call_uuid=call_uuid)
+                for p in (a, b)))  # fmt: skip
+            await a.settled()
+            await b.settled()
+            record = await stores[0].get(call_id_for(call_uuid))
+    finally:
+        for store in stores:
+            await store.aclose()
     answered = [r for r in reports if not r.hung_up_by_service]
     assert len(answered) == 1 and answered[0].bot_audio
     assert metric("kame_webhook_rejections_total", endpoint="audiosocket", reason="replayed") == replayed + 1
@@ -392,8 +396,9 @@ async def test_with_redis_down_a_call_is_answered_unchecked_and_counted(tiny_che
             await server.kill()
             report = await audiosocket_call("127.0.0.1", _port(phone), [bytes(320)] * 25, hold_s=0.5)
             assert store.pending_ops > 0  # type: ignore[attr-defined]
-            store.close_timeout_s = 0.2  # type: ignore[attr-defined]
     finally:
+        store.close_timeout_s = 0.2  # type: ignore[attr-defined]
+        await store.aclose()  # gives up on the call's record: Redis never came back
         await server.kill()
     assert not report.hung_up_by_service and report.bot_audio
     assert metric("kame_audiosocket_unchecked_calls_total") == unchecked + 1
