@@ -153,6 +153,8 @@ def _blames_a_tool(exc: BaseException) -> bool:
     return _error_param(exc).startswith("tools[") or "invalid schema for function" in str(exc).lower()
 
 
+TOOLS_REFUSED_S = 600.0  # a tool set a model's server refused is not offered to it again for this long
+
 # Parameters some models refuse (OpenAI's reasoning models: o-series, gpt-5): what to send instead (None: drop it).
 _PARAM_FALLBACKS: dict[str, str | None] = {"max_tokens": "max_completion_tokens", "temperature": None}
 _UNSUPPORTED = re.compile(r"[Uu]nsupported (?:parameter|value): '(\w+)'")
@@ -206,22 +208,52 @@ class EmptyReplyError(Exception):
     """The stream ended well but said nothing: no text, no tool call."""
 
 
-async def _sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+# A streamed chunk is a few hundred bytes, a tool call's arguments at most a few KB: a line or event past this is
+# a broken or hostile server, and buffering it (until its newline, for as long as the deadlines allow) grew
+# every call's memory at link speed (400 MB in 10 s).
+MAX_STREAM_LINE_BYTES = 256 * 1024
+
+
+class StreamTooLarge(ValueError):
+    """A line or event of the stream past MAX_STREAM_LINE_BYTES: a malformed stream."""
+
+
+async def _lines(chunks: AsyncIterator[bytes], cap: int = MAX_STREAM_LINE_BYTES) -> AsyncIterator[str]:
+    """The stream's lines (ended by LF or CRLF), none longer than `cap` bytes (else StreamTooLarge)."""
+    buffer = bytearray()
+    async for chunk in chunks:
+        start = len(buffer)
+        buffer += chunk
+        cut = 0
+        while (end := buffer.find(b"\n", max(start, cut))) >= 0:
+            yield bytes(buffer[cut:end]).removesuffix(b"\r").decode("utf-8", "replace")
+            cut = end + 1
+        del buffer[:cut]
+        if len(buffer) > cap:
+            raise StreamTooLarge(f"a line of the LLM's stream past {cap} bytes")
+    if buffer:
+        yield bytes(buffer).removesuffix(b"\r").decode("utf-8", "replace")
+
+
+async def _sse_data(lines: AsyncIterator[str], cap: int = MAX_STREAM_LINE_BYTES) -> AsyncIterator[str]:
     """The data of each server-sent event (data lines joined, as the SSE spec says); an `error` event,
-    or data holding an "error" object, raises LlmStreamError."""
-    event, data = "", []
+    or data holding an "error" object, raises LlmStreamError; an event's data past `cap`, StreamTooLarge."""
+    event, data, size = "", [], 0
     async for line in lines:
         if line:
             field_name, _, value = line.partition(":")
             value = value.removeprefix(" ")
             if field_name == "data":
                 data.append(value)
+                size += len(value) + 1
+                if size > cap:
+                    raise StreamTooLarge(f"an event of the LLM's stream past {cap} bytes")
             elif field_name == "event":
                 event = value
             continue
         if data:
             yield _event_data(event, data)
-        event, data = "", []
+        event, data, size = "", [], 0
     if data:  # a last event without its blank line
         yield _event_data(event, data)
 
@@ -349,11 +381,13 @@ class LlmClient:
                 http_client=_aiohttp_transport(config.timeout_s),
             )
         self._client = client
-        # (model, tool names) the server answered with a 4xx about tools (vLLM without a tool parser, llama.cpp
-        # without --jinja, a tool schema the server rejects): that model is offered that tool set no more,
-        # rather than every request failing. Per model and set: one agent's bad schema, or one model without
-        # function calling, once turned every agent's tools off for the life of the process.
-        self.tools_refused: set[tuple[str, frozenset[str]]] = set()
+        # (model, tool definitions) the server answered with a 4xx about tools (vLLM without a tool parser,
+        # llama.cpp without --jinja, a tool schema the server rejects), and when: that model is offered that
+        # tool set no more, rather than every request failing. Per model and set: one agent's bad schema, or one
+        # model without function calling, once turned every agent's tools off for the life of the process. By
+        # the definitions, not their names: a schema fixed in the agents file (and reloaded) is offered again;
+        # and for TOOLS_REFUSED_S only: a server restarted with function calling gets the tools back.
+        self.tools_refused: dict[tuple[str, str], float] = {}
         # Per model, the parameters it refused (a reasoning model: max_tokens, temperature): renamed or dropped
         # from then on, rather than every request of every call failing (agents may name other models).
         self.params_refused: dict[str, set[str]] = {}
@@ -385,8 +419,12 @@ class LlmClient:
         model = model or cfg.model  # an agent's own model, else the service's
         refused_here = self.params_refused.setdefault(model, set())
         extra = request_params(params, refused_here)
-        tool_set = (model, frozenset(str(t.get("function", {}).get("name")) for t in tools))
-        if tools and tool_set not in self.tools_refused:
+        tool_set = (model, json.dumps(list(tools), sort_keys=True, default=str))
+        refused_at = self.tools_refused.get(tool_set)
+        if refused_at is not None and time.monotonic() - refused_at > TOOLS_REFUSED_S:
+            del self.tools_refused[tool_set]  # asked with them again: the server may take them now
+            refused_at = None
+        if tools and refused_at is None:
             extra["tools"] = list(tools)
         calls: dict[int, _ToolCallParts] = {}
         retry = False
@@ -422,7 +460,7 @@ class LlmClient:
                 ) as response:
                     streaming = True
                     # Closed with the response, not left for the garbage collector to finalize.
-                    async with contextlib.aclosing(_sse_data(response.iter_lines())) as events:
+                    async with contextlib.aclosing(_sse_data(_lines(response.iter_bytes()))) as events:
                         async for data in events:
                             if data == "[DONE]":
                                 break
@@ -437,27 +475,29 @@ class LlmClient:
                                     metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
                                 progressed()
                             piece = _delta_content(delta)
-                            if not piece:
-                                continue
-                            if not text:
+                            if piece and not text:
                                 piece = piece.lstrip()
-                                if not piece:
-                                    continue
-                                if not calls:
+                                if piece and not calls:
                                     metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
-                            text += piece
-                            too_long = len(text) > cfg.max_draft_chars
-                            if too_long:
-                                text = _cut_at_word(text, cfg.max_draft_chars)
-                                calls.clear()  # a call cut off mid-arguments cannot be run
-                                metrics.LLM_ERRORS.labels(kind="too_long").inc()
-                                log.warning("call %s: LLM reply past %d chars: cut at a word there, stream closed",
-                                            call_id, cfg.max_draft_chars)  # fmt: skip
-                            deadline.reschedule(None)
-                            yield well_formed(text)  # a surrogate pair split across two chunks
-                            if too_long:
-                                break  # closes the stream; the draft ends here
-                            progressed()
+                            if piece:
+                                text += piece
+                                too_long = len(text) > cfg.max_draft_chars
+                                if too_long:
+                                    text = _cut_at_word(text, cfg.max_draft_chars)
+                                    calls.clear()  # a call cut off mid-arguments cannot be run
+                                    metrics.LLM_ERRORS.labels(kind="too_long").inc()
+                                    log.warning("call %s: LLM reply past %d chars: cut at a word there, stream "
+                                                "closed", call_id, cfg.max_draft_chars)  # fmt: skip
+                                deadline.reschedule(None)
+                                yield well_formed(text)  # a surrogate pair split across two chunks
+                                if too_long:
+                                    break  # closes the stream; the draft ends here
+                                progressed()
+                            if finish is not None:
+                                # The answer is whole (only [DONE], or a usage chunk, may follow): a server
+                                # that kept the stream open after it made the draft complete only at the idle
+                                # timeout, counted as a failure, with its tool calls thrown away.
+                                break
             if not text and not any(parts.name for parts in calls.values()):
                 # Not a success: the policy's failure path retries, rather than the caller getting no answer.
                 raise EmptyReplyError(f"no text and no tool call (finish_reason {finish})")
@@ -482,15 +522,15 @@ class LlmClient:
                             f"sending {instead!r} instead" if instead else "not sent")  # fmt: skip
                 retry = True
             elif "tools" in extra and not streaming and _refuses_tools(exc, messages):
-                self.tools_refused.add(tool_set)
-                names = ", ".join(sorted(tool_set[1]))
+                self.tools_refused[tool_set] = time.monotonic()
+                names = ", ".join(sorted(str(t.get("function", {}).get("name")) for t in tools))
                 if _blames_a_tool(exc):
                     log.error("the LLM (%s) refused a definition among the tools %s (%s): not offered to that "
-                              "model from now on; fix the agents file", model, names,
-                              self._scrub(str(exc))[:200])  # fmt: skip
+                              "model for 10 minutes; fix the agents file (a reload offers the fixed one at once)",
+                              model, names, self._scrub(str(exc))[:200])  # fmt: skip
                 else:
                     log.warning("the LLM server refused function calling for %s (%s): the tools %s are not offered "
-                                "to it from now on; enable it on the server (vLLM: --enable-auto-tool-choice and "
+                                "to it for 10 minutes; enable it on the server (vLLM: --enable-auto-tool-choice and "
                                 "--tool-call-parser; llama.cpp: --jinja)", model, self._scrub(str(exc))[:200],
                                 names)  # fmt: skip
                 retry = True

@@ -46,6 +46,7 @@ def _bad_tool_name_in(messages: list[dict[str, Any]]) -> bool:
 @dataclass
 class FakeLlm:
     # ok | status | malformed | broken | error_event | split_pair | hang | drip | no_tools | endless | empty
+    # | long_line (one data line that never ends, a megabyte a second, for a minute)
     mode: str = "ok"
     status: int = 500
     delay_s: float = 0.0  # before the response starts
@@ -80,6 +81,9 @@ class FakeLlm:
     # that stops answering mid-stream but keeps the connection busy).
     drip_at_chunk: int | None = None
     retry_after: str | None = None  # the Retry-After header of a "status" answer
+    # After the answer's last chunk (with its finish_reason), no [DONE] and no end: the stream held open for a
+    # minute (a gateway that keeps the connection).
+    hold_after_finish: bool = False
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -129,6 +133,15 @@ class FakeLlm:
         if mode == "endless":
             await self._endless(resp, body["model"])
             return resp
+        if mode == "long_line":
+            try:
+                await resp.write(b'data: {"choices": [{"delta": {"content": "')
+                for _ in range(600):
+                    await resp.write(b"a" * 100_000)
+                    await asyncio.sleep(0.1)
+            except ConnectionError:
+                self.disconnects += 1
+            return resp
         if mode == "empty":  # a reasoning model that spent max_completion_tokens thinking: no text at all
             for delta, finish in (({"role": "assistant", "content": ""}, None), ({}, "length")):
                 chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
@@ -173,6 +186,9 @@ class FakeLlm:
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 if chunk_delay_s:
                     await asyncio.sleep(chunk_delay_s)
+            if self.hold_after_finish:
+                await self._finish_and_hold(resp, body["model"], "stop")
+                return resp
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionError:
@@ -221,8 +237,20 @@ class FakeLlm:
                         more = {"index": copy, "id": f"chatcmpl-tool-{copy}-{n}-" + "x" * 24, "type": "function",
                                 "function": {"name": name, "arguments": piece}}  # fmt: skip
                     await resp.write(chunk({"tool_calls": [more]}))
+            if self.hold_after_finish:
+                await self._finish_and_hold(resp, model, "tool_calls")
+                return
             await resp.write(chunk({}, finish="tool_calls") + b"data: [DONE]\n\n")
             await resp.write_eof()
+        except ConnectionError:
+            self.disconnects += 1
+
+    async def _finish_and_hold(self, resp: web.StreamResponse, model: str, finish: str) -> None:
+        body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": model,
+                "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}  # fmt: skip
+        try:
+            await resp.write(f"data: {json.dumps(body)}\n\n".encode())
+            await asyncio.sleep(60)
         except ConnectionError:
             self.disconnects += 1
 

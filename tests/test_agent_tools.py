@@ -543,6 +543,27 @@ async def test_one_tool_set_refused_leaves_other_agents_and_models_their_tools(l
     assert offered == [["end_call", "order_status"], [], [], ["end_call"], ["end_call", "order_status"]]
 
 
+async def test_a_refused_tool_set_is_offered_again_once_fixed_or_after_a_while(
+    llm_server: FakeLlm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The log says "fix the agents file": a fixed definition (same names, reloaded) is offered at once, and a
+    server restarted with function calling gets the same set back after TOOLS_REFUSED_S, not never."""
+    from knowledge import llm as llm_module
+
+    llm_server.refuse_tool = "order_status"
+    broken = _offer("order_status")
+    fixed = [{"type": "function", "function": {"name": "order_status",
+                                               "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
+    async with _llm(llm_server) as llm:
+        await _drafts(llm, "hi", broken)  # refused, asked again without
+        await _drafts(llm, "again", broken)  # not offered
+        llm_server.refuse_tool = None
+        await _drafts(llm, "fixed", fixed)  # the fixed schema: offered
+        monkeypatch.setattr(llm_module, "TOOLS_REFUSED_S", 0.0)
+        await _drafts(llm, "later", broken)  # the refusal is old: offered again
+    assert ["tools" in r for r in llm_server.requests] == [True, False, False, True, True]
+
+
 async def test_a_tool_call_past_its_size_limits_is_a_malformed_answer_not_a_tool_run(llm_server: FakeLlm) -> None:
     """An LLM (or a server in between) streaming tool-call arguments without end: the client stops at its cap
     and the request is an LLM error of kind malformed (counted), never a call with megabytes of arguments."""
@@ -553,6 +574,33 @@ async def test_a_tool_call_past_its_size_limits_is_a_malformed_answer_not_a_tool
             await _drafts(llm, "my order", _offer("order_status"))
     assert failed.value.kind == "malformed"
     assert metric("kame_llm_errors_total", kind="malformed") == malformed + 1
+
+
+async def test_a_stream_line_without_end_is_malformed_not_a_memory_leak(llm_server: FakeLlm) -> None:
+    """A broken gateway streaming one line without end: buffered until its newline, it grew every call's memory
+    at link speed until a deadline (400 MB in 10 s). Past the cap it is a malformed answer, at once."""
+    llm_server.mode = "long_line"
+    malformed = metric("kame_llm_errors_total", kind="malformed")
+    async with _llm(llm_server) as llm:
+        with pytest.raises(LlmError) as failed:
+            await _drafts(llm, "hi", [])
+    assert failed.value.kind == "malformed" and "past 262144 bytes" in str(failed.value)
+    assert metric("kame_llm_errors_total", kind="malformed") == malformed + 1
+
+
+async def test_an_answer_whose_stream_stays_open_after_its_finish_is_whole_at_once(llm_server: FakeLlm) -> None:
+    """A server that sends its finish_reason and then keeps the stream open (no [DONE], no end): the draft was
+    complete only at the idle timeout, counted as a failure, and a tool call it asked for was thrown away."""
+    llm_server.hold_after_finish = True
+    llm_server.tool_triggers = {"order": ("order_status", {"order_id": "4217"})}
+    timeouts = metric("kame_llm_errors_total", kind="timeout")
+    async with _llm(llm_server) as llm:
+        async with asyncio.timeout(10):  # (a guard: were the end waited for, each would fail at its 5 s idle timeout)
+            text = await _drafts(llm, "hi", [])
+            call = await _drafts(llm, "my order", _offer("order_status"))
+    assert text and text[-1] == "Sure, about hi, let me help you with that right away."
+    assert call == [ToolCallRequest("call_1", "order_status", '{"order_id": "4217"}')]
+    assert metric("kame_llm_errors_total", kind="timeout") == timeouts
 
 
 async def test_tool_calls_in_the_record_mask_digits_as_dtmf_is() -> None:
