@@ -295,7 +295,11 @@ def _tool(bad: Any, table: Any) -> HttpTool:
     if not isinstance(description, str) or not description.strip():
         raise bad(f"tools.{name}.description", "a non-empty string")
     url = table.get("url")
-    parts = urlsplit(url) if isinstance(url, str) else None
+    try:
+        parts = urlsplit(url) if isinstance(url, str) else None
+    except ValueError:  # "https://[crm.internal/x": an unclosed IPv6 bracket
+        raise bad(f"tools.{name}.url", "an https:// URL (http:// only on loopback), got one that does not parse") \
+            from None
     loopback = parts is not None and parts.hostname in ("127.0.0.1", "localhost", "::1")
     if parts is None or not parts.netloc or not (parts.scheme == "https" or (parts.scheme == "http" and loopback)):
         # Not the URL itself: it may carry credentials (user:password@, ?key=), and this goes to the log.
@@ -341,7 +345,7 @@ class AgentDirectory:
             return False
         try:
             fresh = Agents.load(source)
-        except AgentsError as e:
+        except (AgentsError, ValueError, RecursionError) as e:  # (a file nested past the parser's depth)
             AGENT_RELOADS.labels(outcome="refused").inc()
             log.error("agents reload refused, the agents in force stay: %s", e)
             return False

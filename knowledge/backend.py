@@ -701,5 +701,9 @@ class CallBackend:
             self._quiet_until = now + ACTION_QUIET_S
             return
         self._tool_rounds += 1
-        if self._llm is not None and not self._closed and self.policy.ask_now(now):
+        if self._quiet(now):
+            # A call action's line is being said: asking now would spend the caller's words on a request never
+            # made. The result is asked about with them once the window is over.
+            self.policy.ask_later()
+        elif self._llm is not None and not self._closed and self.policy.ask_now(now):
             self._start_request(TriggerReason.TOOL_RESULT, now)  # the result, in words

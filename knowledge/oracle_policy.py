@@ -136,6 +136,11 @@ class OraclePolicy:
         self._asked(now)
         return True
 
+    def ask_later(self) -> None:
+        """The back-end has something to ask about (a tool's result) but may not ask now (a call action's line
+        is being said): asked at the first poll that may, with what the caller says meanwhile."""
+        self._s.retry_pending = True
+
     def _forget_old_requests(self, now: float) -> None:
         """Drop the request starts that fell out of the rate cap's window."""
         s = self._s

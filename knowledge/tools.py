@@ -132,7 +132,10 @@ class HttpSession:
     async def post(self, tool: HttpTool, arguments: dict[str, Any]) -> tuple[str, str]:
         """(outcome, what the LLM is told)."""
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(headers={"User-Agent": "kame-phone"})
+            # No cookie jar: the session is every call's, and a cookie one caller's tool answer set (a login
+            # session) was sent with the next caller's request to that host.
+            self._session = aiohttp.ClientSession(headers={"User-Agent": "kame-phone"},
+                                                  cookie_jar=aiohttp.DummyCookieJar())
         try:
             async with asyncio.timeout(self.timeout_s), self._session.post(
                 tool.url, json=arguments, allow_redirects=False  # a redirect could lead off HTTPS, or inside

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from engine.interface import CallAction, CallSetup, ToolUse
 from engine.link_wire import event_message, parse_event, setup_from_wire
-from knowledge.agents import AgentDirectory, Agents
+from knowledge.agents import AgentDirectory, Agents, HttpTool
 from knowledge.backend import MAX_TOOL_ROUNDS, TOOL_PENDING, BackendConfig, BackendServices, CallBackend
 from knowledge.llm import MAX_TOOL_ARGUMENTS, LlmClient, LlmConfig, LlmError, ToolCallRequest
 from knowledge.oracle_policy import OraclePolicyConfig
@@ -576,6 +576,30 @@ async def test_a_tool_call_past_its_size_limits_is_a_malformed_answer_not_a_tool
     assert metric("kame_llm_errors_total", kind="malformed") == malformed + 1
 
 
+async def test_one_callers_tool_cookies_never_reach_another_callers_request() -> None:
+    """Every call's tools share one HTTP session: with its default cookie jar, the login session a CRM set for
+    one caller went with the next caller's request to it (their order, their account)."""
+    cookies: list[str | None] = []
+
+    async def crm(request: web.Request) -> web.Response:
+        cookies.append(request.headers.get("Cookie"))
+        response = web.json_response({"status": "ok"})
+        response.set_cookie("session", f"caller-{len(cookies)}")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/crm", crm)
+    async with serve_on_loopback(app) as base:
+        tool = HttpTool("crm", "the CRM", base.replace("127.0.0.1", "localhost") + "/crm", {"type": "object"})
+        http = HttpSession()
+        try:
+            for _ in range(2):  # two calls, one session
+                assert (await http.post(tool, {}))[0] == "ok"
+        finally:
+            await http.aclose()
+    assert cookies == [None, None]
+
+
 async def test_a_stream_line_without_end_is_malformed_not_a_memory_leak(llm_server: FakeLlm) -> None:
     """A broken gateway streaming one line without end: buffered until its newline, it grew every call's memory
     at link speed until a deadline (400 MB in 10 s). Past the cap it is a malformed answer, at once."""
@@ -691,6 +715,29 @@ async def test_a_tool_still_running_is_not_run_again_for_the_callers_next_words(
     assert tool_messages[0] == [] and tool_messages[1] == [TOOL_PENDING]
     assert "shipped on Monday" in tool_messages[-1][0]
     assert [m["role"] for m in llm_server.requests[-1]["messages"]][-3:] == ["user", "assistant", "tool"]
+
+
+async def test_a_tool_answering_while_a_transfer_line_is_said_does_not_spend_the_callers_words(
+    llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup answers inside a call action's quiet window (the transfer's line being said): asking then counted
+    the caller's words meanwhile as asked, with no request made. If the action never happens (an edge that
+    ignores it), nothing asked about them after the window: the caller was never answered."""
+    import knowledge.backend as backend_module
+
+    monkeypatch.setattr(backend_module, "ACTION_QUIET_S", 1.0)
+    tool_server.delay_s = 0.6
+    llm_server.tool_triggers = {"order": ("order_status", {"order_id": "4217"}), "person": ("transfer_call", {})}
+    async with _sales_backend(llm_server, tool_server, tmp_path, ("transfer",)) as (backend, used):
+        backend._handle_transcript(SttResult("where is my order", final=True), time.monotonic())
+        await until(lambda: tool_server.received, within=10)
+        backend._handle_transcript(SttResult("get me a person", final=True), time.monotonic())
+        await until(lambda: any(u.name == "transfer_call" for u in used), within=10)
+        backend._handle_transcript(SttResult("hello are you still there", final=True), time.monotonic())
+        await until(lambda: any(u.name == "order_status" for u in used), within=10)  # inside the window
+        asked = lambda: [r["messages"][-1]["content"] for r in llm_server.requests  # noqa: E731
+                         if r["messages"][-1]["role"] == "user"]  # fmt: skip
+        await until(lambda: any("still there" in m for m in asked()), "the caller's words asked about", within=10)
 
 
 async def test_the_same_call_twice_in_one_answer_runs_once(

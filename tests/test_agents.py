@@ -213,6 +213,10 @@ async def test_a_sip_domain_call_gets_its_agent_through_the_real_webhook_and_str
         # A transfer to one of our numbers through a Twilio SIP Domain comes back to us as that number's call.
         (f'[agents.a]\ninstructions = "x"\nnumbers = ["{SALES}"]\n[agents.b]\ninstructions = "y"\n'
          f'transfer_to = "sip:{SALES}@acme.sip.twilio.com"\n', "key 'transfer_to': sip:+15550002222@acme.sip.twilio"),
+        # An unclosed IPv6 bracket: urlsplit's ValueError escaped (a traceback at start, a SIGHUP uncounted).
+        ('[agents.a]\ninstructions = "x"\n[[agents.a.tools]]\nname = "t"\ndescription = "d"\n'
+         'url = "https://[crm.internal/x"\n', "key 'tools.t.url': an https:// URL (http:// only on loopback), got "
+         "one that does not parse"),
     ],
 )  # fmt: skip
 def test_a_bad_file_is_refused_in_one_line_naming_file_agent_and_key(tmp_path: Path, text: str, says: str) -> None:
