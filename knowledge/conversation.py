@@ -210,7 +210,8 @@ class Conversation:
         """System prompt + the transcript as chat turns; the pending partial is the last user text. Only the
         newest turns that fit `max_history_chars` are sent, no turn longer than a TURN_SHARE of it (its newest
         words kept), a tool exchange whole or not at all (the newest always, even behind newer words: the LLM
-        must see the result it asked for; its size is bounded by the tools' own caps)."""
+        must see the result it asked for; its size is bounded by the tools' own caps, and it is charged at most
+        half the budget, so the words before it still go)."""
         groups: list[list[dict[str, Any]]] = []
         for turn in self.turns:
             if isinstance(turn, ToolExchange):
@@ -230,9 +231,11 @@ class Conversation:
             group = groups[i]
             if i == newest_exchange:
                 # Sent whole whatever its size, even behind the caller's next words and with the budget spent by
-                # newer turns: without its result the LLM would call the tool again.
+                # newer turns: without its result the LLM would call the tool again. Charged at most half the
+                # budget: four answers at the tools' cap spent it all, and the words that asked for them (the
+                # caller's question) were left out of the request about their results.
                 chosen.append(group)
-                budget -= _size(group)
+                budget -= min(_size(group), self.max_history_chars // 2)
                 continue
             if full or budget <= 0:
                 if i > newest_exchange:

@@ -38,7 +38,7 @@ from knowledge.stt import (
     SttResult,
     make_stt,
 )
-from knowledge.tools import GOODBYE_LINE, CallTools, HttpSession
+from knowledge.tools import GOODBYE_LINE, MAX_RESULT_CHARS, CallTools, HttpSession
 
 from .llm_server import FakeLlm, answer_for
 from .polling import until
@@ -438,6 +438,22 @@ def test_an_old_oversized_tool_exchange_is_left_out_not_the_history_before_it() 
     assert all(m.get("tool_call_id") != "c1" for m in history)
     assert history[0] == {"role": "user", "content": "my order number is 12345"}  # older words still fit
     assert [m["role"] for m in history[-4:]] == ["assistant", "assistant", "tool", "user"]
+
+
+def test_the_newest_tool_exchange_never_crowds_out_the_question_that_asked_for_it() -> None:
+    """Four lookups answered at the tools' cap (4,000 characters each) spent the whole budget: the request about
+    their results carried the system prompt, the calls and the results, and not the caller's question."""
+    conv = Conversation()
+    conv.caller_final("hello")
+    conv.bot_piece("\u2581hi")
+    conv.caller_final("what is the status of orders one to four")
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "order_status", "arguments": "{}"}}
+             for i in range(4)]  # fmt: skip
+    conv.tool_exchange(ToolExchange(calls=calls, results=[(f"c{i}", "r" * MAX_RESULT_CHARS) for i in range(4)]))
+    history = conv.messages()[1:]
+    assert [m["role"] for m in history][-5:] == ["assistant", "tool", "tool", "tool", "tool"]
+    assert any(m["content"] == "what is the status of orders one to four" for m in history if m["role"] == "user")
+    assert history[0] == {"role": "user", "content": "hello"}
 
 
 def test_the_newest_tool_exchange_is_sent_after_much_talk_behind_it() -> None:
