@@ -209,6 +209,7 @@ class FrameLoop:
         self._ticker = FrameTicker("kame-frame-loop", self.safe_tick, self._record_timing, clock)
         self._closed = False
         self._failed_ticks = 0  # in a row
+        self._ticking: list[Slot] = []  # the calls the tick under way steps (a failed one resets only those)
         self.broken: str | None = None  # why the loop gave up (BROKEN_AFTER_FAILED_TICKS); never cleared
         self.on_broken: Callable[[], None] | None = None  # from the loop's thread, once
         self._tick_no = 0
@@ -372,6 +373,7 @@ class FrameLoop:
         backlog = 0
         with self._lock:
             slots = list(self._slots)
+            self._ticking = [slot for slot in slots if slot is not None]
             self._idle = all(slot is None for slot in slots)
             if self._idle:  # nobody seated: no model step (an idle engine stays near 0 % CPU)
                 self._tick_no += 1
@@ -468,7 +470,10 @@ class FrameLoop:
             if n == BROKEN_AFTER_FAILED_TICKS:
                 self._break(f"{n} ticks failed in a row, the last with {type(e).__name__}: {str(e)[:200]}")
             with self._lock:
-                slots = [slot for slot in self._slots if slot is not None]
+                # The calls the failed tick stepped, still seated: one that joined meanwhile was not touched
+                # (its row resets on its first tick anyway), and clearing its oracle wiped its greeting.
+                current = {id(slot) for slot in self._slots if slot is not None}
+                slots = [slot for slot in self._ticking if id(slot) in current]
                 for slot in slots:
                     slot.needs_reset = True
                     slot.oracle.clear()

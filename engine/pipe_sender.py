@@ -53,6 +53,8 @@ class PipeSender:
                 self._conn.send(message)
             except (OSError, ValueError):  # the parent is gone: nothing more to say
                 return
+            except Exception:  # pickled before a byte is written: that one message goes, the pipe stays whole
+                log.exception("a %r message to the parent could not be sent; dropped", message[0])
             with self._cond:
                 self._queue.popleft()
                 self._cond.notify_all()
@@ -107,6 +109,9 @@ class ParentSender:
             except (OSError, ValueError) as e:  # the child is gone: the parent's reader says so
                 log.debug("%s pipe closed: %s", self._name, e)
                 return
+            except Exception:  # pickled before a byte is written: that one message goes, the pipe stays whole
+                # (the thread dying here left every later message queued for good, the child alive and unfed)
+                log.exception("%s: a %r message could not be sent; dropped", self._name, message[0])
 
 
 def commands(conn: Connection) -> Iterator[tuple[str, list[Any]]]:

@@ -395,16 +395,22 @@ class LocalEngine:
         session.row = self.frame_loop.join(call_id, None, session._on_reset, forced_delay_ms=delay)  # or EngineFull
         self._sessions[call_id] = session
         if self.backend is not None:
+            backend = None
             try:
-                session.backend = self.backend.open_call(
+                backend = session.backend = self.backend.open_call(
                     call_id, session._on_transcript, session._on_oracle, session._on_notice, setup,
                     on_tool=session._on_tool,
                 )
-                await session.backend.start()
+                await backend.start()
+            except asyncio.CancelledError:
+                await asyncio.shield(session.close())  # nobody will get this session: its seat goes back
+                raise
             except Exception:
-                # The call still gets the front-end alone.
+                # The call still gets the front-end alone; what the back-end started before failing is stopped.
                 log.exception("call %s: back-end failed to start; front-end only", call_id)
                 session.backend = None
+                if backend is not None:
+                    self._close_in_background(call_id, backend)
         return session
 
     def _close_in_background(

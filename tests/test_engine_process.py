@@ -476,3 +476,25 @@ def test_the_engine_childs_log_lines_come_out_as_the_services_own(capfd: pytest.
         lines = json_lines()
     assert any(r["logger"] == "engine.checkpoint" and "RANDOM WEIGHTS" in r["msg"] and r["level"] == "warning"
                for r in lines), lines  # fmt: skip
+
+
+@pytest.mark.parametrize("side", ["parent", "child"])
+def test_a_message_that_cannot_be_pickled_is_dropped_and_the_pipe_goes_on(side: str) -> None:
+    """A message the pipe cannot carry (a bug: something unpicklable in it) killed the sender thread, and every
+    later message waited in its queue for good, the other process alive and never fed. That one is dropped and
+    logged; the next ones arrive."""
+    from engine.pipe_sender import ParentSender, PipeSender
+
+    reader, writer = multiprocessing.get_context("spawn").Pipe(duplex=False)
+    if side == "parent":
+        sender = ParentSender(writer, "push", 8, name="test")
+        send = sender.put
+    else:
+        child = PipeSender(writer, name="test")
+        sender, send = child, child
+    send(("oracle", lambda: None))  # not picklable
+    send(("leave", "CA1"))
+    assert reader.poll(5) and reader.recv() == ("leave", "CA1")
+    sender.close()
+    reader.close()
+    writer.close()

@@ -405,6 +405,31 @@ def test_a_failing_tick_resets_every_slot_and_the_loop_goes_on(tiny_bundle) -> N
     assert loop.safe_tick() and a.outputs[-1].voiced
 
 
+def test_a_failing_tick_leaves_a_call_that_joined_during_it_alone(tiny_bundle, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A call seated while a tick runs (its greeting set at once) was not in that tick: when the tick failed,
+    its greeting was cleared with the stepped calls' oracles, and it was told of a reset it never had."""
+    loop = _loop(tiny_bundle)
+    resets: list[str] = []
+    row_a = loop.join("A", Recorder(), on_reset=lambda: resets.append("A"))
+    assert loop.safe_tick()
+    loop._slots[row_a].oracle.set_candidate(99, DraftTokens([10**6], settled=1))  # the step fails on it
+    assert loop.safe_tick()  # its boundary token
+    joined: dict[str, int] = {}
+    real_step = loop.batch.step
+
+    def step_while_b_joins(*args, **kwargs):  # type: ignore[no-untyped-def]
+        # The asyncio thread seats B meanwhile, and B's back-end sets its greeting at once.
+        joined["B"] = loop.join("B", Recorder(), on_reset=lambda: resets.append("B"))
+        loop.set_oracle(joined["B"], "B", 1, "Hello, thanks for calling!", complete=True)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop.batch, "step", step_while_b_joins)
+    assert not loop.safe_tick()
+    assert resets == ["A"]
+    assert loop._slots[joined["B"]].oracle.candidate_id == 1  # its greeting is still to be said
+    assert loop._slots[row_a].oracle.candidate_id != 99
+
+
 def test_the_tick_sink_gets_every_slot_at_once_and_fresh_marks_restarts(tiny_bundle) -> None:
     ticks: list[list[tuple[str, SlotOutput]]] = []
     loop = _loop(tiny_bundle, on_tick=ticks.append)
