@@ -57,6 +57,7 @@ from .link_wire import (
     tune_socket,
 )
 from .log_sampler import LogSampler
+from .queues import FreshCarry
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class _Edge:
     # the edge's message loop, never in it: the edge's other calls keep streaming audio meanwhile.
     opening: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     frames_dropped: int = 0
+    fresh_carry: FreshCarry = field(default_factory=FreshCarry)  # restarts of its calls in ticks it missed
 
     def engine_id(self, call_id: str) -> str:
         """The call's id on the engine: the edge's own id can clash with (or be chosen as) another edge's."""
@@ -519,13 +521,15 @@ class EngineServer:
                 ids.append(owner[1])
         now = time.monotonic()
         for edge, (mine, ids) in rows.items():
+            fresh = [frames.fresh[i] for i in mine]
             if backlogged(edge.writer, self.backlog_bytes):  # an edge that stopped reading loses ticks
+                edge.fresh_carry.dropped(ids, fresh)  # its calls' restarts ride on their next tick sent
                 edge.frames_dropped += 1
                 metrics.ENGINE_LINK_DROPPED.labels(what="bot_frames").inc()
                 if edge.frames_dropped in (1, 100) or edge.frames_dropped % 1000 == 0:
                     log.warning("edge %s is not reading: %d ticks dropped", edge.name, edge.frames_dropped)
                 continue
-            edge.writer.write(frames_message(frames, mine, now, ids))
+            edge.writer.write(frames_message(frames, mine, now, ids, fresh=edge.fresh_carry.carry(ids, fresh)))
 
 
 def _abort(writer: asyncio.StreamWriter) -> None:

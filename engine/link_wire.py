@@ -32,6 +32,7 @@ import logging
 import socket
 import ssl
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, get_args
 
@@ -196,15 +197,19 @@ def parse_event(body: bytes | memoryview, now: float) -> tuple[str, EngineOutput
     raise ValueError(f"unknown event type {kind!r}")
 
 
-def frames_message(frames: BotFrames, rows: list[int], now: float, call_ids: list[str] | None = None) -> bytes:
-    """The tick's `rows`, named by `call_ids` (the receiving edge's own ids) or else by the tick's."""
+def frames_message(
+    frames: BotFrames, rows: list[int], now: float, call_ids: list[str] | None = None,
+    fresh: Sequence[bool] | None = None,
+) -> bytes:
+    """The tick's `rows`, named by `call_ids` (the receiving edge's own ids) or else by the tick's; `fresh`, the
+    rows' marks with those of ticks the edge missed (else the tick's)."""
     header = json.dumps(
         {
             "call_ids": call_ids if call_ids is not None else [frames.call_ids[i] for i in rows],
             "texts": [frames.texts[i] for i in rows],
             "voiced": [frames.voiced[i] for i in rows],
             "indices": [frames.indices[i] for i in rows],
-            "fresh": [frames.fresh[i] for i in rows],
+            "fresh": list(fresh) if fresh is not None else [frames.fresh[i] for i in rows],
             "age": now - frames.produced_at,
         },
         separators=(",", ":"),

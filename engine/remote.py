@@ -59,7 +59,7 @@ from .link_wire import (
     read_message,
     tune_socket,
 )
-from .queues import put_dropping_oldest
+from .queues import FreshCarry, put_dropping_oldest, put_frames_dropping_oldest, with_carried_fresh
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,7 @@ class RemoteEngine:
         self._calls: dict[str, RemoteCallSession] = {}
         self._opening: dict[str, asyncio.Future[str | None]] = {}
         self._frames: asyncio.Queue[BotFrames | None] = asyncio.Queue(maxsize=frames_queue_ticks)
+        self._fresh_carry = FreshCarry()
         self._receiver: asyncio.Task[None] | None = None
         self._failed = False
         self._stopping = False
@@ -307,7 +308,7 @@ class RemoteEngine:
 
     async def bot_frames(self) -> AsyncIterator[BotFrames]:
         while (frames := await self._frames.get()) is not None:
-            yield frames
+            yield with_carried_fresh(frames, self._fresh_carry)
 
     def _send_audio(self, call_id: str, pcm: np.ndarray) -> None:
         writer = self._writer
@@ -346,7 +347,8 @@ class RemoteEngine:
                 self._writer.write(json_message(b"C", {"call_id": session.call_id}))
 
     def _put_frames(self, item: BotFrames | None) -> None:
-        put_dropping_oldest(self._frames, item)  # a consumer behind loses the oldest ticks, as with a local engine
+        # A consumer behind loses the oldest ticks, as with a local engine (their fresh marks carried).
+        put_frames_dropping_oldest(self._frames, item, self._fresh_carry)
 
     async def _receive(self) -> None:
         assert self._reader is not None

@@ -34,7 +34,7 @@ from .interface import (
     OracleUpdate,
     ToolUse,
 )
-from .queues import put_dropping_oldest
+from .queues import FreshCarry, put_dropping_oldest, put_frames_dropping_oldest, with_carried_fresh
 from .sampling import SamplingOverrides
 
 log = logging.getLogger(__name__)
@@ -241,6 +241,7 @@ class LocalEngine:
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._frames: asyncio.Queue[BotFrames | None] = asyncio.Queue(maxsize=config.frames_queue_ticks)
+        self._fresh_carry = FreshCarry()
         self._frames_dropped = 0
         self._backend_closes: set[asyncio.Task[None]] = set()  # hung-up calls whose back-end is still closing
         self._behind = False  # the frame loop was falling behind when last asked
@@ -320,14 +321,14 @@ class LocalEngine:
         self._put_frames(frames)
 
     def _put_frames(self, item: BotFrames | None) -> None:
-        if put_dropping_oldest(self._frames, item):
+        if put_frames_dropping_oldest(self._frames, item, self._fresh_carry):
             self._frames_dropped += 1
             if self._frames_dropped in (1, 100, 1000) or self._frames_dropped % 10_000 == 0:
                 log.warning("bot audio consumer is behind: %d ticks dropped", self._frames_dropped)
 
     async def bot_frames(self) -> AsyncIterator[BotFrames]:
         while (frames := await self._frames.get()) is not None:
-            yield frames
+            yield with_carried_fresh(frames, self._fresh_carry)
 
     @property
     def max_calls(self) -> int:

@@ -498,3 +498,30 @@ def test_a_message_that_cannot_be_pickled_is_dropped_and_the_pipe_goes_on(side: 
     sender.close()
     reader.close()
     writer.close()
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
+async def test_a_restart_in_a_tick_the_consumer_missed_is_marked_on_its_next(
+    tiny_checkpoint: Path, engine_process: bool
+) -> None:
+    """A row's restart (its call's first frame, an engine reset) is marked on one frame only; a consumer behind
+    lost that tick with the oldest, and never cleared the audio queued from before the restart nor started its
+    resampler afresh. The mark now rides on the call's next frame delivered."""
+    config = EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", max_calls=2, warmup_ticks=1,
+                          engine_process=engine_process, frames_queue_ticks=2,
+                          sampling=SamplingOverrides(greedy=True))  # fmt: skip
+    engine = await LocalEngine.load(config)
+    await engine.start()
+    try:
+        ticks = aiter(engine.bot_frames())
+        await engine.open_call("CA-late")
+        await until(lambda: engine._frames_dropped >= 2, "the consumer fell behind", within=10)
+        async with asyncio.timeout(10):
+            marks = []
+            while len(marks) < 2:
+                tick = await anext(ticks)
+                if "CA-late" in tick.call_ids:
+                    marks.append(tick.fresh[tick.call_ids.index("CA-late")])
+        assert marks == [True, False]  # its first frame was dropped: the next one delivered says so, once
+    finally:
+        await engine.stop()

@@ -37,6 +37,7 @@ from engine.link_wire import (
     parse_event,
     parse_frames,
 )
+from engine.queues import FreshCarry
 from engine.remote import EDGE_EVENTS_QUEUE, RemoteEngine
 from telephony.server import MEDIA_PATH
 from telephony.sim_caller import simulate_call
@@ -92,6 +93,12 @@ def test_messages_cross_intact_and_times_cross_as_ages() -> None:
     assert back_frames.voiced == (True, True) and back_frames.indices == (4, 6) and back_frames.fresh == (False, False)
     np.testing.assert_allclose(back_frames.pcm, frames.pcm[[0, 2]], rtol=0, atol=1 / 32767)
     assert back_frames.produced_at == pytest.approx(899.75)
+    # An edge that missed ticks: their restart marks ride on its calls' next rows (engine/queues.FreshCarry).
+    carry = FreshCarry()
+    carry.dropped(["a", "b", "c"], [False, True, True])
+    sent = frames_message(frames, [0, 2], 50.25, ["e-a", "c"], fresh=carry.carry(["e-a", "c"], [False, False]))
+    assert parse_frames(_body(sent), 900.0).fresh == (False, True)
+    assert carry.carry(["b", "c"], [False, False]) == (True, False)  # each mark rides once
 
 
 def _fields(output: CallerTranscript | OracleUpdate) -> dict[str, object]:
