@@ -51,9 +51,9 @@ class PipeSender:
                 message = self._queue[0]
             try:
                 self._conn.send(message)
-            except (OSError, ValueError):  # the parent is gone: nothing more to say
+            except OSError:  # the parent is gone: nothing more to say
                 return
-            except Exception:  # pickled before a byte is written: that one message goes, the pipe stays whole
+            except Exception:  # pickling failed (a ValueError too: a ctypes pointer), before a byte was written
                 log.exception("a %r message to the parent could not be sent; dropped", message[0])
             with self._cond:
                 self._queue.popleft()
@@ -106,7 +106,7 @@ class ParentSender:
                     self._queued -= 1
             try:
                 self._conn.send(message)
-            except (OSError, ValueError) as e:  # the child is gone: the parent's reader says so
+            except OSError as e:  # the child is gone: the parent's reader says so
                 log.debug("%s pipe closed: %s", self._name, e)
                 return
             except Exception:  # pickled before a byte is written: that one message goes, the pipe stays whole

@@ -81,7 +81,9 @@ async def twilio_setup(args: argparse.Namespace) -> None:
             raise CliError(f"{before.name}'s calls go to {before.routed_elsewhere}, and Twilio ignores its voice URL "
                            "while it is set: detach it (console: Phone Numbers > the number > Voice Configuration) "
                            "and run this again; nothing changed", code=1)  # fmt: skip
-        theirs = before.status_callback if before.status_callback not in (None, "", status_url) else None
+        theirs = before.status_callback or None
+        if theirs is not None and urlsplit(theirs).path.endswith(CALL_STATUS_PATH):
+            theirs = None  # ours (at an older URL: a quick tunnel's changes at each restart)
         if theirs and not args.replace_status_callback:
             # Another system (a CRM, a call log) reads this number's call statuses: taking them over silently
             # would break it. The service needs them to close calls that never streamed.

@@ -153,6 +153,7 @@ def _blames_a_tool(exc: BaseException) -> bool:
     return _error_param(exc).startswith("tools[") or "invalid schema for function" in str(exc).lower()
 
 
+FINISH_GRACE_S = 1.0  # after a chunk with a finish_reason, the stream's end ([DONE]) is awaited this long at most
 TOOLS_REFUSED_S = 600.0  # a tool set a model's server refused is not offered to it again for this long
 
 # Parameters some models refuse (OpenAI's reasoning models: o-series, gpt-5): what to send instead (None: drop it).
@@ -218,16 +219,20 @@ class StreamTooLarge(ValueError):
     """A line or event of the stream past MAX_STREAM_LINE_BYTES: a malformed stream."""
 
 
+_LINE_END = re.compile(rb"\r\n|\r|\n")  # SSE's three line ends
+
+
 async def _lines(chunks: AsyncIterator[bytes], cap: int = MAX_STREAM_LINE_BYTES) -> AsyncIterator[str]:
-    """The stream's lines (ended by LF or CRLF), none longer than `cap` bytes (else StreamTooLarge)."""
+    """The stream's lines (ended by CRLF, LF or CR), none longer than `cap` bytes (else StreamTooLarge)."""
     buffer = bytearray()
     async for chunk in chunks:
-        start = len(buffer)
         buffer += chunk
         cut = 0
-        while (end := buffer.find(b"\n", max(start, cut))) >= 0:
-            yield bytes(buffer[cut:end]).removesuffix(b"\r").decode("utf-8", "replace")
-            cut = end + 1
+        for end in _LINE_END.finditer(buffer):
+            if end.group() == b"\r" and end.end() == len(buffer):
+                break  # maybe the first half of a CRLF split across two chunks: the next one says
+            yield bytes(buffer[cut : end.start()]).decode("utf-8", "replace")
+            cut = end.end()
         del buffer[:cut]
         if len(buffer) > cap:
             raise StreamTooLarge(f"a line of the LLM's stream past {cap} bytes")
@@ -440,64 +445,70 @@ class LlmClient:
             # text piece or tool-call delta must follow the last within idle_timeout_s, and the whole request
             # must end within max_request_s. The deadline is lifted around each yield, so it never fires while
             # the consumer holds the draft (it would cancel the consumer's own work).
-            async with asyncio.timeout(min(cfg.timeout_s, cfg.max_request_s)) as deadline:
+            try:
+                async with asyncio.timeout(min(cfg.timeout_s, cfg.max_request_s)) as deadline:
 
-                def progressed() -> None:
-                    deadline.reschedule(min(loop.time() + cfg.idle_timeout_s, cap_at))
+                    def progressed() -> None:
+                        deadline.reschedule(min(loop.time() + cfg.idle_timeout_s, cap_at))
 
-                # The raw response, not the client's parsed stream: its type-driven request transform and
-                # per-chunk model objects took 60% of the back-end's event loop at 32 calls (py-spy, bench
-                # oracle), which delays every other call's request and first draft. The client still does
-                # the connection, auth, timeouts and the HTTP status errors (classified below).
-                async with self._client.chat.completions.with_streaming_response.create(
-                    model=model,
-                    # In extra_body the conversation is sent as is; as `messages` it would be transformed.
-                    messages=[],
-                    extra_body={"messages": list(messages)},
-                    stream=True,
-                    extra_headers={"X-Request-Id": request_id} if request_id else None,
-                    **extra,  # type: ignore[arg-type]
-                ) as response:
-                    streaming = True
-                    # Closed with the response, not left for the garbage collector to finalize.
-                    async with contextlib.aclosing(_sse_data(_lines(response.iter_bytes()))) as events:
-                        async for data in events:
-                            if data == "[DONE]":
-                                break
-                            chunk = json.loads(data)
-                            delta = _delta(chunk)
-                            finish = _finish_reason(chunk) or finish
-                            # The first token, text or a function call's first piece (an answer too), is timed
-                            # once (`not text and not calls` before it).
-                            first = not text and not calls
-                            if _add_tool_call_pieces(delta, calls):
-                                if first:
-                                    metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
-                                progressed()
-                            piece = _delta_content(delta)
-                            if piece and not text:
-                                piece = piece.lstrip()
-                                if piece and not calls:
-                                    metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
-                            if piece:
-                                text += piece
-                                too_long = len(text) > cfg.max_draft_chars
-                                if too_long:
-                                    text = _cut_at_word(text, cfg.max_draft_chars)
-                                    calls.clear()  # a call cut off mid-arguments cannot be run
-                                    metrics.LLM_ERRORS.labels(kind="too_long").inc()
-                                    log.warning("call %s: LLM reply past %d chars: cut at a word there, stream "
-                                                "closed", call_id, cfg.max_draft_chars)  # fmt: skip
-                                deadline.reschedule(None)
-                                yield well_formed(text)  # a surrogate pair split across two chunks
-                                if too_long:
-                                    break  # closes the stream; the draft ends here
-                                progressed()
-                            if finish is not None:
-                                # The answer is whole (only [DONE], or a usage chunk, may follow): a server
-                                # that kept the stream open after it made the draft complete only at the idle
-                                # timeout, counted as a failure, with its tool calls thrown away.
-                                break
+                    # The raw response, not the client's parsed stream: its type-driven request transform and
+                    # per-chunk model objects took 60% of the back-end's event loop at 32 calls (py-spy, bench
+                    # oracle), which delays every other call's request and first draft. The client still does
+                    # the connection, auth, timeouts and the HTTP status errors (classified below).
+                    async with self._client.chat.completions.with_streaming_response.create(
+                        model=model,
+                        # In extra_body the conversation is sent as is; as `messages` it would be transformed.
+                        messages=[],
+                        extra_body={"messages": list(messages)},
+                        stream=True,
+                        extra_headers={"X-Request-Id": request_id} if request_id else None,
+                        **extra,  # type: ignore[arg-type]
+                    ) as response:
+                        streaming = True
+                        # Closed with the response, not left for the garbage collector to finalize.
+                        async with contextlib.aclosing(_sse_data(_lines(response.iter_bytes()))) as events:
+                            async for data in events:
+                                if data == "[DONE]":
+                                    break
+                                chunk = json.loads(data)
+                                delta = _delta(chunk)
+                                finish = _finish_reason(chunk) or finish
+                                # The first token, text or a function call's first piece (an answer too), is timed
+                                # once (`not text and not calls` before it).
+                                first = not text and not calls
+                                if _add_tool_call_pieces(delta, calls):
+                                    if first:
+                                        metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
+                                    progressed()
+                                piece = _delta_content(delta)
+                                if piece and not text:
+                                    piece = piece.lstrip()
+                                    if piece and not calls:
+                                        metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
+                                if piece:
+                                    text += piece
+                                    too_long = len(text) > cfg.max_draft_chars
+                                    if too_long:
+                                        text = _cut_at_word(text, cfg.max_draft_chars)
+                                        calls.clear()  # a call cut off mid-arguments cannot be run
+                                        metrics.LLM_ERRORS.labels(kind="too_long").inc()
+                                        log.warning("call %s: LLM reply past %d chars: cut at a word there, stream "
+                                                    "closed", call_id, cfg.max_draft_chars)  # fmt: skip
+                                    deadline.reschedule(None)
+                                    yield well_formed(text)  # a surrogate pair split across two chunks
+                                    if too_long:
+                                        break  # closes the stream; the draft ends here
+                                    progressed()
+                                if finish is not None:
+                                    # The answer is whole (only [DONE], or a usage chunk, should follow): a server
+                                    # that kept the stream open after it made the draft complete only at the idle
+                                    # timeout, counted as a failure, with its tool calls thrown away. Not cut at
+                                    # once: some gateways put a finish_reason on every chunk.
+                                    deadline.reschedule(min(loop.time() + FINISH_GRACE_S, cap_at))
+            except TimeoutError:
+                if finish is None:
+                    raise
+                # Whole at its finish_reason: the server held the stream open past FINISH_GRACE_S after it.
             if not text and not any(parts.name for parts in calls.values()):
                 # Not a success: the policy's failure path retries, rather than the caller getting no answer.
                 raise EmptyReplyError(f"no text and no tool call (finish_reason {finish})")

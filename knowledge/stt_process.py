@@ -103,6 +103,7 @@ class _Link:
     alive: bool = True
     started_at: float = field(default_factory=time.monotonic)
     unstepped_since: float | None = None  # the first audio sent since the child last reported a step
+    pushed_at: float = 0.0  # the last audio sent
     killed_stalled: bool = False
 
 
@@ -265,8 +266,11 @@ class SttProcess:
         """Audio is going to the child, so it should be stepping: with no step reported for STALL_S it is wedged
         (its commands are still answered: another thread), and only a new process can step again."""
         now = time.monotonic()
-        if link.unstepped_since is None:
+        # Judged over audio that keeps coming: after a gap (the last call's frames pushed, its row released
+        # before they were stepped, no call since) the window starts again.
+        if link.unstepped_since is None or now - link.pushed_at > STALL_S:
             link.unstepped_since = now
+        link.pushed_at = now
         stalled_s = now - link.unstepped_since
         if stalled_s < STALL_S or link.killed_stalled:
             return
@@ -474,8 +478,8 @@ class _ChildSttEngine(KyutaiSttEngine):
                 self.send.close()
                 os._exit(STEPS_FAILED_EXIT)  # not a clean close: a broken CUDA context can hang one
             raise
-        self.failed_in_a_row = 0
-        if done is not None:  # (when it began, on the machine's one monotonic clock; how long it took)
+        if done is not None:  # a step that ran (an idle tick, nothing to step, says nothing of the device)
+            self.failed_in_a_row = 0  # (when it began, on the machine's one monotonic clock; how long it took)
             self._step_seconds.append((time.monotonic() - self.last_step_s, self.last_step_s))
         return done
 

@@ -319,7 +319,11 @@ class AudioSocketSession(CallLeg):
             return self._refuse(agent.name, call_sid, "second_stream")
         if not self._seat_free():
             return self._busy(agent.name)
-        claimed = await self._claim(call_sid)
+        try:
+            claimed = await self._claim(call_sid)
+        except asyncio.CancelledError:  # the peer went meanwhile: a claim that landed must not hold the UUID
+            ctx.spawn(ctx.store.release_claim(call_sid, ctx.config.node_id))
+            raise
         if call_sid in ctx.streams or not claimed:
             return self._refuse(agent.name, call_sid, "second_stream" if call_sid in ctx.streams else "replayed")
         if not self._seat_free():

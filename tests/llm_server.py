@@ -84,6 +84,7 @@ class FakeLlm:
     # After the answer's last chunk (with its finish_reason), no [DONE] and no end: the stream held open for a
     # minute (a gateway that keeps the connection).
     hold_after_finish: bool = False
+    finish_every_chunk: bool = False  # finish_reason "stop" on every chunk (some gateways in front of Gemini)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -181,7 +182,8 @@ class FakeLlm:
                     "object": "chat.completion.chunk",
                     "created": 0,
                     "model": body["model"],
-                    "choices": [{"index": 0, "delta": {"content": ("" if i == 0 else " ") + word}}],
+                    "choices": [{"index": 0, "delta": {"content": ("" if i == 0 else " ") + word},
+                                 **({"finish_reason": "stop"} if self.finish_every_chunk else {})}],
                 }
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 if chunk_delay_s:

@@ -627,6 +627,16 @@ async def test_an_answer_whose_stream_stays_open_after_its_finish_is_whole_at_on
     assert metric("kame_llm_errors_total", kind="timeout") == timeouts
 
 
+async def test_a_gateway_that_puts_a_finish_reason_on_every_chunk_is_read_to_the_end(llm_server: FakeLlm) -> None:
+    """Some gateways (in front of Gemini) say finish_reason "stop" on every chunk: the answer is not cut at the
+    first one, it ends at [DONE] as usual."""
+    llm_server.finish_every_chunk = True
+    llm_server.chunk_delay_s = 0.05
+    async with _llm(llm_server) as llm:
+        text = await _drafts(llm, "hi", [])
+    assert text[-1] == "Sure, about hi, let me help you with that right away."
+
+
 async def test_tool_calls_in_the_record_mask_digits_as_dtmf_is() -> None:
     store = MemoryCallStore(store_transcripts=False)
     await store.create(CallRecord("CA" + "3" * 32))

@@ -1266,6 +1266,19 @@ async def test_sse_events_are_parsed_as_the_spec_says() -> None:
         [d async for d in _sse_data(lines("event: error", "data: overloaded", ""))]
 
 
+async def test_stream_lines_end_at_crlf_lf_or_cr_even_split_across_chunks() -> None:
+    from knowledge.llm import StreamTooLarge, _lines
+
+    async def chunks(*items: bytes):  # type: ignore[no-untyped-def]
+        for item in items:
+            yield item
+
+    got = [line async for line in _lines(chunks(b"data: a\r", b"\ndata: b\rdata: c\n\r\n", b"data: \xc3", b"\xa9"))]
+    assert got == ["data: a", "data: b", "data: c", "", "data: \u00e9"]
+    with pytest.raises(StreamTooLarge):
+        [line async for line in _lines(chunks(b"x" * 600, b"y" * 600), cap=1000)]
+
+
 async def test_an_llm_with_neither_endpoint_nor_key_is_said_to_fail_at_start(caplog: pytest.LogCaptureFixture) -> None:
     """serve with no OPENAI_BASE_URL and no key said "fine for local servers only", while no local server was
     named: every request then failed, call after call. Start-up says so, and how to run without one."""

@@ -492,7 +492,10 @@ def test_a_message_that_cannot_be_pickled_is_dropped_and_the_pipe_goes_on(side: 
     else:
         child = PipeSender(writer, name="test")
         sender, send = child, child
+    import ctypes
+
     send(("oracle", lambda: None))  # not picklable
+    send(("turn", ctypes.pointer(ctypes.c_int(1))))  # not picklable either, and a ValueError at that
     send(("leave", "CA1"))
     assert reader.poll(5) and reader.recv() == ("leave", "CA1")
     sender.close()

@@ -76,8 +76,12 @@ async def test_twilio_setup_never_takes_over_another_systems_status_callback_una
         assert rc == 0, err
         rc, _, err = await _kame(["twilio", "setup", "--number", NUMBER], env)  # ours now: again is fine
         assert rc == 0, err
+        moved = {**env, "PUBLIC_URL": "https://new-tunnel.example.com"}  # ours at an older URL: no question
+        rc, _, err = await _kame(["twilio", "setup", "--number", NUMBER], moved)
+        assert rc == 0, err
         ours = "https://voice.example.com" + CALL_STATUS_PATH
-        assert [u["StatusCallback"] for u in twilio.number_updates] == [ours, ours]
+        assert [u["StatusCallback"] for u in twilio.number_updates] == [
+            ours, ours, "https://new-tunnel.example.com" + CALL_STATUS_PATH]  # fmt: skip
 
 
 async def test_twilio_setup_refuses_a_number_whose_calls_go_to_an_app_or_a_trunk() -> None:
