@@ -38,7 +38,7 @@ INTERNAL_KEEPALIVE_S = 5.0
 async def internal_runner(app: web.Application, name: str) -> web.AppRunner:
     """An AppRunner set up for an internal listener (capped, short keep-alive); the caller starts its site."""
     cap = ConnectionCap(INTERNAL_MAX_CONNECTIONS, listener=name)
-    app.middlewares.append(cap.middleware)
+    cap.attach(app)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=INTERNAL_KEEPALIVE_S,
                            lingering_time=0)  # fmt: skip
     await runner.setup()

@@ -34,7 +34,7 @@ from .call_leg import CallLeg
 from .call_store import CallRecord, CallStore, CallStoreUnavailable
 from .cluster import Cluster, LocalCluster, open_cluster
 from .config import ServiceConfig
-from .connection_cap import ConnectionCap
+from .connection_cap import ConnectionCap, prove
 from .logs import call_id_var
 from .lost_calls import LostCallSweep
 from .media_session import AGENT_PARAMETER, TOKEN_PARAMETER, MediaStreamSession
@@ -199,8 +199,11 @@ def _caller_id(value: object) -> str | None:
 
 
 def _counted(request: web.Request, endpoint: str, ok: bool) -> bool:
-    """Count and log a refused signature (never the token or the signature itself)."""
-    if not ok:
+    """Count and log a refused signature (never the token or the signature itself); a good one proves its
+    request to the connection cap."""
+    if ok:
+        prove(request)
+    else:
         reason = "missing_signature" if SIGNATURE_HEADER not in request.headers else "bad_signature"
         metrics.WEBHOOK_REJECTIONS.labels(endpoint=endpoint, reason=reason).inc()
         if n := _ctx(request).sampled(f"{endpoint}:{reason}"):  # anyone can send these: never a line each
@@ -550,7 +553,7 @@ class ServiceHandle:
         self.connection_cap = ConnectionCap(ctx.config.max_idle_connections,
                                             lambda: sum(leg.carrier == "twilio" for leg in self.ctx.streams.values()))
         app = build_app(ctx)
-        app.middlewares.append(self.connection_cap.middleware)
+        self.connection_cap.attach(app)
         self.runner = web.AppRunner(app, handle_signals=False,
                                     keepalive_timeout=ctx.config.keepalive_timeout_s, lingering_time=0)
         self.port = 0
