@@ -41,8 +41,8 @@ def prove(request: web.Request) -> None:
 
 @dataclass(eq=False)
 class ConnectionCap:
-    """`middleware` goes on the app before its runner is set up (it tells busy connections from idle ones);
-    `install` on the runner's server after."""
+    """`attach` to the app before its runner is set up (its middleware tells busy connections from idle ones,
+    and handlers `prove` signed requests); `install` on the runner's server after."""
 
     limit: int
     streaming: Callable[[], int] = lambda: 0  # connections carrying a started call, not counted
