@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .interface import BotFrames
 
 
-def put_dropping_oldest(queue: asyncio.Queue[Any], item: object) -> bool:
+def put_dropping_oldest(queue: asyncio.Queue[Any], item: object, on_drop: Callable[[Any], None] | None = None) -> bool:
     """Queue `item`; if the queue is full, drop its oldest first (a stalled consumer loses old outputs,
-    never stalls the engine or the link's reader). True if something was dropped."""
+    never stalls the engine or the link's reader), handed to `on_drop`. True if something was dropped."""
     dropped = queue.full()
     if dropped:
-        queue.get_nowait()
+        old = queue.get_nowait()
+        if on_drop is not None:
+            on_drop(old)
     queue.put_nowait(item)
     return dropped
 
@@ -41,6 +43,11 @@ class FreshCarry:
         while len(self._pending) > MAX_CARRIED:
             del self._pending[next(iter(self._pending))]
 
+    def dropped_frames(self, frames: BotFrames | None) -> None:
+        """`put_dropping_oldest`'s `on_drop` for a queue of ticks (None: the end of them)."""
+        if frames is not None:
+            self.dropped(frames.call_ids, frames.fresh)
+
     def carry(self, call_ids: Sequence[str], fresh: Sequence[bool]) -> tuple[bool, ...]:
         """`fresh` with each waiting mark of these calls set (and no longer waiting)."""
         out = list(fresh)
@@ -49,17 +56,6 @@ class FreshCarry:
                 del self._pending[call_id]
                 out[i] = True
         return tuple(out)
-
-
-def put_frames_dropping_oldest(queue: asyncio.Queue[Any], item: BotFrames | None, carry: FreshCarry) -> bool:
-    """`put_dropping_oldest` for bot frames: a dropped tick's fresh marks go to `carry`."""
-    dropped = queue.full()
-    if dropped:
-        old = queue.get_nowait()
-        if old is not None:
-            carry.dropped(old.call_ids, old.fresh)
-    queue.put_nowait(item)
-    return dropped
 
 
 def with_carried_fresh(frames: BotFrames, carry: FreshCarry) -> BotFrames:

@@ -59,7 +59,7 @@ from .link_wire import (
     read_message,
     tune_socket,
 )
-from .queues import FreshCarry, put_dropping_oldest, put_frames_dropping_oldest, with_carried_fresh
+from .queues import FreshCarry, put_dropping_oldest, with_carried_fresh
 
 log = logging.getLogger(__name__)
 
@@ -348,7 +348,7 @@ class RemoteEngine:
 
     def _put_frames(self, item: BotFrames | None) -> None:
         # A consumer behind loses the oldest ticks, as with a local engine (their fresh marks carried).
-        put_frames_dropping_oldest(self._frames, item, self._fresh_carry)
+        put_dropping_oldest(self._frames, item, self._fresh_carry.dropped_frames)
 
     async def _receive(self) -> None:
         assert self._reader is not None

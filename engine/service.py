@@ -34,7 +34,7 @@ from .interface import (
     OracleUpdate,
     ToolUse,
 )
-from .queues import FreshCarry, put_dropping_oldest, put_frames_dropping_oldest, with_carried_fresh
+from .queues import FreshCarry, put_dropping_oldest, with_carried_fresh
 from .sampling import SamplingOverrides
 
 log = logging.getLogger(__name__)
@@ -321,7 +321,7 @@ class LocalEngine:
         self._put_frames(frames)
 
     def _put_frames(self, item: BotFrames | None) -> None:
-        if put_frames_dropping_oldest(self._frames, item, self._fresh_carry):
+        if put_dropping_oldest(self._frames, item, self._fresh_carry.dropped_frames):
             self._frames_dropped += 1
             if self._frames_dropped in (1, 100, 1000) or self._frames_dropped % 10_000 == 0:
                 log.warning("bot audio consumer is behind: %d ticks dropped", self._frames_dropped)

@@ -377,9 +377,8 @@ class SttProcess:
                 request.set_exception(SttUnavailable(reason))
             self._requests.clear()
         metrics.STT_PROCESS_RESTARTS.inc()
-        first, longest = self._restart_backoff_s
         if time.monotonic() - link.started_at >= SHORT_LIFE_S:
-            self._next_restart_s = first  # it had lived a while: not a crash loop
+            self._next_restart_s = self._restart_backoff_s[0]  # it had lived a while: not a crash loop
         wait = self._next_restart_s
         log.error("%s: %d calls lose their transcript until it is back; starting it again in %.0f s", reason,
                   len(calls), wait)  # fmt: skip

@@ -853,7 +853,7 @@ class RedisCallStore(_OpStore):
             scalars = {f.name: _encode_scalar(getattr(record, f.name)) for f in dataclasses.fields(CallRecord)
                        if f.name not in (*_LIST_NAMES, "call_sid")}  # fmt: skip
             lists = [[_encode_item(item) for item in getattr(record, name)] for name in _LIST_NAMES_BY_KEY]
-            args = [self._seq_field, shadow.seq, max(1, round(self.ttl_s * 1000)), call_sid, repr(time.time()),
+            args = [self._seq_field, shadow.seq, self._ttl_ms, call_sid, repr(time.time()),
                     json.dumps(scalars, separators=(",", ":")), json.dumps(lists, separators=(",", ":"))]  # fmt: skip
             if await self._restore(keys=self._script_keys(call_sid), args=args) == 1:
                 CALL_STORE_RESTORED_RECORDS.inc()
@@ -867,7 +867,7 @@ class RedisCallStore(_OpStore):
 
     def _encode(self, op: _Op) -> tuple[list[str], list[str | int | float]]:
         keys = self._script_keys(op.call_sid)
-        args: list[str | int | float] = [op.kind, self._seq_field, op.seq, max(1, round(self.ttl_s * 1000))]
+        args: list[str | int | float] = [op.kind, self._seq_field, op.seq, self._ttl_ms]
         args += [op.call_sid, repr(op.submitted)]
         if op.kind == "push":
             assert op.list_name is not None and op.item is not None
@@ -936,7 +936,7 @@ class RedisCallStore(_OpStore):
             return False
         claimed = await self._guard(self._claim(
             keys=[self._call_keys(call_sid)[0], self._claim_key(call_sid)],
-            args=[node, max(1, round(self.ttl_s * 1000))]))  # fmt: skip
+            args=[node, self._ttl_ms]))  # fmt: skip
         return bool(claimed)
 
     async def release_claim(self, call_sid: str, node: str) -> None:
@@ -944,6 +944,11 @@ class RedisCallStore(_OpStore):
         (the claim then expires with its ttl)."""
         with contextlib.suppress(CallStoreUnavailable):
             await self._guard(self._release_claim(keys=[self._claim_key(call_sid)], args=[node]))
+
+    @property
+    def _ttl_ms(self) -> int:
+        """`ttl_s` as the scripts take it (PX: whole milliseconds, at least 1)."""
+        return max(1, round(self.ttl_s * 1000))
 
     def _claim_key(self, call_sid: str) -> str:
         return f"{self.key_prefix}claim:{call_sid}"
