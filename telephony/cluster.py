@@ -13,15 +13,16 @@ the stream reached another of them, moves it there). Two implementations of one 
 
 Redis layout (prefix `kame:` by default; all times are Redis's own clock, in ms, so node clocks don't matter):
   <p>nodes              sorted set: node id scored by its last heartbeat; stale ones are pruned
-  <p>node:<id>          hash url (the node's wss media URL), free, draining, ts; expires after node_ttl_s
+  <p>node:<id>          hash url (the node's wss media URL), free, draining, ts, percall (= ts when the node's
+                        streams take per-call URLs: see `stream_url_for`); expires after node_ttl_s
   <p>node:<id>:resv     sorted set: CallSids with an unclaimed reservation on the node, scored by expiry
   <p>node:<id>:held     sorted set: CallSids claimed on the node whose stream the node has not yet counted in a
                         `free` it sent (see below), scored by expiry
   <p>alive:<id>         a node out of routing (AudioSocket only: `routable` False) says it is up here instead of
                         in nodes and node:<id>; expires after node_ttl_s, like node:<id>
   <p>resv:<sid>         hash node, url, token, state (reserved|claimed|ended), until (the reservation's expiry,
-                        ms); kept bound_ttl_s (a replayed webhook for it gets no new token, claimed, ended or
-                        expired unclaimed)
+                        ms), percall (1: the TwiML gave the call's own URL); kept bound_ttl_s (a replayed
+                        webhook for it gets no new token, claimed, ended or expired unclaimed)
 A node's room is `free - (live entries in its resv set)`. `free` counts engine seats not held by a
 stream; a claim moves a call from the resv set into `free` at once (HINCRBY -1), and the node's next
 heartbeat publishes the real figure.
@@ -60,12 +61,21 @@ log = logging.getLogger(__name__)
 CapacityFn = Callable[[], int]  # engine seats free on this node, not counting reservations
 
 
+def stream_url_for(base_url: str, call_sid: str) -> str:
+    """The call's own Media Streams URL on the node whose base is `base_url` (…/twilio/media/<CallSid>).
+
+    Twilio signs the upgrade over the URL alone (no nonce, no body): on one fixed URL, a signature captured
+    once opened sockets on any node forever. On the call's own URL it opens that call's stream, which starts
+    once and is then refused before the upgrade."""
+    return f"{base_url}/{call_sid}"
+
+
 @dataclass(frozen=True, slots=True)
 class Reservation:
     """A call slot held on `node_id` until its stream starts there (or the reservation expires)."""
 
     node_id: str
-    stream_url: str  # the node's public ws(s)://…/twilio/media
+    stream_url: str  # the call's URL on that node (`stream_url_for`), or the node's fixed URL (an older node)
     token: str = field(repr=False)  # goes to Twilio as a <Parameter>; never logged
 
 
@@ -75,6 +85,13 @@ class Cluster(Protocol):
     @property
     def reserved(self) -> int:
         """Reservations held on THIS node whose stream has not started (they count against its room)."""
+        ...
+
+    @property
+    def legacy_media_path(self) -> bool:
+        """Some node of the cluster still answers webhooks with the fixed stream URL (…/twilio/media, no
+        CallSid): a rolling update from a version before per-call URLs. While one heartbeats, this node takes
+        streams on the fixed URL as well; after that, it refuses them."""
         ...
 
     async def start(self) -> None: ...
@@ -150,6 +167,10 @@ class LocalCluster:
     def reserved(self) -> int:
         return self.admission.reserved
 
+    @property
+    def legacy_media_path(self) -> bool:
+        return False  # one node: its webhooks are this version's
+
     async def start(self) -> None:
         return None
 
@@ -173,7 +194,7 @@ class LocalCluster:
             if self.draining or self.capacity_fn() - self.admission.reserved <= 0:
                 return None
             token = self.admission.issue(call_sid)
-        return Reservation(self.node_id, self.stream_url, token)
+        return Reservation(self.node_id, stream_url_for(self.stream_url, call_sid), token)
 
     async def claim(self, call_sid: str, token: str | None) -> bool:
         return self.admission.claim(call_sid, token)
@@ -208,33 +229,44 @@ end
 """
 
 # KEYS 1 node hash, 2 nodes zset, 3 node resv zset, 4 node held zset. ARGV 1 node id, 2 stream url, 3 free,
-# 4 draining (0/1), 5 node ttl ms, 6.. acked calls. Returns the node's live reservation count.
+# 4 draining (0/1), 5 node ttl ms, 6 prefix, 7.. acked calls. Returns {the node's live reservation count, how
+# many other live nodes give the fixed stream URL}. `percall` is written as the beat's own `ts`: an older
+# version's beat moves `ts` and leaves `percall` behind, so a node id taken over by an older pod (a rollback)
+# reads as fixed-URL at its first beat, not as per-call until its hash expires.
 _HEARTBEAT_LUA = _NOW_MS_LUA + _HELD_LUA + """
-local free = math.max(0, tonumber(ARGV[3]) - unsubtracted(KEYS[4], 6, now))
-redis.call('HSET', KEYS[1], 'url', ARGV[2], 'free', free, 'draining', ARGV[4], 'ts', now)
+local free = math.max(0, tonumber(ARGV[3]) - unsubtracted(KEYS[4], 7, now))
+redis.call('HSET', KEYS[1], 'url', ARGV[2], 'free', free, 'draining', ARGV[4], 'ts', now, 'percall', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. (now - tonumber(ARGV[5])))
 redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[5]) * 10)
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-return redis.call('ZCARD', KEYS[3])
+local legacy = 0
+for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  if id ~= ARGV[1] then
+    local n = redis.call('HMGET', ARGV[6] .. 'node:' .. id, 'ts', 'percall')
+    if n[1] and n[1] ~= n[2] then legacy = legacy + 1 end
+  end
+end
+return {redis.call('ZCARD', KEYS[3]), legacy}
 """
 
 # KEYS 1 nodes zset, 2 resv:<sid>. ARGV 1 prefix, 2 call sid, 3 local node id, 4 token, 5 reservation ttl ms,
 # 6 node ttl ms, 7 local node out of routing (draining, or AudioSocket only: 0/1), 8 local node's free slots now
 # (fresher than its heartbeat), 9 ms to remember the CallSid, 10 local node's stream url, 11.. acked calls (see
-# _HELD_LUA). Returns {node, url, token, reservations on that node} or nil. A reservation is kept past its
+# _HELD_LUA). Returns {node, url, token, reservations on that node, percall ('1': the node takes the call's own
+# URL, `stream_url_for`; '0': an older node, its fixed URL)} or nil. A reservation is kept past its
 # expiry (`until`): a webhook replayed after it (a captured one) is used up, not granted a seat and a token
 # again every few seconds.
 _RESERVE_LUA = _NOW_MS_LUA + _HELD_LUA + """
-local held = redis.call('HMGET', KEYS[2], 'node', 'url', 'token', 'state', 'until')
+local held = redis.call('HMGET', KEYS[2], 'node', 'url', 'token', 'state', 'until', 'percall')
 if held[1] then
   if held[4] ~= 'reserved' then return 'used' end  -- its stream started (or ended): a replayed webhook
   if held[5] and tonumber(held[5]) <= now then return 'used' end  -- expired unclaimed: its one chance went
-  return {held[1], held[2], held[3], -1}
+  return {held[1], held[2], held[3], -1, held[6] or '0'}  -- a retried webhook: the URL it was given
 end
 local p, me = ARGV[1], ARGV[3]
-local best, best_url, best_room = nil, nil, 0
+local best, best_url, best_room, best_pc = nil, nil, 0, '1'
 -- This node first (the webhook and the stream on one node: fewer hops), from its own figures: it is a
 -- candidate even while its heartbeat is missing here (Redis restarted empty, or its last beat came late).
 if ARGV[7] ~= '1' then
@@ -246,13 +278,14 @@ end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - tonumber(ARGV[6])))
 if not best then  -- else the node with the most room
   for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-    local n = redis.call('HMGET', p .. 'node:' .. id, 'url', 'free', 'draining')
+    local n = redis.call('HMGET', p .. 'node:' .. id, 'url', 'free', 'draining', 'ts', 'percall')
     if id ~= me and n[1] and n[3] ~= '1' then
       local rz = p .. 'node:' .. id .. ':resv'
       redis.call('ZREMRANGEBYSCORE', rz, '-inf', now)
       local room = (tonumber(n[2]) or 0) - redis.call('ZCARD', rz)
       if room > 0 and (room > best_room or (room == best_room and id < best)) then
         best, best_url, best_room = id, n[1], room
+        best_pc = (n[5] and n[5] == n[4]) and '1' or '0'
       end
     end
   end
@@ -260,11 +293,12 @@ end
 if not best then return false end
 local ttl = tonumber(ARGV[5])
 local rz = p .. 'node:' .. best .. ':resv'
-redis.call('HSET', KEYS[2], 'node', best, 'url', best_url, 'token', ARGV[4], 'state', 'reserved', 'until', now + ttl)
+redis.call('HSET', KEYS[2], 'node', best, 'url', best_url, 'token', ARGV[4], 'state', 'reserved', 'until', now + ttl,
+           'percall', best_pc)
 redis.call('PEXPIRE', KEYS[2], ARGV[9])
 redis.call('ZADD', rz, now + ttl, ARGV[2])
 redis.call('PEXPIRE', rz, ttl * 2)
-return {best, best_url, ARGV[4], redis.call('ZCARD', rz)}
+return {best, best_url, ARGV[4], redis.call('ZCARD', rz), best_pc}
 """
 
 # The seat moves from the resv set to taken; held until the node's own figure counts the stream (_HELD_LUA).
@@ -391,6 +425,7 @@ class RedisCluster:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._failing = False
+        self._legacy_peers = 0  # other live nodes giving the fixed stream URL, as of the last heartbeat
 
     # ---- keys ----
 
@@ -434,6 +469,11 @@ class RedisCluster:
     @property
     def reserved(self) -> int:
         return self._fallback.reserved + self._live_redis_reserved()
+
+    @property
+    def legacy_media_path(self) -> bool:
+        # Kept through a Redis outage as last seen: no node's webhook sends a stream here without Redis anyway.
+        return self._legacy_peers > 0
 
     def _live_redis_reserved(self) -> int:
         if time.monotonic() - self._redis_reserved_at >= self.reservation_ttl_s:
@@ -516,13 +556,18 @@ class RedisCluster:
         # in Redis that this `free` does not count yet (held, not acked), however the round trips interleave.
         free, acked = self._free_here(), self._acked_now()
         keys = [self._node_key(self.node_id), self._nodes_key, self._my_resv_key, self._my_held_key]
-        args = [self.node_id, self.stream_url, free, int(self.draining), _ms(self.node_ttl_s), *acked]
+        args = [self.node_id, self.stream_url, free, int(self.draining), _ms(self.node_ttl_s), self.key_prefix,
+                *acked]  # fmt: skip
         try:
-            count = int(await self._heartbeat_script(keys=keys, args=args))
+            count, legacy = await self._heartbeat_script(keys=keys, args=args)
         except _REDIS_FAILURES as exc:
             self._failed("heartbeat", exc)
             return
-        self._set_redis_reserved(count)
+        self._set_redis_reserved(int(count))
+        if bool(legacy) != self.legacy_media_path:
+            log.info("cluster: %s", f"{legacy} node(s) still give the fixed stream URL: taking streams on it too"
+                     if legacy else "every node gives per-call stream URLs: the fixed one is refused now")
+        self._legacy_peers = int(legacy)
         self._succeeded()
 
     def _free_here(self) -> int:
@@ -535,7 +580,7 @@ class RedisCluster:
         if self._fallback.used(call_sid) or self._mine.used(call_sid):
             raise CallSidUsed(call_sid)
         if (token := self._fallback.token_for(call_sid)) is not None:  # a retry of a fallback reservation
-            return Reservation(self.node_id, self.stream_url, token)
+            return Reservation(self.node_id, stream_url_for(self.stream_url, call_sid), token)
         if self._failing:
             # Redis failed the last time it was asked; the heartbeat asks again every second and clears this.
             # Until then, a webhook must not wait its turn for Redis's timeout: with a Redis that hangs
@@ -558,17 +603,17 @@ class RedisCluster:
             return None
         if got == "used":
             raise CallSidUsed(call_sid)
-        node_id, url, token, count = got
+        node_id, url, token, count, per_call = got
         if node_id == self.node_id:
             self._mine.issue(call_sid, token)
             if int(count) >= 0:
                 self._set_redis_reserved(int(count))
-        return Reservation(node_id, url, token)
+        return Reservation(node_id, stream_url_for(url, call_sid) if per_call == "1" else url, token)
 
     def _reserve_here(self, call_sid: str) -> Reservation | None:
         if self.draining or self.capacity_fn() - self.reserved <= 0:
             return None
-        return Reservation(self.node_id, self.stream_url, self._fallback.issue(call_sid))
+        return Reservation(self.node_id, stream_url_for(self.stream_url, call_sid), self._fallback.issue(call_sid))
 
     async def claim(self, call_sid: str, token: str | None) -> bool:
         if token is None:

@@ -84,9 +84,11 @@ class MediaStreamSession(CallLeg):
         *,
         peer: str = "?",
         transport: asyncio.BaseTransport | None = None,
+        call_sid: str | None = None,
     ) -> None:
         super().__init__(ctx, peer=peer, transport=transport, inbound=InboundFramer())
         self.ws = ws
+        self._url_call_sid = call_sid  # the CallSid of the URL it upgraded on (None: the fixed URL)
         self._media: MediaMessageTemplate | None = None  # set at `start`, once the streamSid is known
         self._last_mark_at_frame = 0
         self._acting = False  # a transfer or hang-up through the REST API is under way
@@ -277,8 +279,10 @@ class MediaStreamSession(CallLeg):
         token = start.custom_parameters.get(TOKEN_PARAMETER)
         # The token is single-use: a second socket for a live call here is refused, never swapped in (not even
         # with a fresh token, as a replayed webhook gets once Redis has lost the first one's binding).
-        if call_sid in self.ctx.streams or not await self.ctx.cluster.claim(call_sid, token):
-            reason = "second_stream" if call_sid in self.ctx.streams else "bad_token"
+        # A socket opened on one call's URL starts that call only (its signature covered no other).
+        wrong_url = self._url_call_sid is not None and call_sid != self._url_call_sid
+        if wrong_url or call_sid in self.ctx.streams or not await self.ctx.cluster.claim(call_sid, token):
+            reason = "wrong_url" if wrong_url else "second_stream" if call_sid in self.ctx.streams else "bad_token"
             metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason=reason).inc()
             log.warning("stream for %s rejected (%s)", call_sid, reason)
             metrics.CALLS_TOTAL.labels(outcome="rejected", agent="default").inc()  # its agent is not ours to trust

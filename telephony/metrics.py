@@ -73,9 +73,12 @@ zero_series(WEBHOOK_REJECTIONS, endpoint=("voice",), reason=("replayed",))  # si
 # A body that is not a form Twilio sends, or one that does not arrive in time (before any signature check).
 zero_series(WEBHOOK_REJECTIONS, endpoint=("voice", "stream_status", "call_status", "connect_action"),
             reason=("malformed", "slow_body", "oversize"))
-# A stream's start (not a signature): a token that is not the call's, or a second socket for a live call.
+# A stream's start (not a signature): a token that is not the call's, a second socket for a live call, a start
+# for another call than its URL's. Before the upgrade: the fixed URL once every node gives per-call URLs, a
+# call's URL whose stream has started (a replayed upgrade), a second socket on one call's URL.
 zero_series(WEBHOOK_REJECTIONS, endpoint=("media",),
-            reason=("bad_token", "second_stream", "unstarted_cap", "unstarted_evicted"))
+            reason=("bad_token", "second_stream", "wrong_url", "unstarted_cap", "unstarted_evicted", "fixed_url",
+                    "replayed", "second_socket"))
 # AudioSocket connections (no signatures: addresses): outside --audiosocket-allow, no engine, over the cap of
 # connections awaiting their call's UUID, the UUID of a call already streaming here, or of one with a record.
 zero_series(WEBHOOK_REJECTIONS, endpoint=("audiosocket",),

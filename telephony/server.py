@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 VOICE_PATH = "/twilio/voice"
 CONNECT_ACTION_PATH = "/twilio/connect-action"  # Twilio's request once a call's stream has ended
 APOLOGY_MESSAGE = "Sorry, we have lost the line on our side. Please call again in a moment. Goodbye."
-MEDIA_PATH = "/twilio/media"
+MEDIA_PATH = "/twilio/media"  # a node's stream URLs' base: each call streams on its own, MEDIA_PATH/<CallSid>
 STATUS_PATH = "/twilio/stream-status"
 CALL_STATUS_PATH = "/twilio/call-status"  # the number's StatusCallback: the call's own progress
 LOADING_STOP_TIMEOUT_S = 15.0  # a stop while the engine loads: its load is given up within this
@@ -98,6 +98,9 @@ class ServerContext:
         # Those of them that have sent no `start` at all, oldest first: the ones a full cap closes (insertion
         # order of a dict; each CallLeg adds and removes itself).
         self.awaiting_start: dict[str, dict[Any, None]] = {"media": {}, "audiosocket": {}}
+        # CallSids with a socket open on their own stream URL (upgrading, awaiting its start, or streaming): one
+        # at a time, so a captured upgrade signature cannot open a second one beside Twilio's.
+        self.media_urls_open: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.fanout = BotAudioFanout(self.streams)
         self.sampled = LogSampler()  # node-wide: which warnings of a repeated kind reach the log
@@ -327,9 +330,56 @@ async def handle_voice(request: web.Request) -> web.Response:
 
 
 async def handle_media(request: web.Request) -> web.StreamResponse:
+    """A call's own stream URL (MEDIA_PATH/<CallSid>, as the voice webhook's TwiML gives it): the signature
+    covers the CallSid, so a captured one opens that call's socket only, once, before its stream starts."""
     ctx = _ctx(request)
     if not ctx.websocket_ok(request):  # refused before the upgrade
         return web.Response(status=403, text="invalid Twilio signature")
+    call_sid = request.match_info["call_sid"]
+    if not _CALL_SID.fullmatch(call_sid):
+        return web.Response(status=404, text="no such stream")
+    call_id_var.set(call_sid)
+    if call_sid in ctx.media_urls_open:
+        raise _media_refused(request, "second_socket", web.HTTPConflict(text="a socket is open for this call"))
+    ctx.media_urls_open.add(call_sid)  # before the await below: two upgrades at once get one socket
+    try:
+        if await _stream_started(ctx, call_sid):
+            raise _media_refused(request, "replayed", web.HTTPForbidden(text="this call's stream has started"))
+        return await _serve_stream(ctx, request, call_sid)
+    finally:
+        ctx.media_urls_open.discard(call_sid)
+
+
+async def handle_media_fixed(request: web.Request) -> web.StreamResponse:
+    """The fixed stream URL of versions before per-call URLs: taken only while a node of that version
+    heartbeats in the cluster (a rolling update), whose webhooks still send streams here."""
+    ctx = _ctx(request)
+    if not ctx.websocket_ok(request):
+        return web.Response(status=403, text="invalid Twilio signature")
+    if not ctx.cluster.legacy_media_path:
+        raise _media_refused(request, "fixed_url", web.HTTPNotFound(text=f"streams are per call: {MEDIA_PATH}/CA…"))
+    return await _serve_stream(ctx, request, None)
+
+
+def _media_refused(request: web.Request, reason: str, answer: web.HTTPException) -> web.HTTPException:
+    """A signed upgrade refused before it happens (counted; logged, sampled: a captured signature can repeat)."""
+    metrics.WEBHOOK_REJECTIONS.labels(endpoint="media", reason=reason).inc()
+    if n := _ctx(request).sampled(f"media:{reason}"):
+        log.warning("media upgrade refused (%s) from %s (#%d)", reason, request.remote, n)
+    return answer
+
+
+async def _stream_started(ctx: ServerContext, call_sid: str) -> bool:
+    """Whether the call's stream started already (a replayed upgrade). Bounded: a slow or failing Redis leaves
+    it to the start's single-use token, as before per-call URLs."""
+    try:
+        async with asyncio.timeout(RECORD_CHECK_S):
+            return bool(await ctx.cluster.streamed(call_sid))
+    except TimeoutError:
+        return False
+
+
+async def _serve_stream(ctx: ServerContext, request: web.Request, call_sid: str | None) -> web.StreamResponse:
     # Only an engine that is gone refuses here. The webhook already admitted this call (its token, its
     # seat): an engine falling behind, or draining, takes no *new* calls, but one it answered gets its stream.
     if ctx.engine is None or ctx.engine.failed:
@@ -346,7 +396,7 @@ async def handle_media(request: web.Request) -> web.StreamResponse:
     sock = request.transport.get_extra_info("socket") if request.transport is not None else None
     if sock is not None and ctx.config.media_send_buffer_bytes > 0:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, ctx.config.media_send_buffer_bytes)
-    await MediaStreamSession(ws, ctx, peer=str(request.remote), transport=request.transport).run()
+    await MediaStreamSession(ws, ctx, peer=str(request.remote), transport=request.transport, call_sid=call_sid).run()
     return ws
 
 
@@ -530,7 +580,8 @@ def build_app(ctx: ServerContext) -> web.Application:
     app[CONTEXT] = ctx
     app.router.add_post(VOICE_PATH, handle_voice)
     app.router.add_post(CONNECT_ACTION_PATH, handle_connect_action)
-    app.router.add_get(MEDIA_PATH, handle_media)
+    app.router.add_get(MEDIA_PATH + "/{call_sid}", handle_media)
+    app.router.add_get(MEDIA_PATH, handle_media_fixed)
     app.router.add_post(STATUS_PATH, handle_stream_status)
     app.router.add_post(CALL_STATUS_PATH, handle_call_status)
     app.router.add_get("/healthz", handle_healthz)

@@ -135,16 +135,27 @@ def _read_twiml(report: CallReport, body: str) -> ConnectStream | None:
     return None
 
 
-def _stream_signature_url(report: CallReport, stream_url: str, ws_url: str, public_base: str) -> str:
+def _stream_signature_url(report: CallReport, stream_url: str, public_base: str) -> str:
     """The URL Twilio would sign for the upgrade: the TwiML <Stream url> it connects to."""
     parts = urlsplit(stream_url)
     if not parts.netloc:  # relative: Twilio resolves it against the public URL
         return websocket_signature_url(public_base, parts.path or "/")
     if parts.scheme != "wss" and parts.hostname not in ("127.0.0.1", "localhost", "::1"):
         report.warn(f"TwiML stream url scheme is {parts.scheme!r}; Twilio only connects to wss://")
-    if parts.path != urlsplit(ws_url).path:
-        report.warn(f"TwiML stream path {parts.path!r} differs from --url's; connecting to --url anyway")
     return stream_url
+
+
+def _socket_url(report: CallReport, stream_url: str, ws_url: str) -> str:
+    """Where the simulated Twilio connects: the TwiML's stream path on --url's host. --url names the node's
+    stream base (…/twilio/media); the TwiML's URL is the public one (a proxy's host and path prefix before
+    it) and may end in the call's own part (…/twilio/media/<CallSid>), which is kept."""
+    path, base = urlsplit(stream_url).path, urlsplit(ws_url).path.rstrip("/")
+    if base and path.endswith(base):
+        return ws_url
+    if base and (at := path.rfind(base + "/")) >= 0:
+        return ws_url.rstrip("/") + path[at + len(base) :]
+    report.warn(f"TwiML stream path {path!r} is not under --url's {base!r}; connecting to --url anyway")
+    return ws_url
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -390,13 +401,14 @@ async def _stream(
 ) -> None:
     report.custom_parameters = dict(stream.parameters)
     headers: dict[str, str] = {}
-    signed_url = _stream_signature_url(report, stream.url, ws_url, public_base)
+    signed_url = _stream_signature_url(report, stream.url, public_base)
     if token:
         # Twilio signs the upgrade over the wss URL with no params (see notes §1.5).
         headers[SIGNATURE_HEADER] = RequestValidator(token).compute_signature(signed_url, {})
     try:
         # Outbound media "can be of any size": allow far more than aiohttp's 4 MB default message.
-        ws = await session.ws_connect(ws_url, headers=headers, max_msg_size=64 * 1024 * 1024)
+        ws = await session.ws_connect(_socket_url(report, stream.url, ws_url), headers=headers,
+                                      max_msg_size=64 * 1024 * 1024)  # fmt: skip
     except aiohttp.WSServerHandshakeError as exc:
         report.ws_status = exc.status
         report.outcome = "rejected" if 400 <= exc.status < 500 else "error"

@@ -27,6 +27,7 @@ from engine.service import BackendProvider, EngineConfig, LocalEngine
 from knowledge.agents import AgentDirectory
 from telephony import twilio_messages as tm
 from telephony.call_store import CallStore, MemoryCallStore
+from telephony.cluster import stream_url_for
 from telephony.config import ServiceConfig
 from telephony.logs import setup_logging
 from telephony.server import MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
@@ -123,9 +124,16 @@ class Phone:
             stream = parse_connect_stream(twiml)
         return call_sid, dict(stream.parameters)
 
-    async def open_stream(self, http: aiohttp.ClientSession) -> aiohttp.ClientWebSocketResponse:
-        sig = self.sign(self.ws_url, {})
-        return await http.ws_connect(self.ws_url, headers={"X-Twilio-Signature": sig})
+    def stream_url(self, call_sid: str) -> str:
+        """The call's own stream URL on this node (what the voice webhook's TwiML gives Twilio)."""
+        return stream_url_for(self.ws_url, call_sid)
+
+    async def open_stream(
+        self, http: aiohttp.ClientSession, call_sid: str | None = None
+    ) -> aiohttp.ClientWebSocketResponse:
+        """A signed upgrade on `call_sid`'s stream URL (no CallSid: a fresh one's, a call never answered)."""
+        url = self.stream_url(call_sid or new_call_sid())
+        return await http.ws_connect(url, headers={"X-Twilio-Signature": self.sign(url, {})})
 
     @contextlib.asynccontextmanager
     async def started_call(
@@ -134,7 +142,7 @@ class Phone:
         """A call answered and its stream started as Twilio does (stream MZ1); (CallSid, socket). After: the
         stream stopped, the socket closed, the call settled on the server side."""
         call_sid, params = await self.answer(http)
-        ws = await self.open_stream(http)
+        ws = await self.open_stream(http, call_sid)
         await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))
         try:
             yield call_sid, ws

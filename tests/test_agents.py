@@ -155,7 +155,8 @@ async def test_a_sip_domain_call_gets_its_agent_through_the_real_webhook_and_str
             stream = parse_connect_stream(await r.text())
         parameters = dict(stream.parameters)
         assert parameters["agent"] == "support" and parameters["to"] == sip_to
-        ws = await phone.open_stream(http)
+        assert stream.url == phone.stream_url(call_sid)  # the call's own URL
+        ws = await phone.open_stream(http, call_sid)
         await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", parameters))
         await until(lambda: metric("kame_calls_active") >= 1, "the SIP call seated")
         await asyncio.sleep(0.5)  # a few frames: the greeting goes in as the call's first candidate

@@ -197,9 +197,10 @@ async def _deaf_twilio(base_url: str, token: str) -> DeafPeer:
     sock.setblocking(False)
     loop = asyncio.get_running_loop()
     await loop.sock_connect(sock, (host, port))
-    sig = RequestValidator(token).compute_signature(websocket_signature_url(base_url, MEDIA_PATH), {})
+    path = urlsplit(stream.url).path  # the call's own stream URL
+    sig = RequestValidator(token).compute_signature(websocket_signature_url(base_url, path), {})
     upgrade = (
-        f"GET {MEDIA_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
         f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\nSec-WebSocket-Version: 13\r\n"
         f"{SIGNATURE_HEADER}: {sig}\r\n\r\n"
     )
@@ -284,7 +285,7 @@ async def test_each_call_drains_and_filters_by_its_own_row(tiny_checkpoint: Path
     async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http, \
             phone.started_call(http) as (sid_a, _):
         sid_b, params = await phone.answer(http)
-        ws_b = await phone.open_stream(http)
+        ws_b = await phone.open_stream(http, sid_b)
         await ws_b.send_str(tm.start_msg("MZ2", sid_b, "AC1", params))
         await until(lambda: sid_b in phone.ctx.streams and phone.ctx.streams[sid_b].playing, "b streaming")
         fanout = phone.ctx.fanout

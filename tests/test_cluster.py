@@ -26,7 +26,7 @@ from telephony import admission
 from telephony.admission import CallSidUsed
 from telephony.audiosocket_session import call_id_for
 from telephony.call_store import CallRecord, open_call_store
-from telephony.cluster import LocalCluster, RedisCluster, Reservation, open_cluster
+from telephony.cluster import LocalCluster, RedisCluster, Reservation, open_cluster, stream_url_for
 from telephony.config import ServiceConfig
 from telephony.lost_calls import LostCallSweep
 from telephony.server import CALL_STATUS_PATH, MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
@@ -91,7 +91,7 @@ async def test_reserves_here_first_then_on_the_node_with_most_room(prefix: str) 
         a, b = n["a"], n["b"]
         sid = new_call_sid()
         first = await a.reserve(sid)
-        assert first is not None and first.node_id == "a" and first.stream_url == f"ws://127.0.0.1/a{MEDIA_PATH}"
+        assert first is not None and first.node_id == "a" and first.stream_url == f"ws://127.0.0.1/a{MEDIA_PATH}/{sid}"
         assert await a.reserve(sid) == first  # Twilio retrying the webhook: the same reservation
         assert where(await reserve_many(a, 3)) == ["a", "b", None]
         assert a.reserved == 2
@@ -101,6 +101,49 @@ async def test_reserves_here_first_then_on_the_node_with_most_room(prefix: str) 
     async with nodes(prefix + "2:", {"a": 0, "b": 1, "c": 2}) as n:
         # Not here: the node with the most room (ties by node id).
         assert where(await reserve_many(n["a"], 4)) == ["c", "b", "c", None]
+
+
+async def test_a_node_of_an_older_version_is_sent_streams_on_its_fixed_url(prefix: str, raw: aioredis.Redis) -> None:
+    """A rolling update: a node whose heartbeat writes no `percall` (the version before per-call URLs) serves
+    only the fixed URL, so a reservation there gives it, and a retried webhook the same; the new nodes see it
+    and take the fixed URL themselves meanwhile. A node id rolled back to that version (a `percall` its beats
+    no longer move) is seen as older at its first beat."""
+    async with nodes(prefix, {"a": 0, "b": 1}) as n:
+        a, b = n["a"], n["b"]
+        sid = new_call_sid()
+        r = await a.reserve(sid)
+        assert r is not None and r.node_id == "b" and r.stream_url == stream_url_for(b.stream_url, sid)
+        assert not a.legacy_media_path and not b.legacy_media_path
+        old_url = f"ws://127.0.0.1/old{MEDIA_PATH}"
+
+        async def old_beats(per_call: bool = False) -> None:
+            """One heartbeat of "old" as its version writes it (fresh, so no prune drops it meanwhile)."""
+            sec, usec = await raw.time()
+            now = sec * 1000 + usec // 1000
+            fields = {"url": old_url, "free": 3, "draining": 0, "ts": now}
+            await raw.hset(f"{prefix}node:old", mapping={**fields, "percall": now} if per_call else fields)
+            await raw.zadd(f"{prefix}nodes", {"old": now})
+
+        await old_beats()
+        await a.refresh()
+        assert a.legacy_media_path
+        sid = new_call_sid()
+        r = await a.reserve(sid)
+        assert r is not None and r.node_id == "old" and r.stream_url == old_url
+        assert await a.reserve(sid) == r  # Twilio retrying the webhook: the URL it was given
+        await old_beats(per_call=True)  # upgraded: its beats write percall = ts
+        await a.refresh()
+        assert not a.legacy_media_path
+        sid = new_call_sid()
+        r = await a.reserve(sid)
+        assert r is not None and r.node_id == "old" and r.stream_url == stream_url_for(old_url, sid)
+        await asyncio.sleep(0.01)  # a later millisecond: beats are a second apart, loopback round trips are not
+        await old_beats()  # rolled back: its beat moves ts and leaves the newer version's percall behind
+        await a.refresh()
+        assert a.legacy_media_path
+        sid = new_call_sid()
+        r = await a.reserve(sid)
+        assert r is not None and r.node_id == "old" and r.stream_url == old_url
 
 
 async def test_a_node_missing_from_redis_still_reserves_its_own_seats(prefix: str, raw: aioredis.Redis) -> None:
@@ -616,7 +659,8 @@ async def test_two_service_processes_share_one_redis(
             # Webhooks on a: a first (it has room), then b (a is full), then busy.
             sids += [new_call_sid() for _ in range(4)]
             routed = [await answer(http, a, token, sid) for sid in sids]
-            assert [url for url, _ in routed] == [a.ws_url, b.ws_url, b.ws_url, None]
+            want = [stream_url_for(n.ws_url, sid) for n, sid in zip((a, b, b), sids, strict=False)] + [None]
+            assert [url for url, _ in routed] == want  # each call's own URL, on the node reserved
             calls = [call(url, a, sid, 0.5) for (url, _), sid in zip(routed[:3], sids, strict=False)]
             reports = await asyncio.wait_for(asyncio.gather(*calls), 60)
             for report, (_, tok) in zip(reports, routed, strict=False):
@@ -633,7 +677,7 @@ async def test_two_service_processes_share_one_redis(
             sids += [new_call_sid(), new_call_sid()]
             on_b, _ = await answer(http, b, token, sids[4])
             on_a, _ = await answer(http, a, token, sids[5])
-            assert (on_b, on_a) == (b.ws_url, a.ws_url)  # each node takes its own webhook's call
+            assert (on_b, on_a) == (stream_url_for(b.ws_url, sids[4]), stream_url_for(a.ws_url, sids[5]))  # its own
             calls = [call(on_b, b, sids[4], 4.0), call(on_a, a, sids[5], 4.0)]
             for sid in sids[4:6]:
                 await until(lambda s=sid: _hget_is(raw, f"{prefix}resv:{s}", "state", "claimed"), "streaming")
@@ -697,7 +741,7 @@ async def test_nodes_behind_one_url_take_each_others_streams(prefix: str, raw: a
             await node.start()
         sid = new_call_sid()
         r = await a.reserve(sid)
-        assert r is not None and r.node_id == "a" and r.stream_url == shared
+        assert r is not None and r.node_id == "a" and r.stream_url == stream_url_for(shared, sid)
         assert not await c.claim(sid, r.token)  # a node at another URL: still the wrong node
         assert not await b.claim(sid, "x" * len(r.token))  # the token still counts
         assert await b.claim(sid, r.token)

@@ -421,6 +421,21 @@ def test_parse_dtmf_and_voice_url() -> None:
     assert default_voice_url("ws://127.0.0.1:8080/ws") == "http://127.0.0.1:8080/twilio/voice"
 
 
+def test_the_simulated_twilio_connects_to_the_twiml_stream_path_on_the_url_it_was_given() -> None:
+    """The TwiML gives the public URL (a proxy's host and path prefix) and, since per-call URLs, the call's own
+    part after the node's base: kept, on --url's host. An older node's fixed URL: --url as it is."""
+    from telephony.sim_caller import _socket_url
+
+    local = "ws://127.0.0.1:8080/twilio/media"
+    report = CallReport()
+    assert _socket_url(report, "wss://h.example/kame/twilio/media/CA1", local) == local + "/CA1"
+    assert _socket_url(report, "wss://h.example/twilio/media", local) == local
+    assert _socket_url(report, "wss://h.example/twilio/media/CA2", local + "/CA2") == local + "/CA2"
+    assert not report.warnings
+    assert _socket_url(report, "wss://h.example/elsewhere", local) == local
+    assert report.warnings and "not under --url's" in report.warnings[0]
+
+
 def test_report_round_trips_to_json() -> None:
     r = CallReport(outcome="busy", call_sid="CA1")
     assert json.loads(r.to_json())["outcome"] == "busy"

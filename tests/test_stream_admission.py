@@ -43,7 +43,7 @@ def _replayed() -> float:
 async def _short_call(phone: Phone, http: aiohttp.ClientSession) -> str:
     """A call that starts its stream and hangs up at once."""
     call_sid, params = await phone.answer(http)
-    ws = await phone.open_stream(http)
+    ws = await phone.open_stream(http, call_sid)
     await ws.send_str(tm.start_msg("MZ" + call_sid[2:], call_sid, "AC1", params))
     await asyncio.sleep(0.2)
     await ws.send_str(tm.stop_msg("MZ" + call_sid[2:], 2, call_sid, "AC1"))
@@ -173,7 +173,7 @@ async def test_one_stream_flooding_control_messages_is_ended_and_the_call_beside
             dtmf=[("4", 1.0), ("2", 2.0)], hold_after=1.0,
         ))  # fmt: skip
         flood_sid, params = await phone.answer(http)
-        ws = await phone.open_stream(http)
+        ws = await phone.open_stream(http, flood_sid)
         await ws.send_str(tm.start_msg("MZflood", flood_sid, "AC1", params))
         await _send_until_closed(ws, [tm.dtmf_msg("MZflood", 2, "5")] * 40_000)
         flooded = await _flood_ended_and_the_good_call_went_on(phone, good, flood_sid)
@@ -208,7 +208,7 @@ async def test_media_floods_end_their_stream_and_the_call_beside_it_goes_on(
         assert sent < 1200 and unstarted.close_code == aiohttp.WSCloseCode.POLICY_VIOLATION
         # 2. A started stream sending 100 ms packets as fast as it can: 2 min of audio in a second or two.
         flood_sid, params = await phone.answer(http)
-        ws = await phone.open_stream(http)
+        ws = await phone.open_stream(http, flood_sid)
         await ws.send_str(tm.start_msg("MZfast", flood_sid, "AC1", params))
         fast = [tm.media_msg("MZfast", 2 + i, 1 + i, 100 * i, b"\x7f" * 800) for i in range(3000)]
         sent = await _send_until_closed(ws, fast)
@@ -232,7 +232,7 @@ async def test_a_stream_cannot_bank_real_time_to_push_it_all_at_once_later(
         good = asyncio.create_task(simulate_call(phone.ws_url, question_wav, auth_token=phone.token,
                                                  public_url=phone.base, hold_after=1.0))  # fmt: skip
         sid, params = await phone.answer(http)
-        ws = await phone.open_stream(http)
+        ws = await phone.open_stream(http, sid)
         await ws.send_str(tm.start_msg("MZbank", sid, "AC1", params))
         for i in range(9):  # 9 s at 10 ms of audio a second: 9.9 s saved up, before
             await ws.send_str(tm.media_msg("MZbank", 2 + i, 1 + i, 1000 * i, b"\x7f" * 80))
@@ -325,17 +325,19 @@ async def test_unstarted_sockets_are_capped_and_closed_while_a_call_runs(
 
 
 async def _pinging_and_never_reading(phone: Phone, seconds: float) -> socket.socket:
-    """A socket upgraded with the stream signature (the same for every call: one captured is enough) that then
-    floods pings and never reads a byte: each pong aiohttp wrote for it filled the socket's buffer until the
-    write paused for good, and the receive loop, the start timeout's close and the eviction with it."""
+    """A socket upgraded with a call's stream signature (a call never answered) that then floods pings and
+    never reads a byte: each pong aiohttp wrote for it filled the socket's buffer until the write paused for
+    good, and the receive loop, the start timeout's close and the eviction with it."""
     host, port = phone.base.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
     sock.setblocking(False)
     key = base64.b64encode(os.urandom(16)).decode()
-    sock.send((f"GET {MEDIA_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-               f"X-Twilio-Signature: {phone.sign(phone.ws_url, {})}\r\nSec-WebSocket-Key: {key}\r\n"
+    sid = new_call_sid()
+    sock.send((f"GET {MEDIA_PATH}/{sid} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+               f"Connection: Upgrade\r\nX-Twilio-Signature: {phone.sign(phone.stream_url(sid), {})}\r\n"
+               f"Sec-WebSocket-Key: {key}\r\n"
                "Sec-WebSocket-Version: 13\r\n\r\n").encode())
     await asyncio.sleep(0.2)
     ping = bytes([0x89, 0x80 | 125]) + b"\0\0\0\0" + b"p" * 125  # masked, as a client must

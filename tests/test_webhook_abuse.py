@@ -24,6 +24,7 @@ from kame_phone.media_bench import LoopbackEngine
 from knowledge.agents import AgentDirectory
 from telephony import server as server_module
 from telephony.call_store import MemoryCallStore
+from telephony.cluster import stream_url_for
 from telephony.config import ServiceConfig
 from telephony.server import CALL_STATUS_PATH, MAX_ROUTED_TEXT, MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
 from telephony.signatures import SIGNATURE_HEADER
@@ -38,6 +39,13 @@ from .polling import until
 TOKEN = "auth-" + secrets.token_hex(8)
 FORGED_START = {"accountSid": "AC1", "streamSid": "MZ1", "tracks": ["inbound"], "customParameters": {},
                 "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}
+
+
+def _captured_upgrade(base_ws_url: str) -> tuple[str, str]:
+    """A call's stream URL and Twilio's upgrade signature on it, as an attacker reading headers would hold
+    them (a call never answered: its stream never starts, so the URL stays open to one socket at a time)."""
+    url = stream_url_for(base_ws_url, _sid())
+    return url, RequestValidator(TOKEN).compute_signature(url, {})
 
 
 def _sid() -> str:
@@ -204,32 +212,34 @@ async def test_a_captured_webhook_replayed_after_its_reservation_expired_gets_no
 async def test_one_captured_upgrade_signature_cannot_keep_real_calls_streams_out(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The media upgrade's signature is the same for every call and never expires. Its holder kept the
-    unstarted cap full, reopening each socket as the start timeout closed it, and every real call's upgrade
-    was refused (8 of 8 in the review). The oldest unstarted socket now makes room. Its `start`, with a
-    newline in the callSid, is refused as malformed, never written into the log as a line of its own."""
+    """A media upgrade's signature never expires (and was the same for every call, before per-call URLs). Its
+    holder kept the unstarted cap full, reopening each socket as the start timeout closed it, and every real
+    call's upgrade was refused (8 of 8 in the review). With a few captured for calls whose stream never
+    started, the same: the oldest unstarted socket now makes room. A `start` with a newline in the callSid is
+    refused as malformed, never written into the log as a line of its own."""
     caplog.set_level(logging.INFO)
     async with _service(max_calls=4, max_unstarted_streams=4, start_timeout_s=5.0) as h, \
             aiohttp.ClientSession() as http:  # fmt: skip
         ws_url = h.http_url.replace("http://", "ws://") + MEDIA_PATH
-        signature = RequestValidator(TOKEN).compute_signature(ws_url, {})  # one captured upgrade header
+        captured = [_captured_upgrade(ws_url) for _ in range(5)]  # calls whose stream never started
         stop = asyncio.Event()
 
-        async def hold() -> None:
+        async def hold(url: str, signature: str) -> None:
             while not stop.is_set():
                 with contextlib.suppress(aiohttp.ClientError):
-                    async with http.ws_connect(ws_url, headers={SIGNATURE_HEADER: signature}) as ws:
+                    async with http.ws_connect(url, headers={SIGNATURE_HEADER: signature}) as ws:
                         while not stop.is_set() and not ws.closed:  # no `start`, ever
                             with contextlib.suppress(TimeoutError):
                                 await ws.receive(timeout=0.2)
                 await asyncio.sleep(0.01)
 
-        async with http.ws_connect(ws_url, headers={SIGNATURE_HEADER: signature}) as ws:
+        url, signature = captured.pop()
+        async with http.ws_connect(url, headers={SIGNATURE_HEADER: signature}) as ws:
             start = {**FORGED_START, "callSid": "CAx\nforged admin login ok"}
             await ws.send_str(json.dumps({"event": "start", "sequenceNumber": "1", "streamSid": "MZ1", "start": start}))
             with contextlib.suppress(TimeoutError):
                 await ws.receive(timeout=0.5)  # a malformed start: counted, the socket left to its start timeout
-        holders = [asyncio.create_task(hold()) for _ in range(4)]
+        holders = [asyncio.create_task(hold(url, signature)) for url, signature in captured]
         try:
             await until(lambda: h.ctx.unstarted_sockets == 4, within=5)  # the cap is full
             await asyncio.sleep(1.2)  # and its sockets over a second old (younger ones are never closed)
@@ -268,21 +278,21 @@ async def test_the_metrics_listener_caps_its_connections_and_closes_idle_ones(mo
 
 
 async def test_sockets_whose_start_is_refused_do_not_hold_the_unstarted_cap() -> None:
-    """The holder of a captured upgrade signature sends a `start` with a made-up token on each socket and never
+    """The holder of captured upgrade signatures sends a `start` with a made-up token on each socket and never
     answers the close: the refused sockets counted as unstarted for the close handshake's 2 s, and never being
     "awaiting start" either, could not be closed for a newer upgrade: real calls' streams got 503."""
     async with _service(max_calls=4, max_unstarted_streams=4, start_timeout_s=5.0) as h, \
             aiohttp.ClientSession() as http:  # fmt: skip
         ws_url = h.http_url.replace("http://", "ws://") + MEDIA_PATH
-        signature = RequestValidator(TOKEN).compute_signature(ws_url, {})
         stop = asyncio.Event()
 
         async def hold(k: int) -> None:
             await asyncio.sleep(k * 0.08)  # staggered, as sockets come: six upgrades in one instant are a burst
             while not stop.is_set():
                 with contextlib.suppress(aiohttp.ClientError, ConnectionError):
-                    ws = await http.ws_connect(ws_url, headers={SIGNATURE_HEADER: signature}, autoclose=False)
-                    start = {**FORGED_START, "callSid": _sid(), "customParameters": {"token": "made-up"}}
+                    url, signature = _captured_upgrade(ws_url)
+                    ws = await http.ws_connect(url, headers={SIGNATURE_HEADER: signature}, autoclose=False)
+                    start = {**FORGED_START, "callSid": url.rsplit("/", 1)[1], "customParameters": {"token": "made-up"}}
                     await ws.send_str(json.dumps({"event": "start", "sequenceNumber": "1", "streamSid": "MZ1",
                                                   "start": start}))  # fmt: skip
                     await asyncio.sleep(0.5)  # does not read: the server's close goes unanswered meanwhile

@@ -1,0 +1,184 @@
+"""Each call streams on its own URL (…/twilio/media/<CallSid>), which Twilio signs: a captured upgrade
+signature opens that call's socket once, before its stream starts, and nothing else. The fixed URL of older
+versions is taken only while a node of such a version heartbeats in the cluster (a rolling update)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from telephony import twilio_messages as tm
+from telephony.cluster import RedisCluster
+from telephony.sim_caller import simulate_call
+
+from .phone_fixtures import Phone, metric, running_phone
+from .polling import until
+from .redis_support import REDIS_URL
+
+
+def _refused(reason: str) -> float:
+    return metric("kame_webhook_rejections_total", endpoint="media", reason=reason)
+
+
+async def _upgrade_status(http: aiohttp.ClientSession, url: str, signature: str) -> int:
+    """The HTTP status of a signed upgrade on `url` (101 when it opened; closed again at once)."""
+    try:
+        ws = await http.ws_connect(url, headers={"X-Twilio-Signature": signature})
+    except aiohttp.WSServerHandshakeError as e:
+        return e.status
+    await ws.close()
+    return 101
+
+
+async def _streaming(ws: aiohttp.ClientWebSocketResponse, stream_sid: str) -> None:
+    """Caller audio in until the bot's audio comes back: the stream carries the call."""
+    for i in range(25):
+        await ws.send_str(tm.media_msg(stream_sid, 2 + i, 1 + i, 20 * i, b"\xff" * 160))
+    async with asyncio.timeout(10):
+        while True:
+            m = await ws.receive()
+            assert m.type == aiohttp.WSMsgType.TEXT, m
+            if '"media"' in m.data:
+                return
+
+
+async def _hang_up(phone: Phone, ws: aiohttp.ClientWebSocketResponse, stream_sid: str, call_sid: str) -> None:
+    await ws.send_str(tm.stop_msg(stream_sid, 10**6, call_sid, "AC1"))
+    await ws.close()
+    await phone.settled()
+
+
+async def test_a_captured_upgrade_signature_opens_one_socket_for_its_own_call_only(
+    tiny_checkpoint: Path, question_wav: Path
+) -> None:
+    async with running_phone(tiny_checkpoint, max_calls=3) as phone, aiohttp.ClientSession() as http:
+        await phone.keeping_time()
+        good = asyncio.create_task(simulate_call(phone.ws_url, question_wav, auth_token=phone.token,
+                                                 public_url=phone.base, hold_after=1.0))  # fmt: skip
+        fixed, second, replayed, wrong = (_refused(r) for r in ("fixed_url", "second_socket", "replayed", "wrong_url"))
+        # The fixed URL, signed: no node of an older version in this cluster, so nothing streams there.
+        assert await _upgrade_status(http, phone.ws_url, phone.sign(phone.ws_url, {})) == 404
+        assert _refused("fixed_url") == fixed + 1
+
+        # Call A on its own URL; a second socket there while it is open is refused before the upgrade.
+        call_a, params_a = await phone.answer(http)
+        url_a = phone.stream_url(call_a)
+        captured = phone.sign(url_a, {})
+        ws = await http.ws_connect(url_a, headers={"X-Twilio-Signature": captured})
+        assert await _upgrade_status(http, url_a, captured) == 409
+        await ws.send_str(tm.start_msg("MZ1", call_a, "AC1", params_a))
+        await _streaming(ws, "MZ1")
+        assert await _upgrade_status(http, url_a, captured) == 409
+        assert _refused("second_socket") == second + 2
+        await _hang_up(phone, ws, "MZ1", call_a)
+
+        # After it, the captured signature opens nothing, however often it is replayed: no socket awaits a
+        # start, so the cap on those (which real calls need) is never touched.
+        for _ in range(20):
+            assert await _upgrade_status(http, url_a, captured) == 403
+            assert phone.ctx.unstarted["media"] == 0
+        assert _refused("replayed") == replayed + 20
+
+        # A socket on B's URL starting another call (C, answered, its token known): refused, and C's token is
+        # not spent by it. B and C then stream on their own URLs.
+        call_b, params_b = await phone.answer(http)
+        call_c, params_c = await phone.answer(http)
+        ws = await phone.open_stream(http, call_b)
+        await ws.send_str(tm.start_msg("MZ2", call_c, "AC1", params_c))
+        msg = await ws.receive(timeout=5)
+        assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == aiohttp.WSCloseCode.POLICY_VIOLATION
+        assert _refused("wrong_url") == wrong + 1
+        ws_c = await phone.open_stream(http, call_c)
+        await ws_c.send_str(tm.start_msg("MZ3", call_c, "AC1", params_c))
+        await _streaming(ws_c, "MZ3")
+        await _hang_up(phone, ws_c, "MZ3", call_c)
+        # B's socket was closed by the refusal; its URL is free again for its real stream (not yet started).
+        ws_b = await phone.open_stream(http, call_b)
+        await ws_b.send_str(tm.start_msg("MZ4", call_b, "AC1", params_b))
+        await _streaming(ws_b, "MZ4")
+        await _hang_up(phone, ws_b, "MZ4", call_b)
+
+        report = await good  # the good call, on its own URL all along, never noticed
+        assert report.outcome == "completed", report.errors
+        assert report.bot_seconds_received > 2.0
+        for sid in (call_a, call_b, call_c):  # each streamed once, on its own socket
+            record = await phone.store.get(sid)
+            assert record is not None and record.state == "ended" and record.started_at is not None, record
+
+
+@contextlib.asynccontextmanager
+async def _older_node(raw: aioredis.Redis, prefix: str, node_id: str, url: str, *, rolled_back: bool = False
+                      ) -> AsyncIterator[None]:  # fmt: skip
+    """A node heartbeating as the version before per-call URLs did: its hash has no `percall` (or, the node
+    id rolled back to that version, a `percall` its beats no longer move)."""
+    key = f"{prefix}node:{node_id}"
+
+    async def beats() -> None:
+        while True:
+            sec, usec = await raw.time()
+            now = sec * 1000 + usec // 1000
+            fields = {"url": url, "free": 5, "draining": 0, "ts": now}
+            if rolled_back:
+                fields["percall"] = now - 5000
+            await raw.hset(key, mapping=fields)
+            await raw.pexpire(key, 600)
+            await raw.zadd(f"{prefix}nodes", {node_id: now})
+            await asyncio.sleep(0.1)
+
+    task = asyncio.create_task(beats())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await raw.delete(key)
+        await raw.zrem(f"{prefix}nodes", node_id)
+
+
+@pytest.fixture
+async def raw() -> AsyncIterator[aioredis.Redis]:
+    r = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    yield r
+    await r.aclose()
+
+
+async def test_the_fixed_url_is_taken_only_while_an_older_node_heartbeats(
+    tiny_checkpoint: Path, prefix: str, raw: aioredis.Redis
+) -> None:
+    """A rolling update from a version before per-call URLs: the older nodes' webhooks send streams to the
+    fixed URL of whichever node they reserved, so a new node takes streams there while one heartbeats, and
+    refuses them once the last is gone. Before this, every call routed by an old node to a new one failed."""
+    async with running_phone(tiny_checkpoint, max_calls=2) as phone, aiohttp.ClientSession() as http:
+        cluster = RedisCluster(aioredis.Redis.from_url(REDIS_URL, decode_responses=True), "new", phone.ws_url,
+                               phone.ctx.free_slots, key_prefix=prefix, heartbeat_s=0.1, node_ttl_s=0.6)  # fmt: skip
+        phone.ctx.cluster = cluster
+        await cluster.start()
+        try:
+            fixed_sig = phone.sign(phone.ws_url, {})
+            assert not cluster.legacy_media_path
+            assert await _upgrade_status(http, phone.ws_url, fixed_sig) == 404
+            async with _older_node(raw, prefix, "old", "ws://127.0.0.1:9/twilio/media"):
+                await until(lambda: cluster.legacy_media_path, "the older node seen", within=5)
+                # A call its webhook routed here (the token came through Redis as any reservation's).
+                call_sid, params = await phone.answer(http)
+                ws = await http.ws_connect(phone.ws_url, headers={"X-Twilio-Signature": fixed_sig})
+                await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))
+                await _streaming(ws, "MZ1")
+                await _hang_up(phone, ws, "MZ1", call_sid)
+            await until(lambda: not cluster.legacy_media_path, "the older node gone", within=5)
+            assert await _upgrade_status(http, phone.ws_url, fixed_sig) == 404
+            # A node id taken over by the older version (a rollback): its hash keeps a stale `percall`.
+            async with _older_node(raw, prefix, "back", "ws://127.0.0.1:9/twilio/media", rolled_back=True):
+                started = time.monotonic()
+                await until(lambda: cluster.legacy_media_path, "the rolled-back node seen as older", within=5)
+                assert time.monotonic() - started < 2
+        finally:
+            await cluster.aclose()
