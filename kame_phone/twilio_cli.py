@@ -18,7 +18,7 @@ from urllib.parse import quote, urlsplit
 import aiohttp
 
 from knowledge.agents import E164, Agents, AgentsError, is_sip_uri
-from telephony.config import is_loopback, unfilled_message, unfilled_placeholders
+from telephony.config import ConfigError, check_public_url, is_loopback, unfilled_message, unfilled_placeholders
 from telephony.server import CALL_STATUS_PATH, VOICE_PATH
 from telephony.twilio_rest import TwilioRest, TwilioRestError
 
@@ -32,12 +32,18 @@ class CliError(Exception):
 
 
 def _public_url(args: argparse.Namespace) -> str:
+    """PUBLIC_URL as `serve` takes it (a live number pointed at one `serve` refuses answered nothing), and one
+    Twilio can reach: a loopback host only for a Twilio stand-in (TWILIO_API_BASE_URL, the tests')."""
     url = (args.public_url or "").rstrip("/")
-    parts = urlsplit(url)
     if not url:
         raise CliError("PUBLIC_URL is not set: the https:// URL Twilio reaches this service at (your tunnel's)")
-    if not parts.netloc or not (parts.scheme == "https" or (parts.scheme == "http" and is_loopback(parts.hostname))):
-        raise CliError(f"PUBLIC_URL must be https://host (Twilio calls https:// only), got {url!r}")
+    try:
+        check_public_url("PUBLIC_URL", url)
+    except ConfigError as e:
+        raise CliError(str(e)) from None
+    if is_loopback(urlsplit(url).hostname) and not os.environ.get("TWILIO_API_BASE_URL"):
+        raise CliError(f"PUBLIC_URL {url!r} is this machine's loopback: Twilio cannot reach it (give your tunnel's "
+                       "https:// URL)")
     return url
 
 

@@ -21,6 +21,7 @@ Pure configuration: the phone edge reads it to route and to answer at capacity, 
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -317,6 +318,12 @@ def _tool(bad: Any, table: Any) -> HttpTool:
     except SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "top level"
         raise bad(f"tools.{name}.parameters", f"not a valid JSON Schema at {where}: {e.message[:200]}") from None
+    try:
+        # TOML has values JSON has not (a bare date, nan, inf): the schema checks out, and then every request
+        # offering the tool failed on our side, never reaching the server (so never dropped as refused).
+        json.dumps(params, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise bad(f"tools.{name}.parameters", f"JSON values only (no TOML dates, nan or inf): {e}") from None
     return HttpTool(name, description.strip(), url, params)
 
 

@@ -113,7 +113,7 @@ class BackendConfig:
         cfg = replace(
             base,
             llm_base_url=env.get("OPENAI_BASE_URL") or None,
-            llm_api_key=env.get("OPENAI_API_KEY", ""),
+            llm_api_key=env.get("OPENAI_API_KEY", "").strip(),  # a trailing newline failed every request
             llm_model=env.get("KAME_LLM_MODEL") or base.llm_model,
         )
         return replace(cfg, **overrides)  # type: ignore[arg-type]

@@ -59,7 +59,7 @@ def retry_after(exc: BaseException) -> float | None:
     except ValueError:
         try:
             seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
-        except (TypeError, ValueError):
+        except Exception:  # a hostile header: a year past datetime's (OverflowError), and whatever else
             return None
     return min(MAX_RETRY_AFTER_S, max(0.0, seconds)) if math.isfinite(seconds) else None
 
@@ -213,6 +213,7 @@ class EmptyReplyError(Exception):
 # a broken or hostile server, and buffering it (until its newline, for as long as the deadlines allow) grew
 # every call's memory at link speed (400 MB in 10 s).
 MAX_STREAM_LINE_BYTES = 256 * 1024
+MIN_WHOLE_WORD_KEY_CHARS = 8  # an API key shorter than this is scrubbed from logs only where it stands alone
 
 
 class StreamTooLarge(ValueError):
@@ -226,9 +227,12 @@ async def _lines(chunks: AsyncIterator[bytes], cap: int = MAX_STREAM_LINE_BYTES)
     """The stream's lines (ended by CRLF, LF or CR), none longer than `cap` bytes (else StreamTooLarge)."""
     buffer = bytearray()
     async for chunk in chunks:
+        # What is left holds no line end but maybe a last CR (half a CRLF): scanned from there, not from its
+        # start. Rescanning it whole on every chunk made a long line sent in small pieces quadratic on the loop.
+        start = max(0, len(buffer) - 1)
         buffer += chunk
         cut = 0
-        for end in _LINE_END.finditer(buffer):
+        for end in _LINE_END.finditer(buffer, start):
             if end.group() == b"\r" and end.end() == len(buffer):
                 break  # maybe the first half of a CRLF split across two chunks: the next one says
             yield bytes(buffer[cut : end.start()]).decode("utf-8", "replace")
@@ -472,11 +476,12 @@ class LlmClient:
                                     break
                                 chunk = json.loads(data)
                                 delta = _delta(chunk)
+                                finished_before = finish is not None
                                 finish = _finish_reason(chunk) or finish
                                 # The first token, text or a function call's first piece (an answer too), is timed
                                 # once (`not text and not calls` before it).
                                 first = not text and not calls
-                                if _add_tool_call_pieces(delta, calls):
+                                if tool_pieces := _add_tool_call_pieces(delta, calls):
                                     if first:
                                         metrics.LLM_TTFT_SECONDS.observe(time.monotonic() - started)
                                     progressed()
@@ -499,11 +504,13 @@ class LlmClient:
                                     if too_long:
                                         break  # closes the stream; the draft ends here
                                     progressed()
-                                if finish is not None:
+                                if finish is not None and (not finished_before or piece or tool_pieces):
                                     # The answer is whole (only [DONE], or a usage chunk, should follow): a server
                                     # that kept the stream open after it made the draft complete only at the idle
                                     # timeout, counted as a failure, with its tool calls thrown away. Not cut at
-                                    # once: some gateways put a finish_reason on every chunk.
+                                    # once: some gateways put a finish_reason on every chunk. Only the answer's
+                                    # own pieces move it on: empty chunks every half second held the tool calls
+                                    # to max_request_s.
                                     deadline.reschedule(min(loop.time() + FINISH_GRACE_S, cap_at))
             except TimeoutError:
                 if finish is None:
@@ -573,6 +580,8 @@ class LlmClient:
 
     def _scrub(self, message: str) -> str:
         key = self.config.api_key
-        if key:
+        if len(key) >= MIN_WHOLE_WORD_KEY_CHARS:
             message = message.replace(key, "***")
+        elif key:  # a short key (a local server's "x") only where it stands alone: not inside every word
+            message = re.sub(rf"(?<![\w-]){re.escape(key)}(?![\w-])", "***", message)
         return message[:500]

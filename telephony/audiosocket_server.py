@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -100,6 +101,11 @@ class AudioSocketServer:
         if not ctx.room_for_unstarted("audiosocket", host):
             writer.transport.abort()
             return
+        sock = writer.get_extra_info("socket")
+        if sock is not None and ctx.config.media_send_buffer_bytes > 0:
+            # As for Twilio's sockets: left to autotuning the kernel buffers MBs, minutes of audio, and a peer
+            # that stopped reading held its seat (the bot's audio going stale in the kernel) for as long.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, ctx.config.media_send_buffer_bytes)
         await AudioSocketSession(reader, writer, ctx, agent=agent).run()
 
     def _refuse(self, writer: asyncio.StreamWriter, reason: str, detail: str) -> None:

@@ -332,7 +332,6 @@ class AudioSocketSession(CallLeg):
         ctx.add_stream(call_sid, self)
         ctx.cluster.seat_taken()
         self._started()
-        await ctx.store.create(CallRecord(call_sid=call_sid, node=ctx.config.node_id, agent=agent.name))
         actions: tuple[CallAction, ...] = ("end",)
         setup = CallSetup(agent=agent.name, to_number=None, from_number=None, actions=actions,
                           forced_delay_ms=agent.forced_delay_ms)  # fmt: skip
@@ -341,6 +340,18 @@ class AudioSocketSession(CallLeg):
             return False
         await self.streaming(call_sid, str(call_uuid))
         return True
+
+    async def record_seated(self, call_sid: str) -> None:
+        await self.ctx.store.create(CallRecord(call_sid=call_sid, node=self.ctx.config.node_id, agent=self.state.agent))
+
+    async def record_unseated(self, call_sid: str, outcome: str) -> None:
+        if outcome == "engine_full":
+            # As a busy answer: no record, and the claim given back, so the dialplan may retry the UUID. With a
+            # record (ended engine_full) the retry was refused as a replay: a real caller turned away.
+            self.ctx.spawn(self.ctx.store.release_claim(call_sid, self.ctx.config.node_id))
+            return
+        await self.record_seated(call_sid)  # the engine failed: kept on record
+        await super().record_unseated(call_sid, outcome)
 
     def _seat_free(self) -> bool:
         ctx = self.ctx

@@ -244,9 +244,9 @@ class CallLeg:
                 log.exception("engine failed to open the call")
             metrics.CALLS_TOTAL.labels(outcome=outcome, agent=self.state.agent).inc()
             self._end_reason = outcome
-            # The record gets this outcome: left ringing, Twilio's status callback counted it again (no_stream).
-            await self.ctx.store.end(call_sid, outcome)
+            await self.record_unseated(call_sid, outcome)
             return False
+        await self.record_seated(call_sid)
         if self._ended:
             # end() ran while the seat was being opened (a drain that timed out): it could not know the call
             # then, so the seat, the stream and the record are given back here, not held for good.
@@ -256,6 +256,14 @@ class CallLeg:
             await self.ctx.store.end(call_sid, self._ended_as)
             return False
         return True
+
+    async def record_seated(self, call_sid: str) -> None:
+        """The call has its engine seat: its record exists from here (a Twilio call's, from its webhook)."""
+
+    async def record_unseated(self, call_sid: str, outcome: str) -> None:
+        """The engine refused the call or failed to seat it: its record gets the outcome (left ringing,
+        Twilio's status callback counted it again as no_stream)."""
+        await self.ctx.store.end(call_sid, outcome)
 
     async def streaming(self, call_sid: str, stream_sid: str) -> None:
         """The call is seated: count it, mark its record and start recording the engine's outputs."""

@@ -714,6 +714,13 @@ class RedisCallStore(_OpStore):
         if not ops:
             del self._by_call[sid]
         self._evicted.add(victim.seq)
+        if len(self._evicted) > self.max_pending:
+            # The tombstones leave only as the writer passes them: through an outage (Redis down, or refusing
+            # writes) that is never, and they grew with it, ops' text and all, until the process ran out of
+            # memory. Compacted here, the buffer holds at most twice its bound. The writer pops by seq, so an
+            # op of its batch in flight that is dropped from the deque now is simply not there to pop.
+            self._pending = collections.deque(op for op in self._pending if op.seq not in self._evicted)
+            self._evicted.clear()
         self._drop(1, f"buffer full ({self.max_pending} ops); call {sid} holds the most")
 
     def _shadow(self, op: _Op) -> None:

@@ -56,6 +56,29 @@ def unfilled_message(names: list[str]) -> str:
             "(replace-with-...): fill in the real value, or unset it")
 
 
+def check_public_url(name: str, url: str) -> None:
+    """A base URL the webhooks and stream URLs are built on (PUBLIC_URL, KAME_NODE_URL): https://host[:port]
+    [/path], http:// only for a loopback host. Else ConfigError, in one line."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsing it is the check (99999, "abc": every signature would fail)
+    except ValueError:
+        raise ConfigError(f"{name} must look like https://host[:port], got {url!r}") from None
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+        # (A query or fragment: the webhook URLs are built on it, and every webhook failed with a 500.)
+        raise ConfigError(f"{name} must look like https://host[:port][/path], got {url!r}")
+    if parts.scheme == "http" and not is_loopback(parts.hostname):
+        # Twilio only calls https:// and only opens wss:// streams; http:// is for local tests.
+        raise ConfigError(f"{name} must be https:// (http:// only for a loopback host), got {url!r}")
+
+
+def _stripped_or_blank(value: str | None) -> str | None:
+    """A secret without its surrounding whitespace; one of whitespace alone is kept so that it is refused."""
+    if not value:
+        return None
+    return value.strip() or value
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     host: str = "127.0.0.1"
@@ -120,8 +143,10 @@ class ServiceConfig:
             raise ConfigError(unfilled_message(placeholders))
         values: dict[str, object] = {
             "public_url": env.get("PUBLIC_URL", ""),
-            "twilio_auth_token": env.get("TWILIO_AUTH_TOKEN") or None,
-            "admin_token": env.get("ADMIN_TOKEN") or None,
+            # Secrets made with `echo` into a file or a Secret end in a newline: every signature (every bearer
+            # token) would be refused with no word of why.
+            "twilio_auth_token": (env.get("TWILIO_AUTH_TOKEN") or "").strip() or None,
+            "admin_token": _stripped_or_blank(env.get("ADMIN_TOKEN")),
             "redis_url": env.get("REDIS_URL") or None,
         }
         if env.get("KAME_NODE_ID"):
@@ -152,17 +177,8 @@ class ServiceConfig:
                 "(or --public-url)."
             )
         for name, url in (("PUBLIC_URL", self.public_url), ("KAME_NODE_URL", self.node_url)):
-            try:
-                parts = urlsplit(url)
-                parts.port  # noqa: B018 - parsing it is the check (99999, "abc": every signature would fail)
-            except ValueError:
-                raise ConfigError(f"{name} must look like https://host[:port], got {url!r}") from None
-            if url and (parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment):
-                # (A query or fragment: the webhook URLs are built on it, and every webhook failed with a 500.)
-                raise ConfigError(f"{name} must look like https://host[:port][/path], got {url!r}")
-            if url and parts.scheme == "http" and not is_loopback(parts.hostname):
-                # Twilio only calls https:// and only opens wss:// streams; http:// is for local tests.
-                raise ConfigError(f"{name} must be https:// (http:// only for a loopback host), got {url!r}")
+            if url:
+                check_public_url(name, url)
         if self.admin_token is not None and not self.admin_token.strip():
             raise ConfigError("ADMIN_TOKEN is set but blank: unset it (no admin API) or give it a real token")
         public = bool(self.public_url) and not is_loopback(urlsplit(self.public_url).hostname)

@@ -84,6 +84,7 @@ class FakeLlm:
     # After the answer's last chunk (with its finish_reason), no [DONE] and no end: the stream held open for a
     # minute (a gateway that keeps the connection).
     hold_after_finish: bool = False
+    chatter_after_finish: bool = False  # while held: a chunk with no choices every half second
     finish_every_chunk: bool = False  # finish_reason "stop" on every chunk (some gateways in front of Gemini)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -252,6 +253,11 @@ class FakeLlm:
                 "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}  # fmt: skip
         try:
             await resp.write(f"data: {json.dumps(body)}\n\n".encode())
+            for _ in range(120 if self.chatter_after_finish else 0):
+                await asyncio.sleep(0.5)
+                empty = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": model,
+                         "choices": []}  # fmt: skip
+                await resp.write(f"data: {json.dumps(empty)}\n\n".encode())
             await asyncio.sleep(60)
         except ConnectionError:
             self.disconnects += 1

@@ -627,6 +627,20 @@ async def test_an_answer_whose_stream_stays_open_after_its_finish_is_whole_at_on
     assert metric("kame_llm_errors_total", kind="timeout") == timeouts
 
 
+async def test_chunks_with_nothing_in_them_after_the_finish_do_not_hold_the_tool_call(llm_server: FakeLlm) -> None:
+    """After its finish_reason, a server sending an empty chunk every half second: each pushed the finish's
+    grace on, so the tool call (handed over at the stream's end) waited the whole request's cap, 30 s."""
+    llm_server.hold_after_finish = llm_server.chatter_after_finish = True
+    llm_server.tool_triggers = {"order": ("order_status", {"order_id": "4217"})}
+    async with _llm(llm_server) as llm:
+        started = time.monotonic()
+        async with asyncio.timeout(10):
+            call = await _drafts(llm, "my order", _offer("order_status"))
+        took = time.monotonic() - started
+    assert call == [ToolCallRequest("call_1", "order_status", '{"order_id": "4217"}')]
+    assert took < 5, took  # the 1 s grace from the finish, not max_request_s
+
+
 async def test_a_gateway_that_puts_a_finish_reason_on_every_chunk_is_read_to_the_end(llm_server: FakeLlm) -> None:
     """Some gateways (in front of Gemini) say finish_reason "stop" on every chunk: the answer is not cut at the
     first one, it ends at [DONE] as usual."""

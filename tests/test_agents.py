@@ -192,6 +192,15 @@ async def test_a_sip_domain_call_gets_its_agent_through_the_real_webhook_and_str
          'url = "https://crm.example.com/x"\n'
          'parameters = { type = "object", properties = { q = { type = "strin" } } }\n',
          "agent 'a': key 'tools.t.parameters': not a valid JSON Schema at properties/q/type"),
+        # TOML values JSON cannot carry: the schema checks out, then every request offering the tool failed.
+        ('[agents.a]\ninstructions = "x"\n[[agents.a.tools]]\nname = "t"\ndescription = "d"\n'
+         'url = "https://crm.example.com/x"\n'
+         'parameters = { type = "object", properties = { d = { type = "string", default = 2024-05-01 } } }\n',
+         "agent 'a': key 'tools.t.parameters': JSON values only (no TOML dates, nan or inf)"),
+        ('[agents.a]\ninstructions = "x"\n[[agents.a.tools]]\nname = "t"\ndescription = "d"\n'
+         'url = "https://crm.example.com/x"\n'
+         'parameters = { type = "object", properties = { n = { type = "number", maximum = nan } } }\n',
+         "agent 'a': key 'tools.t.parameters': JSON values only (no TOML dates, nan or inf)"),
         ('[agents.a]\ninstructions = "x"\n' + '[[agents.a.tools]]\nname = "t"\ndescription = "d"\n'
          'url = "https://crm.example.com/x"\n' * 2, "agent 'a': key 'tools.name': 't' names two tools"),
         # Transferring to a number this service answers rings the bot again, round and round.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -14,20 +15,22 @@ import numpy as np
 import pytest
 from aiohttp import ClientSession, WSServerHandshakeError
 
+from engine.link_wire import Address
+from engine.remote import RemoteEngine
 from knowledge.backend import BackendConfig, BackendServices
 from telephony import audiosocket_wire as wire
 from telephony.audiosocket_config import AudioSocketListen, allowed, parse_listeners, parse_networks
 from telephony.audiosocket_session import AudioSocketSession, PacedQueue, call_id_for
-from telephony.call_store import open_call_store
+from telephony.call_store import CallStore, open_call_store
 from telephony.config import ConfigError, ServiceConfig
 from telephony.framing import InboundFramer
 from telephony.mulaw import float_to_ulaw, ulaw_to_pcm16
-from telephony.server import VOICE_PATH
+from telephony.server import VOICE_PATH, ServerContext, ServiceHandle
 from telephony.sim_audiosocket import audiosocket_call, caller_slin
 
 from .phone_fixtures import Phone, metric, running_phone
 from .polling import until
-from .redis_support import REDIS_URL, RedisServer
+from .redis_support import REDIS_URL, RedisServer, SlowProxy
 
 LOOPBACK = (AudioSocketListen("127.0.0.1", 0),)
 
@@ -337,6 +340,86 @@ async def test_talking_over_queued_speech_empties_our_queue(tiny_checkpoint: Pat
         filler.cancel()
     assert metric("kame_media_playout_clears_total") > clears
     assert quiet_jumps < 10 <= max(jumps)  # paced one by one over the silence, then dropped at once
+
+
+async def test_a_peer_that_never_reads_is_ended_in_seconds_beside_a_good_call(
+    tiny_checkpoint: Path, question_wav: Path
+) -> None:
+    """A PBX leg that keeps sending its audio but reads none of the bot's: the kernel's send buffer, left to
+    autotune, took megabytes (minutes of audio) before the call could see it, and the call held its seat that
+    long, its bot audio minutes stale (review, session 26). Capped as Twilio's sockets are, it is ended as a
+    stalled peer within seconds, and a good call beside it goes on."""
+    # silent_socket_s bounds how long a peer may stall; at 4 s, not 2, a loaded box's loop pause is not taken for
+    # the deaf peer falling silent (it ended as silent_socket once, its messages unread behind the pause).
+    async with running_phone(tiny_checkpoint, max_calls=2, audiosocket=LOOPBACK, silent_socket_s=4.0) as phone:
+        good = asyncio.create_task(audiosocket_call("127.0.0.1", _port(phone), caller_slin(question_wav), hold_s=8))
+        deaf_uuid = uuid.uuid4()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # reads nothing: its window closes at once
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", _port(phone)))
+        _, writer = await asyncio.open_connection(sock=sock)
+        try:
+            writer.write(wire.encode(wire.KIND_UUID, deaf_uuid.bytes))
+            loud = (np.sin(np.arange(wire.PACKET_BYTES // 2) / 3) * 8000).astype("<i2").tobytes()
+            started = time.monotonic()
+            deaf_sid = call_id_for(deaf_uuid)
+            await until(lambda: deaf_sid in phone.ctx.streams, "the deaf call seated")
+            while deaf_sid in phone.ctx.streams and time.monotonic() - started < 40:
+                writer.write(wire.encode(wire.KIND_SLIN, loud))  # it keeps talking: only its reading is at fault
+                await asyncio.sleep(wire.PACKET_S)
+            ended_after = time.monotonic() - started
+        finally:
+            writer.close()
+        report = await good
+        await phone.settled()
+        record = await phone.store.get(deaf_sid)
+    assert ended_after < 30, ended_after  # minutes before
+    assert record is not None and record.end_reason == "stalled_peer", record
+    assert report.first_sound_s is not None and not report.hung_up_by_service
+
+
+async def test_a_call_the_shared_engine_turns_away_leaves_its_uuid_free_to_retry(engine_server, prefix: str) -> None:
+    """The edge's seat count said free, and the shared engine (engine-serve) refused the seat: draining, its word
+    still on the way. The call was written ended engine_full and its UUID kept claimed, so the dialplan's retry
+    (here, or on the next node) was refused as a replay: a real caller turned away (review, session 26). Now it is
+    as a busy answer: no record, the claim given back."""
+    server, address = await engine_server(2, tcp=True)
+    held = await RemoteEngine.connect(address, token=None, seats=1)  # another edge's call keeps the drain going
+    proxy = SlowProxy(address.port, 1.0)  # the engine's word reaches this edge a second late
+    await proxy.start()
+    edge = await RemoteEngine.connect(Address(host="127.0.0.1", port=proxy.port), token=None, seats=1)
+    store = open_call_store(REDIS_URL, key_prefix=prefix)
+    config = ServiceConfig(host="127.0.0.1", port=0, audiosocket=LOOPBACK)
+    handle = await ServiceHandle(ServerContext(config, store, edge)).start()
+    full = metric("kame_calls_total", outcome="engine_full", agent="default")
+    try:
+        call = await held.open_call("CA-held")
+        draining = asyncio.create_task(server.drain(timeout_s=30))
+        await asyncio.sleep(0.2)  # the engine drains; this edge hears of it in a second
+        assert edge.free_slots == 1
+        turned_away = await audiosocket_call("127.0.0.1", handle.audiosocket.ports[0], [bytes(320)] * 150, hold_s=0)
+        assert turned_away.hung_up_by_service and not turned_away.bot_audio
+        assert metric("kame_calls_total", outcome="engine_full", agent="default") == full + 1
+        sid = call_id_for(turned_away.call_uuid)
+        await store.flush()
+        await until(lambda: _released(store, sid), "the UUID free to claim again")
+        assert await store.get(sid) is None
+        await call.close()
+        await asyncio.wait_for(draining, 5)
+    finally:
+        await handle.aclose()
+        await store.aclose()
+        await edge.stop()
+        await held.stop()
+        await proxy.aclose()
+
+
+async def _released(store: CallStore, sid: str) -> bool:
+    if not await store.claim(sid, "probe"):
+        return False
+    await store.release_claim(sid, "probe")
+    return True
 
 
 async def test_a_finished_calls_uuid_is_refused_and_its_record_kept(tiny_checkpoint: Path) -> None:

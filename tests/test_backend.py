@@ -685,10 +685,14 @@ async def test_an_empty_reply_is_a_counted_error_that_is_retried(
 
 
 @pytest.mark.parametrize(("status", "header", "wait"), [(429, "3", 3.0), (503, "1.5", 1.5), (429, "3600", 60.0),
-                                                      (429, "soon", None), (500, "3", None)])  # fmt: skip
+                                                      (429, "soon", None), (500, "3", None),
+                                                      (429, "Wed, 21 Oct 99999999999 07:28:00 GMT", None)])  # fmt: skip
 async def test_retry_after_is_carried_in_the_error(
-    llm_server: FakeLlm, status: int, header: str, wait: float | None
+    llm_server: FakeLlm, status: int, header: str, wait: float | None, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A date past datetime's years raised OverflowError out of the client: a crash, logged with the server's
+    error body in its traceback, unscrubbed (this server echoes the API key in it, as some proxies do)."""
+    caplog.set_level(logging.INFO)
     llm_server.mode, llm_server.status, llm_server.retry_after = "status", status, header
     llm = make_llm(llm_server)
     with pytest.raises(LlmError) as err:
@@ -696,6 +700,7 @@ async def test_retry_after_is_carried_in_the_error(
             pass
     await llm.aclose()
     assert err.value.retry_after_s == wait
+    assert API_KEY not in caplog.text and API_KEY not in str(err.value)
 
 
 async def test_a_429s_retry_after_holds_the_retry_back(llm_server: FakeLlm, executor) -> None:
@@ -1277,6 +1282,35 @@ async def test_stream_lines_end_at_crlf_lf_or_cr_even_split_across_chunks() -> N
     assert got == ["data: a", "data: b", "data: c", "", "data: \u00e9"]
     with pytest.raises(StreamTooLarge):
         [line async for line in _lines(chunks(b"x" * 600, b"y" * 600), cap=1000)]
+    stream = b"data: a\r\ndata: bb\rdata: ccc\n\r\n" + b"data: " + b"z" * 3000 + b"\r\n\n"
+    one_by_one = [line async for line in _lines(chunks(*(stream[i : i + 1] for i in range(len(stream)))))]
+    assert one_by_one == ["data: a", "data: bb", "data: ccc", "", "data: " + "z" * 3000, ""]
+
+
+async def test_a_long_line_in_small_pieces_is_scanned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each chunk rescanned the whole line buffered so far: a 255 KB line in 256-byte pieces cost 150x its
+    size (a third of a core for one slow stream, on the loop every call shares). Now each byte once or twice."""
+    from knowledge import llm as llm_module
+
+    scanned = 0
+    line_end = llm_module._LINE_END
+
+    class Counting:
+        def finditer(self, buffer: bytearray, pos: int = 0):  # type: ignore[no-untyped-def]
+            nonlocal scanned
+            scanned += len(buffer) - pos
+            return line_end.finditer(buffer, pos)
+
+    monkeypatch.setattr(llm_module, "_LINE_END", Counting())
+    line = b"data: " + b"x" * 250_000 + b"\n"
+
+    async def pieces():  # type: ignore[no-untyped-def]
+        for i in range(0, len(line), 256):
+            yield line[i : i + 256]
+
+    got = [x async for x in llm_module._lines(pieces())]
+    assert got == [line[:-1].decode()]
+    assert scanned < 2 * len(line), scanned
 
 
 async def test_an_llm_with_neither_endpoint_nor_key_is_said_to_fail_at_start(caplog: pytest.LogCaptureFixture) -> None:

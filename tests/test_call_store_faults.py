@@ -173,6 +173,36 @@ async def test_writes_redis_refuses_for_a_while_wait_for_it_and_are_never_droppe
         await store.aclose()
 
 
+async def test_a_long_outage_keeps_the_write_buffer_bounded(redis_server: RedisServer) -> None:
+    """Redis refusing writes (its disk full: MISCONF) while calls go on writing: ops past the buffer's bound were
+    marked dropped but kept, text and all, until the writer passed them, which in an outage it never does; the
+    buffer grew with the outage until the process ran out of memory (review, session 26). Once Redis takes writes
+    again, each call's record gets its start and its end."""
+    store = open_call_store(redis_server.url, max_pending=50, retry_max_s=0.2)
+    assert isinstance(store, RedisCallStore)
+    raw = aioredis.Redis.from_url(redis_server.url)
+    sids = [new_call_sid() for _ in range(20)]
+    try:
+        await raw.config_set("min-replicas-to-write", "1")  # every write refused, as with MISCONF
+        for sid in sids:
+            await store.create(CallRecord(call_sid=sid, state="streaming"))
+        for i in range(5000):  # digits from every call, 25x the buffer
+            await store.append_dtmf(sids[i % len(sids)], "5")
+            assert len(store._pending) <= 2 * store.max_pending
+        for sid in sids:
+            await store.end(sid, "completed")
+        assert store.pending_ops == store.max_pending
+        await raw.config_set("min-replicas-to-write", "0")
+        async with asyncio.timeout(10):
+            await store.flush()
+        for sid in sids:
+            got = await _redis_record(redis_server.url, sid)
+            assert got is not None and got.state == "ended" and got.end_reason == "completed", (sid, got)
+    finally:
+        await raw.aclose()
+        await store.aclose()
+
+
 async def test_an_op_for_a_call_redis_does_not_have_is_counted_not_silent(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -173,6 +173,25 @@ def test_what_can_work_still_starts() -> None:
         ServiceConfig(host="10.0.0.5", twilio_auth_token="t").check()
 
 
+def test_secrets_written_with_a_newline_are_read_without_it(clean_env: pytest.MonkeyPatch) -> None:
+    """`echo token > file` (a Secret made so) ends in a newline: every Twilio signature, every admin bearer
+    token and every LLM request failed, with no word of why (review, session 26)."""
+    from knowledge.backend import BackendConfig
+    from knowledge.llm import LlmClient, LlmConfig
+
+    clean_env.setenv("TWILIO_AUTH_TOKEN", "t" * 32 + "\n")
+    clean_env.setenv("ADMIN_TOKEN", "a" * 20 + "\r\n")
+    config = ServiceConfig.from_env()
+    assert (config.twilio_auth_token, config.admin_token) == ("t" * 32, "a" * 20)
+    clean_env.setenv("ADMIN_TOKEN", "  ")
+    with pytest.raises(ConfigError, match="ADMIN_TOKEN is set but blank"):
+        ServiceConfig.from_env().check()  # still refused, not taken as "no admin API"
+    assert BackendConfig.from_env({"OPENAI_API_KEY": "sk-abc123\n"}).llm_api_key == "sk-abc123"
+    # A short key (a local server's "x") is scrubbed from log text only where it stands alone.
+    client = LlmClient(LlmConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key="k"))
+    assert client._scrub("no first token within 10s (key k)") == "no first token within 10s (key ***)"
+
+
 def test_flags_take_their_defaults_from_the_environment(clean_env: pytest.MonkeyPatch) -> None:
     from kame_phone.cli import build_parser
     from kame_phone.env_flags import resolve_env_defaults

@@ -153,6 +153,16 @@ async def test_env_file_values_are_read_and_the_environment_overrides_them(tmp_p
         (["twilio", "setup", "--number", "555-1234"], {}, "--number must be an E.164 number", 2),
         (["twilio", "setup", "--number", ""], {}, "--number must be an E.164 number", 2),  # not the SIP path
         (["twilio", "setup", "--number", NUMBER], {"PUBLIC_URL": "http://voice.example.com"}, "must be https://", 2),
+        # What `serve` refuses is never written to a live number (review, session 26): a query, a fragment, a
+        # loopback address Twilio cannot reach (allowed only with a Twilio stand-in, as in these tests).
+        (["twilio", "setup", "--number", NUMBER], {"PUBLIC_URL": "https://voice.example.com/?token=abc"},
+         "PUBLIC_URL must look like https://host[:port][/path]", 2),
+        (["twilio", "setup", "--number", NUMBER], {"PUBLIC_URL": "https://voice.example.com#x"},
+         "PUBLIC_URL must look like https://host[:port][/path]", 2),
+        (["twilio", "setup", "--number", NUMBER], {"PUBLIC_URL": "http://127.0.0.1:8080", "TWILIO_API_BASE_URL": ""},
+         "is this machine's loopback: Twilio cannot reach it", 2),
+        (["dial", "+15557654321", "--from", NUMBER], {"PUBLIC_URL": "https://voice.example.com/?a=1"},
+         "PUBLIC_URL must look like", 2),
         (["twilio", "setup", "--number", NUMBER], {"TWILIO_ACCOUNT_SID": ""}, "no Twilio credentials", 2),
         # ops/.env.example copied and left as it is: said so, not a lookup of account "replace-with-..."
         (["twilio", "setup", "--number", NUMBER], {"TWILIO_ACCOUNT_SID": "replace-with-your-account-sid"},
