@@ -89,6 +89,12 @@ class Admission:
         grant = self._grants.get(call_sid)
         return None if grant is None else grant.token
 
+    def awaited(self, call_sid: str) -> bool:
+        """Whether the call has a live grant whose stream has not started."""
+        self._expire()
+        grant = self._grants.get(call_sid)
+        return grant is not None and not grant.claimed
+
     def issue(self, call_sid: str, token: str | None = None) -> str:
         """Reserve for `call_sid` (with `token`, or a new one); a call that has a grant keeps its token."""
         self._expire()

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,8 +91,9 @@ class Cluster(Protocol):
     @property
     def legacy_media_path(self) -> bool:
         """Some node of the cluster still answers webhooks with the fixed stream URL (…/twilio/media, no
-        CallSid): a rolling update from a version before per-call URLs. While one heartbeats, this node takes
-        streams on the fixed URL as well; after that, it refuses them."""
+        CallSid): a rolling update from a version before per-call URLs. While one heartbeats, and for as long
+        as a reservation it made may still be waiting for its stream, this node takes streams on the fixed
+        URL as well; after that, it refuses them."""
         ...
 
     async def start(self) -> None: ...
@@ -126,6 +128,12 @@ class Cluster(Protocol):
 
     async def release(self, call_sid: str) -> None:
         """The call has ended on this node: forget its binding."""
+        ...
+
+    async def awaits_stream(self, call_sid: str) -> bool | None:
+        """Whether the call has a live reservation whose stream has not started (its stream URL was given with
+        one, so a signed upgrade on it otherwise is a replay: started, ended, expired, or forgotten long since).
+        None: cannot tell (Redis failing)."""
         ...
 
     async def streamed(self, call_sid: str) -> bool | None:
@@ -201,6 +209,9 @@ class LocalCluster:
 
     async def release(self, call_sid: str) -> None:
         self.admission.release(call_sid)
+
+    async def awaits_stream(self, call_sid: str) -> bool | None:
+        return self.admission.awaited(call_sid)
 
     async def streamed(self, call_sid: str) -> bool | None:
         return self.admission.streamed(call_sid)
@@ -425,7 +436,9 @@ class RedisCluster:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._failing = False
-        self._legacy_peers = 0  # other live nodes giving the fixed stream URL, as of the last heartbeat
+        # Other live nodes giving the fixed stream URL, as of the last heartbeat; and when one was last seen.
+        self._legacy_peers = 0
+        self._legacy_seen_at = -math.inf
 
     # ---- keys ----
 
@@ -472,8 +485,17 @@ class RedisCluster:
 
     @property
     def legacy_media_path(self) -> bool:
-        # Kept through a Redis outage as last seen: no node's webhook sends a stream here without Redis anyway.
-        return self._legacy_peers > 0
+        # Not only while one heartbeats: a draining older node's last webhooks reserve here and it exits at once
+        # (its hash deleted), their streams still to come, for up to a reservation's life and a beat's lag.
+        grace_s = self.reservation_ttl_s + 2 * self.node_ttl_s
+        return time.monotonic() - self._legacy_seen_at < grace_s
+
+    def _stream_url(self, base_url: str, call_sid: str, per_call: bool) -> str:
+        """The TwiML's stream URL for a reservation on the node at `base_url`. The fixed one while an older node
+        heartbeats: behind one shared host name the stream may reach that node, which has no per-call route
+        (the newer nodes take the fixed URL meanwhile)."""
+        older_here = self._legacy_peers > 0 and self.legacy_media_path  # (a last beat long ago: an outage)
+        return stream_url_for(base_url, call_sid) if per_call and not older_here else base_url
 
     def _live_redis_reserved(self) -> int:
         if time.monotonic() - self._redis_reserved_at >= self.reservation_ttl_s:
@@ -564,10 +586,13 @@ class RedisCluster:
             self._failed("heartbeat", exc)
             return
         self._set_redis_reserved(int(count))
-        if bool(legacy) != self.legacy_media_path:
+        if bool(legacy) != bool(self._legacy_peers):
             log.info("cluster: %s", f"{legacy} node(s) still give the fixed stream URL: taking streams on it too"
-                     if legacy else "every node gives per-call stream URLs: the fixed one is refused now")
+                     if legacy else "every node gives per-call stream URLs: the fixed one is refused once the "
+                     "older nodes' reservations have lapsed")  # fmt: skip
         self._legacy_peers = int(legacy)
+        if legacy:
+            self._legacy_seen_at = time.monotonic()
         self._succeeded()
 
     def _free_here(self) -> int:
@@ -580,7 +605,7 @@ class RedisCluster:
         if self._fallback.used(call_sid) or self._mine.used(call_sid):
             raise CallSidUsed(call_sid)
         if (token := self._fallback.token_for(call_sid)) is not None:  # a retry of a fallback reservation
-            return Reservation(self.node_id, stream_url_for(self.stream_url, call_sid), token)
+            return Reservation(self.node_id, self._stream_url(self.stream_url, call_sid, True), token)
         if self._failing:
             # Redis failed the last time it was asked; the heartbeat asks again every second and clears this.
             # Until then, a webhook must not wait its turn for Redis's timeout: with a Redis that hangs
@@ -608,12 +633,13 @@ class RedisCluster:
             self._mine.issue(call_sid, token)
             if int(count) >= 0:
                 self._set_redis_reserved(int(count))
-        return Reservation(node_id, stream_url_for(url, call_sid) if per_call == "1" else url, token)
+        return Reservation(node_id, self._stream_url(url, call_sid, per_call == "1"), token)
 
     def _reserve_here(self, call_sid: str) -> Reservation | None:
         if self.draining or self.capacity_fn() - self.reserved <= 0:
             return None
-        return Reservation(self.node_id, stream_url_for(self.stream_url, call_sid), self._fallback.issue(call_sid))
+        return Reservation(self.node_id, self._stream_url(self.stream_url, call_sid, True),
+                           self._fallback.issue(call_sid))
 
     async def claim(self, call_sid: str, token: str | None) -> bool:
         if token is None:
@@ -722,6 +748,23 @@ class RedisCluster:
             except _REDIS_FAILURES as exc:  # the binding expires after bound_ttl_s
                 self._failed("release", exc)
         self._poke.set()  # publish the freed seat now
+
+    async def awaits_stream(self, call_sid: str) -> bool | None:
+        if self._mine.awaited(call_sid) or self._fallback.awaited(call_sid):
+            return True
+        if self._mine.used(call_sid) or self._fallback.used(call_sid):
+            return False
+        if self._failing:
+            return None
+        try:
+            state, until = await self._redis.hmget(self._resv_key(call_sid), ["state", "until"])
+            now_s, now_us = await self._redis.time() if state == "reserved" and until else (0, 0)
+        except _REDIS_FAILURES as exc:
+            self._failed("awaits_stream", exc)
+            return None
+        # No binding: never reserved, or forgotten (its 12 h kept, Redis restarted empty); a claim would find no
+        # reservation to take either. Its expiry on Redis's clock, as the scripts read it.
+        return state == "reserved" and (not until or int(until) > now_s * 1000 + now_us // 1000)
 
     async def streamed(self, call_sid: str) -> bool | None:
         if self._mine.streamed(call_sid) or self._fallback.streamed(call_sid):

@@ -331,7 +331,8 @@ async def handle_voice(request: web.Request) -> web.Response:
 
 async def handle_media(request: web.Request) -> web.StreamResponse:
     """A call's own stream URL (MEDIA_PATH/<CallSid>, as the voice webhook's TwiML gives it): the signature
-    covers the CallSid, so a captured one opens that call's socket only, once, before its stream starts."""
+    covers the CallSid, so a captured one opens that call's socket only, one at a time, while its reservation
+    waits for its stream (seconds): never after it started, lapsed, or was forgotten."""
     ctx = _ctx(request)
     if not ctx.websocket_ok(request):  # refused before the upgrade
         return web.Response(status=403, text="invalid Twilio signature")
@@ -343,8 +344,8 @@ async def handle_media(request: web.Request) -> web.StreamResponse:
         raise _media_refused(request, "second_socket", web.HTTPConflict(text="a socket is open for this call"))
     ctx.media_urls_open.add(call_sid)  # before the await below: two upgrades at once get one socket
     try:
-        if await _stream_started(ctx, call_sid):
-            raise _media_refused(request, "replayed", web.HTTPForbidden(text="this call's stream has started"))
+        if await _stream_awaited(ctx, call_sid) is False:
+            raise _media_refused(request, "replayed", web.HTTPForbidden(text="no stream is awaited for this call"))
         return await _serve_stream(ctx, request, call_sid)
     finally:
         ctx.media_urls_open.discard(call_sid)
@@ -369,14 +370,14 @@ def _media_refused(request: web.Request, reason: str, answer: web.HTTPException)
     return answer
 
 
-async def _stream_started(ctx: ServerContext, call_sid: str) -> bool:
-    """Whether the call's stream started already (a replayed upgrade). Bounded: a slow or failing Redis leaves
-    it to the start's single-use token, as before per-call URLs."""
+async def _stream_awaited(ctx: ServerContext, call_sid: str) -> bool | None:
+    """Whether a reservation of the call waits for its stream (else the signed upgrade is a replay). None: a
+    slow or failing Redis cannot say, and the start's single-use token decides, as before per-call URLs."""
     try:
         async with asyncio.timeout(RECORD_CHECK_S):
-            return bool(await ctx.cluster.streamed(call_sid))
+            return await ctx.cluster.awaits_stream(call_sid)
     except TimeoutError:
-        return False
+        return None
 
 
 async def _serve_stream(ctx: ServerContext, request: web.Request, call_sid: str | None) -> web.StreamResponse:

@@ -131,9 +131,15 @@ class Phone:
     async def open_stream(
         self, http: aiohttp.ClientSession, call_sid: str | None = None
     ) -> aiohttp.ClientWebSocketResponse:
-        """A signed upgrade on `call_sid`'s stream URL (no CallSid: a fresh one's, a call never answered)."""
+        """A signed upgrade on `call_sid`'s stream URL (no CallSid: a fresh one's, a call never answered: 403)."""
         url = self.stream_url(call_sid or new_call_sid())
         return await http.ws_connect(url, headers={"X-Twilio-Signature": self.sign(url, {})})
+
+    async def awaiting_stream(self, http: aiohttp.ClientSession) -> aiohttp.ClientWebSocketResponse:
+        """A call answered and its stream's socket open, never started (an attacker's, or Twilio's first
+        moments): each holds an engine seat's reservation until it lapses."""
+        call_sid, _ = await self.answer(http)
+        return await self.open_stream(http, call_sid)
 
     @contextlib.asynccontextmanager
     async def started_call(

@@ -532,7 +532,7 @@ async def test_audiosocket_connections_that_never_start_do_not_block_twilio_stre
         held = [await asyncio.open_connection("127.0.0.1", _port(phone)) for _ in range(6)]
         try:
             await until(lambda: phone.ctx.unstarted["audiosocket"] == 4, "the AudioSocket cap full")
-            ws = await phone.open_stream(http)  # a Twilio upgrade still gets its socket
+            ws = await phone.awaiting_stream(http)  # a Twilio upgrade still gets its socket
             assert not ws.closed and phone.ctx.unstarted["media"] == 1
             await ws.close()
         finally:

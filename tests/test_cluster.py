@@ -105,10 +105,11 @@ async def test_reserves_here_first_then_on_the_node_with_most_room(prefix: str) 
 
 async def test_a_node_of_an_older_version_is_sent_streams_on_its_fixed_url(prefix: str, raw: aioredis.Redis) -> None:
     """A rolling update: a node whose heartbeat writes no `percall` (the version before per-call URLs) serves
-    only the fixed URL, so a reservation there gives it, and a retried webhook the same; the new nodes see it
-    and take the fixed URL themselves meanwhile. A node id rolled back to that version (a `percall` its beats
-    no longer move) is seen as older at its first beat."""
-    async with nodes(prefix, {"a": 0, "b": 1}) as n:
+    only the fixed URL, so a reservation there gives it, and a retried webhook the same. While it heartbeats the
+    newer nodes give their fixed URL too (behind one shared host name the stream may reach the older node), and
+    take the fixed URL themselves until its reservations have lapsed. A node id rolled back to that version (a
+    `percall` its beats no longer move) is seen as older at its first beat."""
+    async with nodes(prefix, {"a": 0, "b": 2}, reservation_ttl_s=1.0) as n:
         a, b = n["a"], n["b"]
         sid = new_call_sid()
         r = await a.reserve(sid)
@@ -126,17 +127,21 @@ async def test_a_node_of_an_older_version_is_sent_streams_on_its_fixed_url(prefi
 
         await old_beats()
         await a.refresh()
-        assert a.legacy_media_path
+        await b.refresh()
+        assert a.legacy_media_path and b.legacy_media_path
         sid = new_call_sid()
         r = await a.reserve(sid)
         assert r is not None and r.node_id == "old" and r.stream_url == old_url
         assert await a.reserve(sid) == r  # Twilio retrying the webhook: the URL it was given
+        mine = await b.reserve(new_call_sid())  # here first, and the fixed URL while an older node heartbeats
+        assert mine is not None and mine.node_id == "b" and mine.stream_url == b.stream_url
         await old_beats(per_call=True)  # upgraded: its beats write percall = ts
         await a.refresh()
-        assert not a.legacy_media_path
+        assert not a._legacy_peers and a.legacy_media_path  # the fixed URL still taken: a reservation's life
         sid = new_call_sid()
         r = await a.reserve(sid)
         assert r is not None and r.node_id == "old" and r.stream_url == stream_url_for(old_url, sid)
+        await until(lambda: not a.legacy_media_path, "the older node's reservations lapsed", within=5)
         await asyncio.sleep(0.01)  # a later millisecond: beats are a second apart, loopback round trips are not
         await old_beats()  # rolled back: its beat moves ts and leaves the newer version's percall behind
         await a.refresh()
@@ -204,6 +209,28 @@ async def test_a_reservation_without_a_stream_expires(prefix: str) -> None:
         with pytest.raises(CallSidUsed):
             await a.reserve(sid)
         assert await a.streamed(sid) is False  # and yet it never streamed: its final status ends its record
+
+
+async def test_a_stream_is_awaited_only_while_its_reservation_waits(prefix: str, raw: aioredis.Redis) -> None:
+    """What the upgrade of a call's stream URL asks first (a signed upgrade on it otherwise is a replay): on any
+    node, a live reservation whose stream has not started; not one claimed, ended, lapsed, or unknown."""
+    async with nodes(prefix, {"a": 0, "b": 3}, reservation_ttl_s=0.5) as n:
+        a, b = n["a"], n["b"]
+        sid, lapsing = new_call_sid(), new_call_sid()
+        r = await a.reserve(sid)
+        assert r is not None and r.node_id == "b" and await a.reserve(lapsing) is not None
+        assert await a.awaits_stream(sid) is True and await b.awaits_stream(sid) is True
+        assert await b.awaits_stream(new_call_sid()) is False  # never reserved (or long forgotten)
+        assert await b.claim(sid, r.token)
+        assert await a.awaits_stream(sid) is False and await b.awaits_stream(sid) is False
+        await b.release(sid)
+        assert await a.awaits_stream(sid) is False
+        await asyncio.sleep(0.6)
+        assert await a.awaits_stream(lapsing) is False  # its stream came too late, or never
+        await raw.delete(f"{prefix}resv:{lapsing}")  # Redis restarted empty: nothing awaited
+        assert await a.awaits_stream(lapsing) is False
+    async with nodes(prefix + "down:", {"a": 1}, url=f"redis://127.0.0.1:{free_port()}/0") as n:
+        assert await n["a"].awaits_stream(new_call_sid()) is None  # Redis down: cannot tell
 
 
 async def test_a_draining_node_gets_no_reservations(prefix: str, raw: aioredis.Redis) -> None:

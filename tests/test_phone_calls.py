@@ -112,15 +112,19 @@ async def test_media_upgrade_needs_signature_and_admission(tiny_checkpoint: Path
         # Signed, but the start carries a token that the voice webhook never issued: closed, not served.
         rejected = metric("kame_calls_total", outcome="rejected")
         calls_timed = metric("kame_call_duration_seconds_count")
-        guessed = new_call_sid()
-        ws = await phone.open_stream(http, guessed)
+        answered, _ = await phone.answer(http)
+        ws = await phone.open_stream(http, answered)
         await ws.send_str(tm.connected_msg())
-        await ws.send_str(tm.start_msg("MZ1", guessed, "AC1", {"token": "guess"}))
+        await ws.send_str(tm.start_msg("MZ1", answered, "AC1", {"token": "guess"}))
         msg = await ws.receive(timeout=5)
         assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == aiohttp.WSCloseCode.POLICY_VIOLATION
         assert metric("kame_calls_total", outcome="rejected") == rejected + 1
         assert metric("kame_call_duration_seconds_count") == calls_timed  # never started: no call length
         assert phone.engine.free_slots == 2
+        # A call never answered: no stream is awaited on its URL, so not even the socket opens.
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await phone.open_stream(http)
+        assert refused.value.status == 403
 
 
 async def test_busy_at_capacity_without_opening_a_stream(tiny_checkpoint: Path, question_wav: Path) -> None:

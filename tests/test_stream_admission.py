@@ -201,8 +201,7 @@ async def test_media_floods_end_their_stream_and_the_call_beside_it_goes_on(
             hold_after=1.0,
         ))  # fmt: skip
         # 1. An upgraded socket that never starts, streaming 20 ms packets.
-        await phone.answer(http)
-        unstarted = await phone.open_stream(http)
+        unstarted = await phone.awaiting_stream(http)
         packet = tm.media_msg("MZnever", 1, 1, 0, b"\xff" * 160)
         sent = await _send_until_closed(unstarted, [packet] * 3000)
         assert sent < 1200 and unstarted.close_code == aiohttp.WSCloseCode.POLICY_VIOLATION
@@ -264,7 +263,8 @@ async def test_unstarted_sockets_are_capped_and_closed_while_a_call_runs(
     untouched."""
     # The engine in its own process, as deployed: the attackers below run in this process (a remote one would
     # not), and in-process their sends would also take the GIL from the model's thread.
-    async with running_phone(tiny_checkpoint, max_calls=2, max_unstarted_streams=4, start_timeout_s=1.5,
+    # Eight seats: the sockets awaiting their start are answered calls, each holding a reservation.
+    async with running_phone(tiny_checkpoint, max_calls=8, max_unstarted_streams=4, start_timeout_s=1.5,
                              engine_process=True) as phone, \
             aiohttp.ClientSession() as http:  # fmt: skip
         capped = metric("kame_webhook_rejections_total", endpoint="media", reason="unstarted_cap")
@@ -274,15 +274,15 @@ async def test_unstarted_sockets_are_capped_and_closed_while_a_call_runs(
                                    hold_after=1.0)  # fmt: skip
         sid = new_call_sid()
         good = await _call_in_progress(phone, question_wav, sid)
-        idle = [await phone.open_stream(http) for _ in range(4)]
+        idle = [await phone.awaiting_stream(http) for _ in range(4)]
         try:  # a burst (real calls' starts may wait in a busy loop): none of them is old enough to close
-            await phone.open_stream(http)
+            await phone.awaiting_stream(http)
             raise AssertionError("a fifth unstarted socket was upgraded")
         except aiohttp.WSServerHandshakeError as e:
             assert e.status == 503
         assert metric("kame_webhook_rejections_total", endpoint="media", reason="unstarted_cap") == capped + 1
         await asyncio.sleep(1.1)
-        fifth = await phone.open_stream(http)  # now the oldest goes to make room: never more than 4 at once
+        fifth = await phone.awaiting_stream(http)  # now the oldest goes to make room: never more than 4 at once
         closed = await idle[0].receive(timeout=5)
         assert closed.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED), closed
         idle = [*idle[1:], fifth]
@@ -324,17 +324,17 @@ async def test_unstarted_sockets_are_capped_and_closed_while_a_call_runs(
             assert r.status == 413  # refused before it is read
 
 
-async def _pinging_and_never_reading(phone: Phone, seconds: float) -> socket.socket:
-    """A socket upgraded with a call's stream signature (a call never answered) that then floods pings and
-    never reads a byte: each pong aiohttp wrote for it filled the socket's buffer until the write paused for
-    good, and the receive loop, the start timeout's close and the eviction with it."""
+async def _pinging_and_never_reading(phone: Phone, http: aiohttp.ClientSession, seconds: float) -> socket.socket:
+    """A socket upgraded with a call's stream signature (a call answered, its stream not started) that then
+    floods pings and never reads a byte: each pong aiohttp wrote for it filled the socket's buffer until the
+    write paused for good, and the receive loop, the start timeout's close and the eviction with it."""
+    sid, _ = await phone.answer(http)
     host, port = phone.base.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
     sock.setblocking(False)
     key = base64.b64encode(os.urandom(16)).decode()
-    sid = new_call_sid()
     sock.send((f"GET {MEDIA_PATH}/{sid} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
                f"Connection: Upgrade\r\nX-Twilio-Signature: {phone.sign(phone.stream_url(sid), {})}\r\n"
                f"Sec-WebSocket-Key: {key}\r\n"
@@ -355,17 +355,17 @@ async def test_a_ping_flood_from_a_peer_that_never_reads_cannot_hold_the_unstart
     """Pings are answered by the session under a rate limit, and never to a peer whose unread bytes pile up;
     a close that cannot go through is dropped. Before, two such sockets held a cap of 2 for as long as the
     attacker kept them open, and every real call's stream was refused 503 (review, session 22)."""
-    async with running_phone(tiny_checkpoint, max_calls=2, max_unstarted_streams=2, start_timeout_s=1.0,
+    async with running_phone(tiny_checkpoint, max_calls=8, max_unstarted_streams=2, start_timeout_s=1.0,
                              engine_process=True) as phone, aiohttp.ClientSession() as http:  # fmt: skip
         sid = new_call_sid()
         good = await _call_in_progress(phone, question_wav, sid)
-        socks = [await _pinging_and_never_reading(phone, 1.0) for _ in range(2)]
+        socks = [await _pinging_and_never_reading(phone, http, 1.0) for _ in range(2)]
         try:
             await asyncio.sleep(1.5)  # past their start timeout
-            socks += [await _pinging_and_never_reading(phone, 1.0) for _ in range(2)]
+            socks += [await _pinging_and_never_reading(phone, http, 1.0) for _ in range(2)]
             # Each is closed by its start timeout, or dropped when its close cannot go through.
             await until(lambda: metric("kame_media_unstarted_sockets") == 0, "the flooders gone", within=15)
-            ws = await phone.open_stream(http)  # a real call's stream is upgraded again
+            ws = await phone.awaiting_stream(http)  # a real call's stream is upgraded again
             await ws.close()
             report = await good
         finally:
@@ -436,10 +436,10 @@ async def test_slow_bodies_make_room_and_only_signed_requests_hold_the_cap(
             writer.close()
         await asyncio.sleep(0.2)
 
-    async with running_phone(tiny_checkpoint, max_calls=2, max_idle_connections=4, max_unstarted_streams=8) as phone, \
+    async with running_phone(tiny_checkpoint, max_calls=4, max_idle_connections=4, max_unstarted_streams=8) as phone, \
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:  # fmt: skip
         refused = metric("kame_http_connections_refused_total")
-        held = [await phone.open_stream(http) for _ in range(4)]  # signed, awaiting their start
+        held = [await phone.awaiting_stream(http) for _ in range(4)]  # signed, awaiting their start
         await asyncio.sleep(0.2)
         with pytest.raises(aiohttp.ClientError):
             async with aiohttp.ClientSession() as other:

@@ -16,9 +16,11 @@ import redis.asyncio as aioredis
 
 from telephony import twilio_messages as tm
 from telephony.cluster import RedisCluster
+from telephony.server import VOICE_PATH
 from telephony.sim_caller import simulate_call
+from telephony.twiml import parse_connect_stream
 
-from .phone_fixtures import Phone, metric, running_phone
+from .phone_fixtures import Phone, metric, new_call_sid, running_phone
 from .polling import until
 from .redis_support import REDIS_URL
 
@@ -150,15 +152,43 @@ async def raw() -> AsyncIterator[aioredis.Redis]:
     await r.aclose()
 
 
+async def _answered(phone: Phone, http: aiohttp.ClientSession) -> tuple[str, str, dict[str, str]]:
+    """The voice webhook answered as Twilio posts it: (CallSid, the TwiML's stream URL, its parameters)."""
+    await phone.keeping_time()
+    sid = new_call_sid()
+    form = {"CallSid": sid, "AccountSid": "AC" + "0" * 32, "From": "+15550001", "To": "+15550002"}
+    url = phone.base + VOICE_PATH
+    async with http.post(url, data=form, headers={"X-Twilio-Signature": phone.sign(url, form)}) as r:
+        stream = parse_connect_stream(await r.text())
+    return sid, stream.url, dict(stream.parameters)
+
+
+async def test_a_stream_url_opens_only_while_its_reservation_waits(tiny_checkpoint: Path) -> None:
+    """A call never answered, or one whose reservation lapsed unclaimed (Twilio never came, or came too late):
+    no stream is awaited, so a signed upgrade on its URL opens nothing, however long ago it was captured."""
+    async with running_phone(tiny_checkpoint, reservation_ttl_s=0.5) as phone, aiohttp.ClientSession() as http:
+        replayed = _refused("replayed")
+        never = phone.stream_url(new_call_sid())
+        assert await _upgrade_status(http, never, phone.sign(never, {})) == 403
+        sid, url, _ = await _answered(phone, http)
+        assert url == phone.stream_url(sid)
+        await asyncio.sleep(0.7)  # its reservation lapses
+        assert await _upgrade_status(http, url, phone.sign(url, {})) == 403
+        assert _refused("replayed") == replayed + 2 and phone.ctx.unstarted["media"] == 0
+
+
 async def test_the_fixed_url_is_taken_only_while_an_older_node_heartbeats(
     tiny_checkpoint: Path, prefix: str, raw: aioredis.Redis
 ) -> None:
     """A rolling update from a version before per-call URLs: the older nodes' webhooks send streams to the
     fixed URL of whichever node they reserved, so a new node takes streams there while one heartbeats, and
-    refuses them once the last is gone. Before this, every call routed by an old node to a new one failed."""
+    for a reservation's life after the last one left (a draining node's last webhooks; it exits at once),
+    then refuses them. Meanwhile the new nodes give the fixed URL too: behind one shared host name the stream
+    may reach an older node, which has no per-call route. Before, such calls failed either way."""
     async with running_phone(tiny_checkpoint, max_calls=2) as phone, aiohttp.ClientSession() as http:
         cluster = RedisCluster(aioredis.Redis.from_url(REDIS_URL, decode_responses=True), "new", phone.ws_url,
-                               phone.ctx.free_slots, key_prefix=prefix, heartbeat_s=0.1, node_ttl_s=0.6)  # fmt: skip
+                               phone.ctx.free_slots, key_prefix=prefix, heartbeat_s=0.1, node_ttl_s=0.6,
+                               reservation_ttl_s=1.5)  # fmt: skip
         phone.ctx.cluster = cluster
         await cluster.start()
         try:
@@ -167,13 +197,21 @@ async def test_the_fixed_url_is_taken_only_while_an_older_node_heartbeats(
             assert await _upgrade_status(http, phone.ws_url, fixed_sig) == 404
             async with _older_node(raw, prefix, "old", "ws://127.0.0.1:9/twilio/media"):
                 await until(lambda: cluster.legacy_media_path, "the older node seen", within=5)
-                # A call its webhook routed here (the token came through Redis as any reservation's).
-                call_sid, params = await phone.answer(http)
+                # This node's own webhook gives the fixed URL now, and takes the stream there.
+                call_sid, url, params = await _answered(phone, http)
+                assert url == phone.ws_url
                 ws = await http.ws_connect(phone.ws_url, headers={"X-Twilio-Signature": fixed_sig})
                 await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))
                 await _streaming(ws, "MZ1")
                 await _hang_up(phone, ws, "MZ1", call_sid)
-            await until(lambda: not cluster.legacy_media_path, "the older node gone", within=5)
+            # The older node gone (its hash deleted as it exits): its last reservations' streams still come.
+            left = time.monotonic()
+            await until(lambda: not cluster._legacy_peers, "the older node's exit seen", within=5)
+            assert await _upgrade_status(http, phone.ws_url, fixed_sig) == 101
+            call_sid, url, _ = await _answered(phone, http)
+            assert url == phone.stream_url(call_sid)  # per-call URLs again at once
+            await until(lambda: not cluster.legacy_media_path, "the older nodes' reservations lapsed", within=8)
+            assert time.monotonic() - left >= 1.5  # not before a reservation's life
             assert await _upgrade_status(http, phone.ws_url, fixed_sig) == 404
             # A node id taken over by the older version (a rollback): its hash keeps a stale `percall`.
             async with _older_node(raw, prefix, "back", "ws://127.0.0.1:9/twilio/media", rolled_back=True):

@@ -13,7 +13,7 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qsl, quote, urlencode
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 import aiohttp
 import pytest
@@ -41,10 +41,12 @@ FORGED_START = {"accountSid": "AC1", "streamSid": "MZ1", "tracks": ["inbound"], 
                 "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}
 
 
-def _captured_upgrade(base_ws_url: str) -> tuple[str, str]:
-    """A call's stream URL and Twilio's upgrade signature on it, as an attacker reading headers would hold
-    them (a call never answered: its stream never starts, so the URL stays open to one socket at a time)."""
-    url = stream_url_for(base_ws_url, _sid())
+async def _captured_upgrade(http: aiohttp.ClientSession, h: ServiceHandle) -> tuple[str, str]:
+    """A call answered whose stream has not started, its stream URL (on this loopback node) and Twilio's upgrade
+    signature on it, as an attacker reading headers in those seconds would hold them."""
+    status, twiml = await _voice(http, h.http_url, _sid())
+    assert status == 200 and "<Connect" in twiml, twiml
+    url = h.http_url.replace("http://", "ws://") + urlsplit(parse_connect_stream(twiml).url).path
     return url, RequestValidator(TOKEN).compute_signature(url, {})
 
 
@@ -214,14 +216,21 @@ async def test_one_captured_upgrade_signature_cannot_keep_real_calls_streams_out
 ) -> None:
     """A media upgrade's signature never expires (and was the same for every call, before per-call URLs). Its
     holder kept the unstarted cap full, reopening each socket as the start timeout closed it, and every real
-    call's upgrade was refused (8 of 8 in the review). With a few captured for calls whose stream never
-    started, the same: the oldest unstarted socket now makes room. A `start` with a newline in the callSid is
+    call's upgrade was refused (8 of 8 in the review). One captured for a call never answered (or long over)
+    now opens nothing. Those of calls awaiting their stream (the attacker racing Twilio) could still fill the
+    cap for those seconds: the oldest unstarted socket makes room. A `start` with a newline in the callSid is
     refused as malformed, never written into the log as a line of its own."""
     caplog.set_level(logging.INFO)
-    async with _service(max_calls=4, max_unstarted_streams=4, start_timeout_s=5.0) as h, \
+    async with _service(max_calls=8, max_unstarted_streams=4, start_timeout_s=5.0) as h, \
             aiohttp.ClientSession() as http:  # fmt: skip
         ws_url = h.http_url.replace("http://", "ws://") + MEDIA_PATH
-        captured = [_captured_upgrade(ws_url) for _ in range(5)]  # calls whose stream never started
+        never = stream_url_for(ws_url, _sid())
+        for _ in range(20):
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await http.ws_connect(never, headers={SIGNATURE_HEADER: RequestValidator(TOKEN).compute_signature(
+                    never, {})})  # fmt: skip
+            assert refused.value.status == 403 and h.ctx.unstarted_sockets == 0
+        captured = [await _captured_upgrade(http, h) for _ in range(5)]  # calls whose stream has not started
         stop = asyncio.Event()
 
         async def hold(url: str, signature: str) -> None:
@@ -231,7 +240,7 @@ async def test_one_captured_upgrade_signature_cannot_keep_real_calls_streams_out
                         while not stop.is_set() and not ws.closed:  # no `start`, ever
                             with contextlib.suppress(TimeoutError):
                                 await ws.receive(timeout=0.2)
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.05)
 
         url, signature = captured.pop()
         async with http.ws_connect(url, headers={SIGNATURE_HEADER: signature}) as ws:
@@ -281,16 +290,17 @@ async def test_sockets_whose_start_is_refused_do_not_hold_the_unstarted_cap() ->
     """The holder of captured upgrade signatures sends a `start` with a made-up token on each socket and never
     answers the close: the refused sockets counted as unstarted for the close handshake's 2 s, and never being
     "awaiting start" either, could not be closed for a newer upgrade: real calls' streams got 503."""
-    async with _service(max_calls=4, max_unstarted_streams=4, start_timeout_s=5.0) as h, \
+    async with _service(max_calls=10, max_unstarted_streams=4, start_timeout_s=5.0) as h, \
             aiohttp.ClientSession() as http:  # fmt: skip
         ws_url = h.http_url.replace("http://", "ws://") + MEDIA_PATH
         stop = asyncio.Event()
+        captured = [await _captured_upgrade(http, h) for _ in range(6)]  # calls whose stream has not started
 
         async def hold(k: int) -> None:
             await asyncio.sleep(k * 0.08)  # staggered, as sockets come: six upgrades in one instant are a burst
+            url, signature = captured[k]
             while not stop.is_set():
                 with contextlib.suppress(aiohttp.ClientError, ConnectionError):
-                    url, signature = _captured_upgrade(ws_url)
                     ws = await http.ws_connect(url, headers={SIGNATURE_HEADER: signature}, autoclose=False)
                     start = {**FORGED_START, "callSid": url.rsplit("/", 1)[1], "customParameters": {"token": "made-up"}}
                     await ws.send_str(json.dumps({"event": "start", "sequenceNumber": "1", "streamSid": "MZ1",
