@@ -40,6 +40,12 @@ def _verdict(a: list[float], b: list[float], test: str) -> str:
     return f"p={p:.3f}" + ("" if p < 0.05 else ", could be chance")
 
 
+def _completed(report: dict[str, Any], delay: float) -> tuple[int, int]:
+    """(calls completed, calls made) of `report` at `delay`."""
+    calls = [r for r in report["results"] if r["forced_delay_ms"] == delay]
+    return sum(r["outcome"] == "completed" for r in calls), len(calls)
+
+
 def _mean(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
@@ -73,6 +79,12 @@ def compare(a_path: Path, b_path: Path) -> str:
                          "may be that, not the service")  # fmt: skip
     for d_a, d_b in pairs:
         lines.append(f"\nforced delay {delay_label(d_a)}" + (f" vs {delay_label(d_b)}" if d_a != d_b else ""))
+        (done_a, n_a), (done_b, n_b) = _completed(a, d_a), _completed(b, d_b)
+        fewer = n_a and n_b and abs(done_a / n_a - done_b / n_b) > 0.1
+        # Scores and latencies are of completed calls only: a run that failed most of its calls otherwise read
+        # as better (its slow or unanswered calls dropped out of the median).
+        lines.append(f"  calls completed {done_a}/{n_a} -> {done_b}/{n_b}"
+                     + (": the figures below are of completed calls only, and not comparable" if fewer else ""))
         cats = sorted({r["category"] for r in a["results"] + b["results"]})
         for cat in [None, *cats]:
             sa, sb = _values(a, d_a, cat, "score"), _values(b, d_b, cat, "score")

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 from tqdm import tqdm
@@ -53,7 +53,15 @@ class Target:
     random_weights: bool = False
 
     def describe(self) -> dict[str, Any]:
-        return {"checkpoint": self.checkpoint} if self.checkpoint else {"url": self.url}
+        """What the report says of the target: never a password the URL carries (https://user:pass@host)."""
+        if self.checkpoint:
+            return {"checkpoint": self.checkpoint}
+        parts = urlsplit(self.url or "")
+        if parts.password is not None or parts.username is not None:
+            host = parts.hostname or ""
+            netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+            return {"url": urlunsplit(parts._replace(netloc=netloc))}
+        return {"url": self.url}
 
 
 @dataclass

@@ -4,8 +4,8 @@ It inherits the operator's environment (their LLM, STT and model settings are wh
 about), less every variable that would tie it to a real deployment: run on a production box (where
 `.env` was loaded), it would otherwise join the production cluster through REDIS_URL and advertise the
 node's public URL (real webhooks routed to a bench), write its calls into the production call records,
-take seats on the shared engine (KAME_ENGINE_ADDRESS), or carry out call actions through the real Twilio
-account (TWILIO_ACCOUNT_SID and API keys).
+take seats on the shared engine (KAME_ENGINE_ADDRESS), carry out call actions through the real Twilio
+account (TWILIO_ACCOUNT_SID and API keys), or answer the PBX's calls on its AudioSocket port (KAME_AUDIOSOCKET).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ DEPLOYMENT_VARIABLES = (
     "REDIS_URL", "KAME_REDIS_PREFIX", "KAME_NODE_ID", "KAME_NODE_URL", "PUBLIC_URL",
     "KAME_ENGINE_ADDRESS", "KAME_ENGINE_TOKEN", "KAME_ENGINE_CA",
     "TWILIO_ACCOUNT_SID", "TWILIO_AUTH_TOKEN", "TWILIO_API_KEY", "TWILIO_API_SECRET", "TWILIO_API_BASE_URL",
-    "ADMIN_TOKEN", "KAME_AGENTS",
+    "ADMIN_TOKEN", "KAME_AGENTS", "KAME_AUDIOSOCKET", "KAME_AUDIOSOCKET_ALLOW",
 )  # fmt: skip
 
 

@@ -191,6 +191,12 @@ async def _follow(public: str, call_sid: str, admin_token: str, timeout_s: float
             raise CliError(f"call {call_sid} had not ended after {timeout_s:g} s", code=1)
     assert record is not None
     print(_figures(record))
+    if record.get("end_reason") not in CALL_ENDED_WELL:  # a smoke test's exit status says the service failed it
+        raise CliError(f"call {call_sid} ended {record.get('end_reason')}", code=1)
+
+
+# The ends of a call that went as it should (busy, engine_lost, no_start, ... are the service failing it).
+CALL_ENDED_WELL = ("completed", "transferred", "ended_by_agent", "max_duration")
 
 
 def _figures(record: dict) -> str:

@@ -10,8 +10,10 @@ command -v redis-server >/dev/null || need+=(redis-server)
 command -v flite >/dev/null || need+=(flite)
 command -v sox >/dev/null || need+=(sox)
 command -v promtool >/dev/null || need+=(prometheus)  # promtool checks ops/prometheus in the tests
-# Debian's python3 makes no venv without it ("ensurepip is not available").
-"${PYTHON:-python3}" -c "import ensurepip" 2>/dev/null || need+=(python3-venv)
+# Debian's python3 makes no venv without it ("ensurepip is not available"): the package of PYTHON's own version
+# (python3-venv is the default python3's only: PYTHON=python3.12 needs python3.12-venv).
+"${PYTHON:-python3}" -c "import ensurepip" 2>/dev/null || need+=("$("${PYTHON:-python3}" -c \
+  'import sys; print("python%d.%d-venv" % sys.version_info[:2])' 2>/dev/null || echo python3-venv)")
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing system packages: ${need[*]}"
   $SUDO apt-get update -qq

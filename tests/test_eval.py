@@ -218,6 +218,8 @@ async def test_usage_errors_are_one_line(tmp_path: Path) -> None:
                   "agent 'sales' (answering +15005550001) sets forced_delay_ms = 300"))  # fmt: skip
     cases.append((["--checkpoint", "x", "--questions", str(questions), f"--serve-arg=--agents={agents}"],
                   "it would override every delay of the sweep"))  # fmt: skip
+    cases.append((["--checkpoint", "x", "--questions", str(questions), "--serve-arg=--forced-delay-ms=2000"],
+                  "--serve-arg=--forced-delay-ms would override every delay of the sweep"))  # fmt: skip
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question_id": 1, "category": "x", "turns": ["ok?"]}\n{"question_id": 2, "turns": []}\n')
     cases.append((["--checkpoint", "x", "--questions", str(bad)], "line 2: 'turns' must be a list"))
@@ -396,6 +398,21 @@ def test_compare_says_when_a_change_is_real(tmp_path: Path) -> None:
     assert "score 3.33 -> 8.50 (+5.17; p=0.000)" in text and "median latency 0.23 s -> 1.23 s (+1.00 s; p=0.00" in text
     small = write("s", _results(0.0, [9, 9], 1.0))
     assert "too few to tell (n=6 vs 2" in compare(a, small)
+    # B failed most of its calls: its few completed ones read better, and compare says what they are.
+    failing = _results(0.0, [9, 9, 8, 9, 8, 9], 0.1)
+    for r in failing[2:]:
+        r.outcome, r.score, r.latency_s = "error", None, None
+    text = compare(a, write("f", failing))
+    assert "calls completed 6/6 -> 2/6: the figures below are of completed calls only, and not comparable" in text
+
+
+def test_a_password_in_the_target_url_stays_out_of_the_report() -> None:
+    """Twilio takes https://user:pass@host webhook URLs; eval --url copied one into report.md and report.json."""
+    from evaluation.runner import Target
+
+    assert Target(url="https://kame:s3cretpass@voice.example.com:8443/x").describe() == {
+        "url": "https://kame:***@voice.example.com:8443/x"}
+    assert Target(url="https://voice.example.com").describe() == {"url": "https://voice.example.com"}
 
 
 # ---------------------------------------------------------------------------------------------------------

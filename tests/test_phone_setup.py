@@ -239,6 +239,10 @@ async def test_dial_places_a_call_that_takes_the_inbound_path_and_reports_its_fi
         twilio.unanswered_status = "completed"  # answered and over, but its webhook never reached the service
         rc, out, err = await _kame(["dial", "+15557654321", "--from", NUMBER, "--wait"], env)
         assert rc == 1 and "the service has no record of it" in err, err
+        # Answered busy (the node draining): the figures, and a failing exit status for a smoke test.
+        twilio.answer_wav, twilio.unanswered_status, phone.ctx.draining = wav, "no-answer", True
+        rc, out, err = await _kame(["dial", "+15557654321", "--from", NUMBER, "--wait", "--wait-timeout", "60"], env)
+        assert rc == 1 and ": busy, agent sales" in out and "ended busy" in err, (out, err)
 
 
 async def test_the_call_status_callback_closes_a_call_that_never_streamed(tiny_checkpoint: Path) -> None:
