@@ -437,14 +437,17 @@ class EngineServer:
     async def _seat(self, edge: _Edge, call_id: str, setup: CallSetup | None) -> None:
         error = None
         others = (set(edge.calls) | set(edge.opening)) - {call_id}  # seated, or being seated beside this one
+        engine_id = edge.engine_id(call_id)
+        if engine_id in self._owner:
+            # The edge opens the call again (its stream came back) and has dropped its old session, sending no
+            # close: the old seat goes whatever the answer. Refused while draining, it was held by a call the edge
+            # no longer knows, and the drain waited out its whole timeout for it.
+            await self._close_call(edge, call_id)
         if self.draining:
             error = "closed: the engine is draining"
         elif call_id not in edge.calls and len(others) >= edge.seats and not self._regrant(edge):
             error = "full"
         else:
-            engine_id = edge.engine_id(call_id)
-            if engine_id in self._owner:  # the edge opens the call again (its stream came back): the old seat goes
-                await self._close_call(edge, call_id)
             try:
                 session = await self.engine.open_call(engine_id, setup)
             except EngineFull:

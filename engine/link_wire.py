@@ -279,8 +279,17 @@ def edge_tls(ca_file: str | None = None) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=ca_file)
 
 
+# A link whose peer is gone without a word (a partition, a dead host) is dropped after this long: the engine
+# writes its state every second, and data unacknowledged this long aborts the connection (TCP_USER_TIMEOUT).
+# Left to TCP's retries, an engine kept a vanished edge's seats for many minutes, refusing its reconnect "full".
+PEER_GONE_S = 20
+# An idle link (nothing unacknowledged) is probed after this long, every PEER_PROBE_S, PEER_PROBES times.
+PEER_IDLE_S, PEER_PROBE_S, PEER_PROBES = 10, 5, 3
+
+
 def tune_socket(writer: asyncio.StreamWriter, buffer_bytes: int = SOCKET_BUFFER_BYTES) -> None:
-    """Socket buffers big enough for a tick in one send (fewer wake-ups on both sides); TCP is no-delay."""
+    """Socket buffers big enough for a tick in one send (fewer wake-ups on both sides); TCP is no-delay, and
+    a peer gone silently is noticed (PEER_GONE_S)."""
     sock = writer.get_extra_info("socket")
     if sock is None:
         return
@@ -289,6 +298,11 @@ def tune_socket(writer: asyncio.StreamWriter, buffer_bytes: int = SOCKET_BUFFER_
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
         if sock.family in (socket.AF_INET, socket.AF_INET6):  # small messages must not wait for Nagle
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for option, value in (("TCP_USER_TIMEOUT", PEER_GONE_S * 1000), ("TCP_KEEPIDLE", PEER_IDLE_S),
+                                  ("TCP_KEEPINTVL", PEER_PROBE_S), ("TCP_KEEPCNT", PEER_PROBES)):  # fmt: skip
+                if hasattr(socket, option):  # Linux's; elsewhere the system's defaults
+                    sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def backlogged(writer: asyncio.StreamWriter, limit: int) -> bool:

@@ -34,6 +34,7 @@ from .interface import (
     OracleUpdate,
     ToolUse,
 )
+from .log_sampler import LogSampler
 from .queues import FreshCarry, put_dropping_oldest, with_carried_fresh
 from .sampling import SamplingOverrides
 
@@ -237,6 +238,7 @@ class LocalEngine:
             )
             self.frame_loop.on_broken = self._on_engine_lost
         self._sessions: dict[str, LocalCallSession] = {}
+        self._sampled = LogSampler()  # a back-end failing every tick: a line a minute, not 12 a second
         self._ready = False
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -314,11 +316,15 @@ class LocalEngine:
         loop.call_soon_threadsafe(self._deliver_frames, frames)
 
     def _deliver_frames(self, frames: BotFrames) -> None:
+        self._put_frames(frames)  # first: one call's back-end failing below must not cost every call this tick
         for call_id, piece in zip(frames.call_ids, frames.texts, strict=True):
             session = self._sessions.get(call_id)
             if piece and session is not None and session.backend is not None:
-                session.backend.feed_bot_text(piece)  # the LLM's view of what the bot has said
-        self._put_frames(frames)
+                try:
+                    session.backend.feed_bot_text(piece)  # the LLM's view of what the bot has said
+                except Exception:
+                    if n := self._sampled("feed_bot_text"):
+                        log.exception("call %s: back-end failed on the bot's text (#%d); the call goes on", call_id, n)
 
     def _put_frames(self, item: BotFrames | None) -> None:
         if put_dropping_oldest(self._frames, item, self._fresh_carry.dropped_frames):

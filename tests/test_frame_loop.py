@@ -309,6 +309,39 @@ def test_capacity_and_bad_frames(tiny_bundle) -> None:
     loop.push_audio(0, "A", np.zeros(FRAME_SAMPLES, dtype=np.float32))  # after leave: ignored
 
 
+def test_a_callers_bad_samples_never_reach_the_next_call_on_the_seat(tiny_bundle) -> None:
+    """NaN, inf or huge samples from one call went into the Mimi encoder's attention cache, which a row's reset
+    does not clear: the next caller on that seat was not heard for up to 10 s (review, session 26). They are
+    silenced and clipped on the way in; integer samples (32767x too loud) are refused."""
+
+    def next_call_on_the_seat(bad) -> list[SlotOutput]:  # type: ignore[no-untyped-def]
+        loop = _loop(tiny_bundle, slots=1)
+        row = loop.join("A", Recorder())
+        for t, frame in enumerate(_caller_audio(5, 10)):
+            loop.push_audio(row, "A", bad(frame) if bad is not None and t >= 3 else frame)
+            loop.safe_tick()
+        loop.leave(row, "A")
+        rec = Recorder()
+        row = loop.join("C", rec)
+        for frame in _caller_audio(9, 25):
+            loop.push_audio(row, "C", frame)
+            assert loop.safe_tick()
+        loop.batch.close()
+        return rec.outputs
+
+    clean = next_call_on_the_seat(None)
+    for name, bad in (("nan", lambda f: np.full_like(f, np.nan)), ("inf", lambda f: np.full_like(f, np.inf)),
+                      ("huge", lambda f: np.full_like(f, 1e30))):  # fmt: skip
+        after = next_call_on_the_seat(bad)
+        assert [o.token for o in after] == [o.token for o in clean], name
+        assert all(np.array_equal(x.pcm, y.pcm) for x, y in zip(after, clean, strict=True)), name
+    loop = _loop(tiny_bundle, slots=1)
+    row = loop.join("A", Recorder())
+    with pytest.raises(ValueError, match="float samples"):
+        loop.push_audio(row, "A", (_caller_audio(5, 1)[0] * 32767).astype(np.int16))
+    loop.batch.close()
+
+
 def test_forced_response_delay_holds_silence_and_padding(tiny_bundle) -> None:
     loop = _loop(tiny_bundle, forced_delay_ms=240)  # 3 frames
     lm = tiny_bundle.lm

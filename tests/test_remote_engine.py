@@ -553,6 +553,47 @@ async def test_a_draining_engine_keeps_its_calls_and_takes_no_new_ones(tmp_path:
         await edge.stop()
 
 
+async def test_a_tcp_link_notices_a_peer_gone_without_a_word(engine_server) -> None:
+    """A partition or a dead host: nothing arrives, nothing fails. The engine read a welcomed edge without a
+    deadline and TCP retried its writes for many minutes, keeping the edge's seats and refusing its reconnect
+    "full". Both ends now give up on unacknowledged data after PEER_GONE_S, and probe an idle link. (Dropping
+    packets on loopback needs privileges these tests do not take: the settings are what is checked.)"""
+    import socket as sockets
+
+    from engine.link_wire import PEER_GONE_S
+
+    server, address = await engine_server(2, tcp=True)
+    edge = await RemoteEngine.connect(address, token=None, seats=1)
+    try:
+        await until(lambda: len(server._edges) == 1, "the edge welcomed", within=5)
+        assert edge._writer is not None
+        ends = [edge._writer.get_extra_info("socket"),
+                next(iter(server._edges)).writer.get_extra_info("socket")]  # fmt: skip
+        for sock in ends:
+            assert sock.getsockopt(sockets.SOL_SOCKET, sockets.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(sockets.IPPROTO_TCP, sockets.TCP_USER_TIMEOUT) == PEER_GONE_S * 1000
+    finally:
+        await edge.stop()
+
+
+async def test_a_call_reopened_as_the_engine_starts_draining_gives_its_old_seat_back(engine_server) -> None:
+    """The edge drops a call's session when its stream comes back and opens it again, sending no close: the
+    engine swaps the seat. Refused as draining, the old seat stayed, held by a call the edge no longer knew,
+    and the drain waited out its whole timeout for it (review, session 26)."""
+    server, address = await engine_server(2)
+    edge = await RemoteEngine.connect(address, token=None, seats=2)
+    try:
+        await edge.open_call("CA-back")
+        assert server.calls == 1
+        draining = asyncio.create_task(server.drain(timeout_s=5.0))  # runs before the server reads the reopen
+        with pytest.raises(EngineClosed, match="draining"):
+            await edge.open_call("CA-back")  # the same call's stream reconnecting
+        assert await asyncio.wait_for(draining, 2) == 0  # no call left behind: the drain ends at once
+        assert server.calls == 0
+    finally:
+        await edge.stop()
+
+
 async def test_an_engine_not_keeping_time_tells_its_edges_to_admit_no_new_calls(engine_server) -> None:
     """An engine-serve missing its 80 ms frames said so on its own /readyz only: the edges read its state at
     their hello, and went on admitting calls that slowed every seated one (review, session 22). It now says
