@@ -66,7 +66,10 @@ class CheckpointFiles:
 
     @property
     def lm_gen_config(self) -> dict[str, Any]:
-        return dict(self.config.get("lm_gen_config", {}))
+        gen = self.config.get("lm_gen_config", {})
+        if not isinstance(gen, dict):
+            raise CheckpointError(f"config.json of {self.source}: lm_gen_config must be a JSON object")
+        return dict(gen)
 
 
 @dataclass
@@ -81,12 +84,20 @@ class KameBundle:
 
 
 def _file_names(config: dict[str, Any]) -> dict[str, str | None]:
-    return {
+    names = {
         "lm": config.get("moshi_name", loaders.MOSHI_NAME),
         "mimi": config.get("mimi_name", loaders.MIMI_NAME),
         "tokenizer": config.get("tokenizer_name", loaders.TEXT_TOKENIZER_NAME),
         "mimi_config": config.get("mimi_config_name"),
     }
+    for key, name in names.items():
+        if name is None and key == "mimi_config":
+            continue
+        # A file of the checkpoint itself: not a number (a traceback), nor a path out of it.
+        parts = name.replace("\\", "/").split("/") if isinstance(name, str) else []
+        if not parts or not parts[0] or ".." in parts:  # (a leading "/" leaves an empty first part)
+            raise CheckpointError(f"config.json names its {key} file {name!r}: not a file name inside the checkpoint")
+    return names
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -202,6 +213,9 @@ def load_lm(
         model = KameLM(device="meta", dtype=dtype, **kwargs)
     except TypeError as e:
         raise CheckpointError(f"config.json of {files.source} has an unknown LM setting: {e}") from None
+    except (ValueError, AttributeError, KeyError, AssertionError) as e:  # a setting of the wrong type or range
+        raise CheckpointError(f"config.json of {files.source} has an LM setting the model cannot take: "
+                              f"{type(e).__name__}: {str(e)[:200]}") from None
     try:
         state = load_file(str(files.lm_weights), device=str(device))
     except (SafetensorError, OSError) as e:
@@ -226,7 +240,7 @@ def load_mimi(files: CheckpointFiles, device: torch.device | str) -> MimiModel:
     num_codebooks = max(lm_kwargs.get("dep_q", 8), lm_kwargs.get("n_q", 16) - lm_kwargs.get("dep_q", 8))
     try:
         return loaders.get_mimi(files.mimi_weights, files.mimi_config, device=device, num_codebooks=num_codebooks)
-    except (RuntimeError, SafetensorError, OSError, KeyError) as e:
+    except (RuntimeError, SafetensorError, OSError, KeyError, TypeError, ValueError, AttributeError) as e:
         first = str(e).strip().splitlines()[:3]
         raise CheckpointError(f"Mimi weights {files.mimi_weights} don't load: {' '.join(first)}") from None
 

@@ -277,9 +277,10 @@ class FrameLoop:
             raise ValueError(f"expected {FRAME_SAMPLES} samples, got {pcm.shape}")
         if not np.issubdtype(pcm.dtype, np.floating):
             raise ValueError(f"expected float samples in [-1, 1], got {pcm.dtype}")  # int16 would be 32767x loud
-        # A NaN, an inf or a huge sample reaches the Mimi encoder's attention cache, which a row's reset does not
-        # clear (it rewinds the offset): the next call on the row was not heard for up to 10 s. Clipped here.
-        pcm = np.clip(np.nan_to_num(pcm, nan=0.0), -1.0, 1.0).astype(np.float32, copy=False)
+        if not np.abs(pcm).max() <= 1.0:  # (False for a NaN too)
+            # A NaN, an inf or a huge sample reaches the Mimi encoder's attention cache, which a row's reset does
+            # not clear (it rewinds the offset): the next call on the row was not heard for up to 10 s.
+            pcm = np.clip(np.nan_to_num(pcm, nan=0.0), -1.0, 1.0)
         with self._lock:
             slot = self._slots[row]
             if slot is None or slot.call_id != call_id:

@@ -25,7 +25,7 @@ import ssl
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import get_args
+from typing import Any, get_args
 
 from . import metrics
 from .interface import (
@@ -82,6 +82,8 @@ class _Edge:
     # Seating a call can take a while (its back-end starts: an STT decoder, an LLM client), so it runs beside
     # the edge's message loop, never in it: the edge's other calls keep streaming audio meanwhile.
     opening: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    closing: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # closes waiting for their call's seat
+    queued: set[str] = field(default_factory=set)  # calls whose open waits for an earlier open or close
     frames_dropped: int = 0
     fresh_carry: FreshCarry = field(default_factory=FreshCarry)  # restarts of its calls in ticks it missed
 
@@ -233,8 +235,19 @@ class EngineServer:
                 elif kind == b"O":
                     opened = json.loads(bytes(body))
                     call_id, setup = str(opened["call_id"]), setup_from_wire(opened.get("setup"))
-                    if call_id not in edge.opening:
-                        edge.opening[call_id] = asyncio.create_task(self._on_open(edge, call_id, setup))
+                    closing = edge.closing.get(call_id)
+                    if closing is None and call_id in edge.opening:
+                        pass  # a twin of an open under way: its answer answers both
+                    elif call_id in edge.queued:  # one open queued behind a close at most: no chain of tasks
+                        edge.writer.write(json_message(b"R", {"call_id": call_id, "ok": False,
+                                                              "error": "closed: already opening this call"}))
+                    else:
+                        # Opened again behind its close (an open the edge cancelled, then the call back): seated
+                        # once the close is done, and answered. Ignored, the edge waited 10 s and failed the call.
+                        before = [t for t in (edge.opening.get(call_id), closing) if t is not None]
+                        if before:
+                            edge.queued.add(call_id)  # here, not in the task: the next message may be its twin
+                        edge.opening[call_id] = asyncio.create_task(self._on_open(edge, call_id, setup, before))
                 elif kind == b"X":  # a call action the edge could not carry out: its back-end is told
                     failed = json.loads(bytes(body))
                     action, result = str(failed["action"]), str(failed["result"])[:32]
@@ -246,9 +259,12 @@ class EngineServer:
                     self._edge_drains(edge)
                 elif kind == b"C":
                     call_id = str(json.loads(bytes(body))["call_id"])
-                    closing = asyncio.create_task(self._close_when_seated(edge, call_id))
+                    # The open it closes, as of now: an open read after it waits for this close, not the reverse.
+                    closing = asyncio.create_task(self._close_when_seated(edge, call_id, edge.opening.get(call_id)))
                     self._closing.add(closing)  # held: it waits up to LAST_WORDS_WAIT_S for the call's last words
                     closing.add_done_callback(self._closing.discard)
+                    edge.closing[call_id] = closing
+                    closing.add_done_callback(lambda t, c=call_id, e=edge: _forget(e.closing, c, t))
                 else:
                     raise LinkError(f"unknown message kind {kind!r}")
         except (asyncio.IncompleteReadError, OSError):
@@ -368,18 +384,24 @@ class EngineServer:
         if session is not None:  # audio racing a close is normal: dropped
             session.push_audio(pcm)
 
-    async def _close_when_seated(self, edge: _Edge, call_id: str) -> None:
+    async def _close_when_seated(self, edge: _Edge, call_id: str, opening: asyncio.Task[None] | None) -> None:
         """A close that overtakes its open waits for it, so the seat it was opening is freed, not leaked."""
-        opening = edge.opening.get(call_id)
         if opening is not None:
             await asyncio.wait({opening})
         await self._close_call(edge, call_id, last_words=True)
 
-    async def _on_open(self, edge: _Edge, call_id: str, setup: CallSetup | None) -> None:
+    async def _on_open(
+        self, edge: _Edge, call_id: str, setup: CallSetup | None, before: list[asyncio.Task[None]]
+    ) -> None:
         try:
+            if before:
+                try:
+                    await asyncio.wait(before)
+                finally:
+                    edge.queued.discard(call_id)
             await self._seat(edge, call_id, setup)
         finally:
-            edge.opening.pop(call_id, None)
+            _forget(edge.opening, call_id, asyncio.current_task())
             self._give_back(edge)  # a draining edge's call that was not seated: its seat goes back
 
     def _edge_drains(self, edge: _Edge) -> None:
@@ -533,6 +555,12 @@ class EngineServer:
                     log.warning("edge %s is not reading: %d ticks dropped", edge.name, edge.frames_dropped)
                 continue
             edge.writer.write(frames_message(frames, mine, now, ids, fresh=edge.fresh_carry.carry(ids, fresh)))
+
+
+def _forget(tasks: dict[str, asyncio.Task[None]], call_id: str, task: asyncio.Task[Any] | None) -> None:
+    """`call_id`'s entry off `tasks` if it is still `task` (a newer one for the call stays)."""
+    if tasks.get(call_id) is task:
+        del tasks[call_id]
 
 
 def _abort(writer: asyncio.StreamWriter) -> None:

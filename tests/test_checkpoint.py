@@ -70,6 +70,28 @@ def test_config_that_does_not_match_weights(tiny_checkpoint: Path, tmp_path: Pat
         load_kame(str(ckpt))
 
 
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"moshi_name": 5}, "names its lm file 5: not a file name inside the checkpoint"),
+        ({"mimi_name": "../../elsewhere/mimi.safetensors"}, "not a file name inside the checkpoint"),
+        ({"tokenizer_name": "/etc/passwd"}, "not a file name inside the checkpoint"),
+        ({"lm_gen_config": ["temp", 0.8]}, "lm_gen_config must be a JSON object"),
+        ({"dim": "wide"}, r"config.json of .* LM setting"),
+    ],
+)
+def test_a_hostile_config_is_refused_in_one_line(
+    tiny_checkpoint: Path, tmp_path: Path, change: dict, says: str
+) -> None:
+    """A downloaded checkpoint's config.json with values of the wrong type gave a traceback (TypeError,
+    AttributeError), and file names could point out of the checkpoint (review, session 26)."""
+    ckpt = _copy(tiny_checkpoint, tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(CheckpointError, match=says):
+        load_kame(str(ckpt))
+
+
 def test_plain_moshi_checkpoint_gets_text_emb_copied(
     tiny_checkpoint: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

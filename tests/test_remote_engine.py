@@ -33,6 +33,7 @@ from engine.link_wire import (
     edge_tls,
     event_message,
     frames_message,
+    json_message,
     parse_audio,
     parse_event,
     parse_frames,
@@ -572,6 +573,22 @@ async def test_a_tcp_link_notices_a_peer_gone_without_a_word(engine_server) -> N
         for sock in ends:
             assert sock.getsockopt(sockets.SOL_SOCKET, sockets.SO_KEEPALIVE) == 1
             assert sock.getsockopt(sockets.IPPROTO_TCP, sockets.TCP_USER_TIMEOUT) == PEER_GONE_S * 1000
+    finally:
+        await edge.stop()
+
+
+async def test_an_open_right_behind_its_close_is_seated_once_the_close_is_done(engine_server) -> None:
+    """An edge cancels a call's open (its caller went) and the call comes back at once: open, close, open, all
+    read before the first seating ran. The second open was ignored as a twin of the first, whose seat the close
+    then took, and the edge waited 10 s for an answer and failed the call (review, session 26)."""
+    server, address = await engine_server(2)
+    edge = await RemoteEngine.connect(address, token=None, seats=2)
+    try:
+        assert edge._writer is not None
+        opened, closed = json_message(b"O", {"call_id": "CA-flap"}), json_message(b"C", {"call_id": "CA-flap"})
+        edge._writer.write(opened + closed + opened)  # one read on the engine's side
+        await until(lambda: server.calls == 1 and not any(e.opening or e.closing for e in server._edges),
+                    "the call seated again after its close", within=5)  # fmt: skip
     finally:
         await edge.stop()
 
