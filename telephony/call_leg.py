@@ -187,7 +187,9 @@ class CallLeg:
         self.protocol_errors.labels(kind=kind).inc()
         n = self.state.errors[kind] = self.state.errors.get(kind, 0) + 1
         if self.log_error(kind, n):  # a flood of bad frames must not flood the logs too
-            log.warning("%s protocol error %s (#%d) from %s: %s", self.carrier, kind, n, self.peer, detail)
+            # The detail may quote the peer's own text (a parser's message): escaped, never a log line of its own.
+            log.warning("%s protocol error %s (#%d) from %s: %s", self.carrier, kind, n, self.peer,
+                        detail.encode("unicode_escape").decode("ascii")[:500])  # fmt: skip
 
     def log_error(self, kind: str, n: int) -> bool:
         """Whether the `n`th protocol error of `kind` on this connection is logged."""
@@ -201,7 +203,10 @@ class CallLeg:
         limit, start_limit = self.ctx.config.silent_socket_s, self.ctx.config.start_timeout_s
         while not self.closed:
             await asyncio.sleep(min(WATCHDOG_PERIOD_S, limit / 2, start_limit / 2))
-            if self._unstarted and time.monotonic() - self.opened_at > start_limit:
+            # Not once its start is read: a start in time whose claim waits on a slow Redis was closed as
+            # no_start after its token was spent and its seat opened.
+            started = self.state.start_received_at is not None
+            if self._unstarted and not started and time.monotonic() - self.opened_at > start_limit:
                 self.protocol_error("no_start", f"no stream start within {start_limit:.0f}s of connecting")
                 self._end_reason = "no_start"
                 await self.close_transport()

@@ -150,7 +150,10 @@ class MediaStreamSession(CallLeg):
                 elif msg.type in (WSMsgType.PING, WSMsgType.PONG):
                     await self._on_ping(msg)
                 elif msg.type == WSMsgType.BINARY:
+                    # Twilio sends none: counted against the stream as any invalid message, so a flood of them
+                    # ends it (it skipped every limit, and one stream held the node's loop for 0.6 s at a time).
                     self.protocol_error(BINARY_FRAME, f"{len(msg.data)} bytes")
+                    await self._limit("invalid")
                 elif msg.type == WSMsgType.ERROR:
                     exc = self.ws.exception()
                     if getattr(exc, "code", None) == WSCloseCode.MESSAGE_TOO_BIG:
@@ -307,7 +310,8 @@ class MediaStreamSession(CallLeg):
                 await self.ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"engine busy")
             return
         self._media = MediaMessageTemplate(message.stream_sid)
-        log.info("stream %s started (tracks %s)", message.stream_sid, ",".join(start.tracks))
+        log.info("stream %s started (tracks %s)", message.stream_sid, ",".join(start.tracks).encode("unicode_escape")
+                 .decode("ascii")[:100])  # the peer's text: escaped, never a log line of its own
         await self.streaming(call_sid, message.stream_sid)
 
     def _on_media(self, message: MediaMessage) -> str | None:

@@ -45,14 +45,17 @@ class TwilioCredentials:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> TwilioCredentials | None:
         env = os.environ if env is None else env
-        account = env.get("TWILIO_ACCOUNT_SID", "")
+        # Stripped as serve's TWILIO_AUTH_TOKEN is (a secret made with `echo` ends in a newline): else the
+        # webhooks worked and every transfer and hang-up was refused 401.
+        account, key, secret, token = (env.get(name, "").strip() for name in (
+            "TWILIO_ACCOUNT_SID", "TWILIO_API_KEY", "TWILIO_API_SECRET", "TWILIO_AUTH_TOKEN"))  # fmt: skip
         base_url = env.get("TWILIO_API_BASE_URL") or None
         if not account:
             return None
-        if env.get("TWILIO_API_KEY") and env.get("TWILIO_API_SECRET"):
-            return cls(account, env["TWILIO_API_KEY"], env["TWILIO_API_SECRET"], base_url)
-        if env.get("TWILIO_AUTH_TOKEN"):
-            return cls(account, account, env["TWILIO_AUTH_TOKEN"], base_url)
+        if key and secret:
+            return cls(account, key, secret, base_url)
+        if token:
+            return cls(account, account, token, base_url)
         return None
 
 

@@ -187,6 +187,12 @@ def test_secrets_written_with_a_newline_are_read_without_it(clean_env: pytest.Mo
     with pytest.raises(ConfigError, match="ADMIN_TOKEN is set but blank"):
         ServiceConfig.from_env().check()  # still refused, not taken as "no admin API"
     assert BackendConfig.from_env({"OPENAI_API_KEY": "sk-abc123\n"}).llm_api_key == "sk-abc123"
+    # The REST API's too: the webhooks worked, and every transfer and hang-up was refused 401.
+    from telephony.twilio_rest import TwilioCredentials
+
+    account = "AC" + "1" * 32
+    rest = TwilioCredentials.from_env({"TWILIO_ACCOUNT_SID": account + "\n", "TWILIO_AUTH_TOKEN": "t" * 32 + "\n"})
+    assert rest is not None and (rest.account_sid, rest.username, rest.password) == (account, account, "t" * 32)
     # A short key (a local server's "x") is scrubbed from log text only where it stands alone.
     client = LlmClient(LlmConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key="k"))
     assert client._scrub("no first token within 10s (key k)") == "no first token within 10s (key ***)"

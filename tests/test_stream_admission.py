@@ -118,7 +118,7 @@ async def test_a_replayed_webhook_of_a_call_answered_busy_gets_no_token_once_sea
         assert record is not None and (record.state, record.end_reason) == ("ended", "busy")
 
 
-async def _send_until_closed(ws: aiohttp.ClientWebSocketResponse, messages: list[str]) -> int:
+async def _send_until_closed(ws: aiohttp.ClientWebSocketResponse, messages: list[str] | list[bytes]) -> int:
     """Sends until the server closes the socket; returns how many went out."""
     async def until_closed() -> None:  # a started stream also gets the bot's audio: read past it
         while (await ws.receive()).type not in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING,
@@ -131,7 +131,7 @@ async def _send_until_closed(ws: aiohttp.ClientWebSocketResponse, messages: list
         for i, message in enumerate(messages):
             if closing.done() or ws.closed:
                 break
-            await ws.send_str(message)
+            await (ws.send_bytes(message) if isinstance(message, bytes) else ws.send_str(message))
             sent += 1
             if i % 10 == 0:  # a remote attacker does not run on our event loop: let the server read
                 await asyncio.sleep(0.001)
@@ -214,6 +214,15 @@ async def test_media_floods_end_their_stream_and_the_call_beside_it_goes_on(
         assert sent < 1200 and ws.close_code == aiohttp.WSCloseCode.POLICY_VIOLATION
         await _flood_ended_and_the_good_call_went_on(phone, good, flood_sid)
         assert metric("kame_stream_messages_dropped_total", event="invalid") - dropped["invalid"] > 900
+        # 3. Binary frames (Twilio sends none) skipped every limit: counted as invalid, a flood of them ends too.
+        binary_sid, params = await phone.answer(http)
+        ws = await phone.open_stream(http, binary_sid)
+        await ws.send_str(tm.start_msg("MZbin", binary_sid, "AC1", params))
+        sent = await _send_until_closed(ws, [b"\x00" * 160] * 3000)
+        assert sent < 1200 and ws.close_code == aiohttp.WSCloseCode.POLICY_VIOLATION
+        await phone.settled()
+        binary = await phone.store.get(binary_sid)
+        assert binary is not None and binary.end_reason == "flooding"
         # Past real time, or past the message count (100 a second) first: a drop either way.
         media = [metric("kame_stream_messages_dropped_total", event=k) - dropped[k] for k in ("media", "media_msgs")]
         assert sum(media) > 900, media

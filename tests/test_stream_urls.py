@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -22,7 +25,7 @@ from telephony.twiml import parse_connect_stream
 
 from .phone_fixtures import Phone, metric, new_call_sid, running_phone
 from .polling import until
-from .redis_support import REDIS_URL
+from .redis_support import REDIS_URL, SlowProxy
 
 
 def _refused(reason: str) -> float:
@@ -220,3 +223,53 @@ async def test_the_fixed_url_is_taken_only_while_an_older_node_heartbeats(
                 assert time.monotonic() - started < 2
         finally:
             await cluster.aclose()
+
+
+async def test_a_start_read_in_time_is_not_closed_while_its_claim_waits_on_a_slow_redis(
+    tiny_checkpoint: Path, prefix: str
+) -> None:
+    """The start timeout ran until the start's claim returned: a start read in time, whose claim took two slow
+    Redis round trips, was closed as no_start after its token was spent and its seat opened (review, session 26).
+    It counts to the start being read."""
+    proxy = SlowProxy(urlsplit(REDIS_URL).port or 6379, 0.7)  # each Redis reply 0.7 s late: a claim takes 1.4 s
+    await proxy.start()
+    async with running_phone(tiny_checkpoint, start_timeout_s=1.0) as phone, aiohttp.ClientSession() as http:
+        client = aioredis.Redis.from_url(proxy.url, decode_responses=True, socket_timeout=1.0,
+                                         socket_connect_timeout=1.0)  # fmt: skip
+        cluster = RedisCluster(client, "slow", phone.ws_url, phone.ctx.free_slots, key_prefix=prefix,
+                               heartbeat_s=5.0, node_ttl_s=15.0)  # fmt: skip
+        phone.ctx.cluster = cluster
+        await cluster.start()
+        try:
+            no_start = metric("kame_calls_total", outcome="no_start", agent="default")
+            call_sid, params = await phone.answer(http)
+            ws = await phone.open_stream(http, call_sid)
+            await asyncio.sleep(0.5)
+            await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))  # in time; claimed 1.9 s in
+            await _streaming(ws, "MZ1")
+            await _hang_up(phone, ws, "MZ1", call_sid)
+            record = await phone.store.get(call_sid)
+            assert record is not None and record.end_reason == "completed", record
+            assert metric("kame_calls_total", outcome="no_start", agent="default") == no_start
+        finally:
+            await cluster.aclose()
+            await proxy.aclose()
+
+
+async def test_the_peers_text_never_makes_a_log_line_of_its_own(
+    tiny_checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stream's holder put a newline and a made-up log line in an unknown event's name, or in the start's
+    tracks: the parser's message quoted it, and the plain log format wrote it as a line of its own."""
+    caplog.set_level(logging.INFO)
+    forged = "\n2026-11-27 11:00:00,000 WARNING telephony.server [CA0] admin login from 10.0.0.1"
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
+        call_sid, params = await phone.answer(http)
+        ws = await phone.open_stream(http, call_sid)
+        await ws.send_str(json.dumps({"event": "x" + forged}))
+        await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params, tracks=("inbound" + forged,)))
+        await _streaming(ws, "MZ1")
+        await _hang_up(phone, ws, "MZ1", call_sid)
+    lines = [record.getMessage() for record in caplog.records]
+    assert any("protocol error" in line for line in lines) and any("started (tracks" in line for line in lines)
+    assert not any("\n" in line for line in lines if "admin login" in line), [x for x in lines if "admin" in x]
