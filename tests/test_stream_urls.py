@@ -124,9 +124,10 @@ async def _older_node(raw: aioredis.Redis, prefix: str, node_id: str, url: str, 
     """A node heartbeating as the version before per-call URLs did: its hash has no `percall` (or, the node
     id rolled back to that version, a `percall` its beats no longer move)."""
     key = f"{prefix}node:{node_id}"
+    stop = asyncio.Event()
 
     async def beats() -> None:
-        while True:
+        while not stop.is_set():
             sec, usec = await raw.time()
             now = sec * 1000 + usec // 1000
             fields = {"url": url, "free": 5, "draining": 0, "ts": now}
@@ -135,22 +136,25 @@ async def _older_node(raw: aioredis.Redis, prefix: str, node_id: str, url: str, 
             await raw.hset(key, mapping=fields)
             await raw.pexpire(key, 600)
             await raw.zadd(f"{prefix}nodes", {node_id: now})
-            await asyncio.sleep(0.1)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.1):
+                    await stop.wait()
 
     task = asyncio.create_task(beats())
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        # Stopped by a flag, never cancelled: a command cancelled mid-flight leaves its Redis connection out of
+        # step, and the next one on it waited for good (a 300 s timeout in a full run).
+        stop.set()
+        await task
         await raw.delete(key)
         await raw.zrem(f"{prefix}nodes", node_id)
 
 
 @pytest.fixture
 async def raw() -> AsyncIterator[aioredis.Redis]:
-    r = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    r = aioredis.Redis.from_url(REDIS_URL, decode_responses=True, socket_timeout=5.0)
     yield r
     await r.aclose()
 
