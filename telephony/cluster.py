@@ -364,6 +364,15 @@ return take_seat(KEYS[2], KEYS[3], KEYS[4], ARGV[1], tonumber(ARGV[5]), now)
 
 # KEYS 1 resv:<sid>, 2 node resv zset, 3 node held zset. ARGV 1 call sid, 2 node id, 3 ms to remember the
 # CallSid as used up.
+# KEYS 1 resv:<sid>. Returns 1 if the reservation waits for its stream (reserved, not expired on Redis's clock),
+# else 0: one round trip, the expiry read as the other scripts read it.
+_AWAITS_LUA = _NOW_MS_LUA + """
+local held = redis.call('HMGET', KEYS[1], 'state', 'until')
+if held[1] ~= 'reserved' then return 0 end
+if held[2] and tonumber(held[2]) <= now then return 0 end
+return 1
+"""
+
 _RELEASE_LUA = """
 if redis.call('HGET', KEYS[1], 'node') == ARGV[2] then
   redis.call('HSET', KEYS[1], 'state', 'ended')  -- kept, token and all, so a replayed webhook is known
@@ -419,6 +428,7 @@ class RedisCluster:
         self._takeover_script = client.register_script(_TAKEOVER_LUA)
         self._restore_script = client.register_script(_RESTORE_LUA)
         self._release_script = client.register_script(_RELEASE_LUA)
+        self._awaits_script = client.register_script(_AWAITS_LUA)
         # Reservations made while Redis was failing, on this node only (counted in the published `free`).
         self._fallback = Admission(reservation_ttl_s)
         # Tokens of Redis reservations on this node, so a stream can still be claimed if Redis fails (or
@@ -757,14 +767,12 @@ class RedisCluster:
         if self._failing:
             return None
         try:
-            state, until = await self._redis.hmget(self._resv_key(call_sid), ["state", "until"])
-            now_s, now_us = await self._redis.time() if state == "reserved" and until else (0, 0)
+            # No binding: never reserved, or forgotten (its 12 h kept, Redis restarted empty); a claim would find
+            # no reservation to take either.
+            return bool(int(await self._awaits_script(keys=[self._resv_key(call_sid)])))
         except _REDIS_FAILURES as exc:
             self._failed("awaits_stream", exc)
             return None
-        # No binding: never reserved, or forgotten (its 12 h kept, Redis restarted empty); a claim would find no
-        # reservation to take either. Its expiry on Redis's clock, as the scripts read it.
-        return state == "reserved" and (not until or int(until) > now_s * 1000 + now_us // 1000)
 
     async def streamed(self, call_sid: str) -> bool | None:
         if self._mine.streamed(call_sid) or self._fallback.streamed(call_sid):
