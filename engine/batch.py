@@ -21,6 +21,7 @@ from moshi.utils import compile as moshi_compile
 
 from .interface import FRAME_SAMPLES
 from .kv_cache import kv_cache_bytes, set_kv_dtype
+from .memory_check import check_slots_fit, device_memory
 from .mimi_graphs import graph_quantizer
 from .model import KameLM, KameStreamingState
 from .sampling import SamplingConfig
@@ -94,6 +95,12 @@ class KameBatch:
             context=lm.transformer.layers[0].self_attn.context,
         )
         log.info("model memory: %s", self.memory.describe())
+        # Before streaming makes the caches: a node sized past its device is refused in one line, not
+        # failed minutes later in an allocation deep inside moshi.
+        free = device_memory(self.device)
+        if free is not None:
+            check_slots_fit(free, kv_cache_bytes=self.memory.kv_cache_bytes, slots=batch_size, kv_dtype=kv_dtype,
+                            context=self.memory.context)
         # Entered for the life of this object; `close()` leaves streaming so the modules can be reused. A
         # construction that fails half way leaves it too: the next batch on these modules must find them
         # out of streaming, with no graphs of this one's size (the quantizer's) left on them.

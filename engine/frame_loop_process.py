@@ -31,6 +31,7 @@ import numpy as np
 
 from . import metrics
 from .batch import ModelMemory
+from .checkpoint import CheckpointError
 from .child_logging import LogSetup
 from .frame_loop import (
     FrameLoop,
@@ -44,10 +45,13 @@ from .frame_loop import (
     publish_memory,
 )
 from .interface import FRAME_SAMPLES, EngineClosed, EngineError, EngineFull
+from .memory_check import NotEnoughMemory
 from .oracle_buffer import OracleBuffer
 from .pipe_sender import ParentSender, PipeSender, commands
 from .sampling import SamplingConfig, SamplingOverrides
 
+# What the child reports as an operator's error, by name, raised again here as itself.
+_REFUSALS: dict[str, type[Exception]] = {"CheckpointError": CheckpointError, "NotEnoughMemory": NotEnoughMemory}
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # loading a 7B checkpoint from a cold disk takes minutes
@@ -131,10 +135,9 @@ class FrameLoopProcess:
         self._conn = ours
         timeout = START_TIMEOUT_S + (COMPILE_TIMEOUT_S if self.spec.compile_mode != "off" else 0.0)
         kind, rest = self._await_start(ours, timeout)
-        if kind == "failed" and rest[1]:  # a bad checkpoint: the same one clear line as in process
-            from .checkpoint import CheckpointError
-
-            raise CheckpointError(rest[0].removeprefix("CheckpointError: "))
+        if kind == "failed" and rest[1]:  # an operator's error: the same one clear line as in process
+            name, _, message = rest[0].partition(": ")
+            raise _REFUSALS[name](message)
         if kind != "ready":
             raise EngineError(f"the engine process failed to start: {rest[0] if rest else kind}")
         self.sampling, self.memory = rest
@@ -387,7 +390,9 @@ def _child_main(
         loop.tick_signal = tick_signal
         loop.start(warmup_ticks)
     except Exception as e:
-        send(("failed", f"{type(e).__name__}: {e}", type(e).__name__ == "CheckpointError"))
+        # An operator's error (a bad checkpoint, a node sized past its GPU) is raised again in the parent as
+        # itself: one clear line there, no traceback.
+        send(("failed", f"{type(e).__name__}: {e}", type(e).__name__ in _REFUSALS))
         send.close()
         return
     # This process's heap is mostly torch and the model; a full collection over it stalls every call's tick.

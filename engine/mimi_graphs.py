@@ -34,9 +34,10 @@ def quantizer_is_graphed(mimi: MimiModel) -> bool:
     return all(isinstance(vars(mimi.quantizer).get(name), CUDAGraphed) for name in _METHODS)
 
 
-def quantizer_graphs_captured(mimi: MimiModel) -> bool:
-    """Graphed, and both graphs captured (so replayed since): False on CPU or with NO_CUDA_GRAPH=1."""
-    return quantizer_is_graphed(mimi) and all(vars(mimi.quantizer)[name]._graph is not None for name in _METHODS)
+def quantizer_graphs_captured(mimi: MimiModel, methods: tuple[str, ...] = _METHODS) -> bool:
+    """Graphed, and the graphs of `methods` captured (so replayed since): False on CPU or with
+    NO_CUDA_GRAPH=1. An STT only encodes: its decode graph is never captured, so it asks for ("encode",)."""
+    return quantizer_is_graphed(mimi) and all(vars(mimi.quantizer)[name]._graph is not None for name in methods)
 
 
 def graph_quantizer(mimi: MimiModel) -> ExitStack:

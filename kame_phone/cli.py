@@ -495,8 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # one clear line for expected failures (bad checkpoint, missing tool)
         from engine.checkpoint import CheckpointError
         from engine.link_wire import LinkRefused
+        from engine.memory_check import NotEnoughMemory
 
-        if isinstance(e, (CheckpointError, LinkRefused)):  # a wrong token or protocol version: retry won't help
+        # A bad checkpoint, a wrong token or protocol version, a node sized past its GPU: a retry won't help.
+        if isinstance(e, (CheckpointError, LinkRefused, NotEnoughMemory)):
             print(f"kame-phone: {e}", file=sys.stderr)
             return 2
         if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:  # another process holds the port

@@ -151,7 +151,7 @@ def _variant(engine: KyutaiSttEngine, quantizer: str, feed: Callable[[], None], 
     for duty in BUSY_DUTIES:
         with _busy_thread(duty):
             busy[f"{duty:.0%}"] = _measure(engine, feed, ticks, 2)
-    return Variant(quantizer, quantizer_graphs_captured(engine.mimi), launches,
+    return Variant(quantizer, quantizer_graphs_captured(engine.mimi, ("encode",)), launches,
                    round(statistics.median(enc), 2), round(statistics.median(lm), 2), alone, busy)
 
 
