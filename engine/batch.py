@@ -99,7 +99,8 @@ class KameBatch:
         # failed minutes later in an allocation deep inside moshi.
         free = device_memory(self.device)
         if free is not None:
-            check_slots_fit(free, kv_cache_bytes=self.memory.kv_cache_bytes, slots=batch_size, kv_dtype=kv_dtype,
+            check_slots_fit(free, kv_cache_bytes=self.memory.kv_cache_bytes, slots=batch_size,
+                            width=lm.transformer.layers[0].self_attn.embed_dim, kv_dtype=kv_dtype,
                             context=self.memory.context)
         # Entered for the life of this object; `close()` leaves streaming so the modules can be reused. A
         # construction that fails half way leaves it too: the next batch on these modules must find them

@@ -28,6 +28,7 @@ from .batch import KameBatch
 from .checkpoint import load_random
 from .heap import served_heap
 from .interface import FRAME_SAMPLES, FRAME_SECONDS
+from .memory_check import NotEnoughMemory
 from .model import KameLM
 from .sampling import SamplingConfig
 from .tick_profile import SLOW_FACTOR, profile_ticks, slow_ticks
@@ -138,9 +139,10 @@ def _timing_phases(kb: KameBatch, clock: _PhaseClock) -> Iterator[None]:
 
 
 def is_out_of_memory(e: BaseException) -> bool:
-    """CUDA out of memory, however it surfaces: `torch.OutOfMemoryError` from the caching allocator, or a
-    plain RuntimeError from a CUDA graph's capture, cuBLAS's workspace or a kernel launch."""
-    if isinstance(e, torch.OutOfMemoryError):
+    """Out of memory, however it surfaces: the engine's own check before the caches are made, CUDA's
+    `torch.OutOfMemoryError` from the caching allocator, or a plain RuntimeError from a CUDA graph's capture,
+    cuBLAS's workspace or a kernel launch."""
+    if isinstance(e, (torch.OutOfMemoryError, NotEnoughMemory)):  # NotEnoughMemory: refused before allocating
         return True
     text = str(e)
     return isinstance(e, RuntimeError) and any(s in text for s in (
@@ -385,7 +387,7 @@ def run_engine_bench(
             r = bench_batch(lm, mimi, b, ticks, warmup, kv_dtype, compile_mode, phases,
                             log if compile_mode != "off" else None, Path(profile_dir) if profile_dir else None,
                             paced)
-        except (torch.OutOfMemoryError, RuntimeError) as e:
+        except (torch.OutOfMemoryError, NotEnoughMemory, RuntimeError) as e:
             if not is_out_of_memory(e):
                 raise
             log(f"{b:>5} out of GPU memory ({type(e).__name__}: {str(e).splitlines()[0][:120]})")

@@ -7,8 +7,9 @@ free, what else holds the device, and how many slots would fit.
 
 The reserve beside the caches is measured, not derived: a full-size tick's peak GPU memory over weights
 and KV was ~0.5 GB at batch 1 and ~1.8 GB at 64 (docs/benchmarks.md, section 1: activations, CUDA graphs'
-pools, cuBLAS workspaces), so 0.5 GB and 25 MB a slot. On CPU the same check reads the host's available
-memory: a tiny model asked for a huge context would otherwise swap the box to a halt.
+pools, cuBLAS workspaces), so 0.5 GB and 25 MB a slot at the 7B's width (scaled by the model's). On CPU the
+same check reads the host's available memory: a tiny model asked for a huge context would otherwise swap
+the box to a halt.
 """
 
 from __future__ import annotations
@@ -63,21 +64,27 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def needed_bytes(kv_cache_bytes: int, slots: int) -> int:
-    return kv_cache_bytes + RESERVE_BYTES + RESERVE_BYTES_PER_SLOT * slots
+def reserve_bytes(device: str, slots: int, width: int) -> int:
+    """Beside the caches: the tick's activations grow with the slots and the model's width (measured at
+    4096, the 7B's), and a GPU also keeps cuBLAS workspaces and graph pools."""
+    base = RESERVE_BYTES if device.startswith("cuda") else 0
+    return base + RESERVE_BYTES_PER_SLOT * width // 4096 * slots
 
 
-def slots_that_fit(free_bytes: int, kv_bytes_per_slot: int) -> int:
-    room = free_bytes - RESERVE_BYTES
-    return max(0, room // (kv_bytes_per_slot + RESERVE_BYTES_PER_SLOT)) if room > 0 else 0
+def slots_that_fit(memory: DeviceMemory, kv_bytes_per_slot: int, width: int) -> int:
+    room = memory.free_bytes - reserve_bytes(memory.device, 0, width)
+    per_slot = kv_bytes_per_slot + reserve_bytes(memory.device, 1, width) - reserve_bytes(memory.device, 0, width)
+    return max(0, room // max(per_slot, 1))
 
 
-def check_slots_fit(memory: DeviceMemory, *, kv_cache_bytes: int, slots: int, kv_dtype: str, context: int) -> None:
+def check_slots_fit(memory: DeviceMemory, *, kv_cache_bytes: int, slots: int, width: int, kv_dtype: str,
+                    context: int) -> None:
     """Raises NotEnoughMemory, saying how many slots would fit, when `slots` caches and the reserve do not."""
-    need = needed_bytes(kv_cache_bytes, slots)
+    reserve = reserve_bytes(memory.device, slots, width)
+    need = kv_cache_bytes + reserve
     if need <= memory.free_bytes:
         return
-    fit = slots_that_fit(memory.free_bytes, kv_cache_bytes // max(slots, 1))
+    fit = slots_that_fit(memory, kv_cache_bytes // max(slots, 1), width)
     others = memory.total_bytes - memory.free_bytes - memory.ours_bytes
     held = (f"; other processes hold {others / 1e9:.1f} GB of it (an STT on the same GPU?)"
             if memory.device != "cpu" and others > 1e9 else "")
@@ -85,6 +92,6 @@ def check_slots_fit(memory: DeviceMemory, *, kv_cache_bytes: int, slots: int, kv
         "a shorter --context"]
     raise NotEnoughMemory(
         f"{slots} slots at context {context} frames need {kv_cache_bytes / 1e9:.1f} GB of KV cache ({kv_dtype}) "
-        f"and ~{(need - kv_cache_bytes) / 1e9:.1f} GB for the tick, {need / 1e9:.1f} GB in all; {memory.device} "
+        f"and ~{reserve / 1e9:.1f} GB for the tick, {need / 1e9:.1f} GB in all; {memory.device} "
         f"has {memory.free_bytes / 1e9:.1f} GB free of {memory.total_bytes / 1e9:.1f} GB after the weights{held}. "
         f"{fit} slots would fit: {', or '.join(hints)}")

@@ -16,7 +16,7 @@ from engine.memory_check import (
     NotEnoughMemory,
     check_slots_fit,
     device_memory,
-    needed_bytes,
+    reserve_bytes,
     slots_that_fit,
 )
 
@@ -32,18 +32,21 @@ def test_the_h100_that_ran_out_is_refused_and_told_how_many_slots_fit() -> None:
     h100 = DeviceMemory("cuda:0", free_bytes=52_000_000_000, total_bytes=85_520_000_000, ours_bytes=16_100_000_000)
     kv = 51_904_000_000
     with pytest.raises(NotEnoughMemory) as refused:
-        check_slots_fit(h100, kv_cache_bytes=kv, slots=64, kv_dtype="int8", context=3000)
+        check_slots_fit(h100, kv_cache_bytes=kv, slots=64, width=4096, kv_dtype="int8", context=3000)
     message = str(refused.value)
-    fit = slots_that_fit(h100.free_bytes, kv // 64)
+    fit = slots_that_fit(h100, kv // 64, width=4096)
     assert 0 < fit < 64
-    # The number it names really fits, and one more would not.
-    assert needed_bytes(kv // 64 * fit, fit) <= h100.free_bytes < needed_bytes(kv // 64 * (fit + 1), fit + 1)
+
+    def need(slots: int) -> int:
+        return kv // 64 * slots + reserve_bytes("cuda:0", slots, 4096)
+
+    assert need(fit) <= h100.free_bytes < need(fit + 1)  # the number it names really fits, and one more not
     assert message.startswith("64 slots at context 3000 frames need 51.9 GB of KV cache (int8)")
     assert f"{fit} slots would fit" in message and "other processes hold 17.4 GB" in message
     assert "--kv-dtype int8" not in message  # already int8: not offered again
     # What session 11 ran on the same card with nothing beside it (72 int8 slots, peak 75.9 GB) still passes.
     alone = DeviceMemory("cuda:0", free_bytes=69_400_000_000, total_bytes=85_520_000_000, ours_bytes=16_100_000_000)
-    check_slots_fit(alone, kv_cache_bytes=58_400_000_000, slots=72, kv_dtype="int8", context=3000)
+    check_slots_fit(alone, kv_cache_bytes=58_400_000_000, slots=72, width=4096, kv_dtype="int8", context=3000)
 
 
 def test_the_host_memory_is_read_on_cpu() -> None:
@@ -51,6 +54,17 @@ def test_the_host_memory_is_read_on_cpu() -> None:
 
     host = device_memory(torch.device("cpu"))
     assert host is not None and 0 < host.free_bytes <= host.total_bytes
+
+
+def test_the_engine_bench_records_a_refused_batch_as_out_of_memory_and_goes_on() -> None:
+    """A batch the check refuses is that batch out of memory: recorded, larger ones skipped, the rest run."""
+    from engine.bench import run_engine_bench
+
+    lines: list[str] = []
+    report = run_engine_bench("tiny", [1, 10**6, 2 * 10**6], "cpu", ticks=3, warmup=1, log=lines.append)
+    assert [r.batch for r in report.results] == [1] and report.out_of_memory == [10**6, 2 * 10**6]
+    assert any(line.startswith("1000000 out of GPU memory (NotEnoughMemory: 1000000 slots at context 64 frames")
+               for line in lines), lines
 
 
 @pytest.mark.parametrize("engine_process", ["--engine-process", "--no-engine-process"])
