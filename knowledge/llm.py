@@ -214,6 +214,7 @@ class EmptyReplyError(Exception):
 # every call's memory at link speed (400 MB in 10 s).
 MAX_STREAM_LINE_BYTES = 256 * 1024
 MIN_WHOLE_WORD_KEY_CHARS = 8  # an API key shorter than this is scrubbed from logs only where it stands alone
+KEY_HEAD_CHARS = 12  # a long key's first characters, anywhere, are scrubbed with whatever key characters follow
 
 
 class StreamTooLarge(ValueError):
@@ -270,7 +271,7 @@ async def _sse_data(lines: AsyncIterator[str], cap: int = MAX_STREAM_LINE_BYTES)
 def _event_data(event: str, data: list[str]) -> str:
     joined = "\n".join(data)
     if event == "error":
-        raise LlmStreamError(joined[:200])
+        raise LlmStreamError(joined)  # whole: cut only once the key is scrubbed (`_fail`), never across it
     return joined
 
 
@@ -299,7 +300,7 @@ def _delta(chunk: Any) -> dict[str, Any]:
     if not isinstance(chunk, dict):
         raise TypeError(f"a stream chunk is {type(chunk).__name__}, not an object")
     if "error" in chunk:
-        raise LlmStreamError(str(chunk["error"])[:200])
+        raise LlmStreamError(str(chunk["error"]))  # bounded by the line cap; cut after scrubbing (`_fail`)
     choices = chunk.get("choices")
     if not choices:  # e.g. a trailing usage chunk
         return {}
@@ -579,9 +580,13 @@ class LlmClient:
         raise LlmError(kind, message, wait) from None
 
     def _scrub(self, message: str) -> str:
+        """The API key out of a server's text (some echo the request's headers), then cut to 500: in that
+        order, or a cut across the key would leave its first part."""
         key = self.config.api_key
         if len(key) >= MIN_WHOLE_WORD_KEY_CHARS:
             message = message.replace(key, "***")
+            if len(key) >= 2 * KEY_HEAD_CHARS:  # and a key the server itself cut short: its head and what follows
+                message = re.sub(re.escape(key[:KEY_HEAD_CHARS]) + r"[\w.~+/=-]*", "***", message)
         elif key:  # a short key (a local server's "x") only where it stands alone: not inside every word
             message = re.sub(rf"(?<![\w-]){re.escape(key)}(?![\w-])", "***", message)
         return message[:500]

@@ -167,7 +167,12 @@ class FakeLlm:
                     request.transport.close()  # mid-body: no terminating chunk
                     return resp
                 if i == 3 and mode == "error_event":
-                    await resp.write(b'data: {"error": {"message": "overloaded"}}\n\n')
+                    # Echoing the request's credentials, as some gateways do, with the key across the first 200
+                    # characters of the error's text (the client once cut there before scrubbing the key).
+                    echo = f"overloaded; request headers: Authorization: {request.headers.get('Authorization', '')}"
+                    pad = max(0, 185 - len("{'message': '") - echo.index("Bearer ") - len("Bearer "))
+                    error = {"error": {"message": "x" * pad + echo}}
+                    await resp.write(f"data: {json.dumps(error)}\n\n".encode())
                 if i == 3 and mode == "split_pair":  # an emoji's UTF-16 pair across two chunks, as JSON allows
                     for half in (" \ud83d", "\ude00"):
                         piece = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0,

@@ -533,6 +533,7 @@ async def test_stream_draft_classifies_failures(
     assert llm_requests() == requests_before + 1  # a failed request is a request: errors / requests
     assert "call-xyz" in caplog.text and kind in caplog.text
     assert API_KEY not in caplog.text and API_KEY not in str(err.value)
+    assert API_KEY[:12] not in caplog.text and API_KEY[:12] not in str(err.value)  # nor its first part
     if mode in ("malformed", "broken"):
         assert got and got[-1] == "Sure, about hello,"  # what came before the break was delivered
 
