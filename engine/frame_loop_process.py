@@ -134,12 +134,16 @@ class FrameLoopProcess:
         theirs.close()
         self._conn = ours
         timeout = START_TIMEOUT_S + (COMPILE_TIMEOUT_S if self.spec.compile_mode != "off" else 0.0)
-        kind, rest = self._await_start(ours, timeout)
-        if kind == "failed" and rest[1]:  # an operator's error: the same one clear line as in process
-            name, _, message = rest[0].partition(": ")
-            raise _REFUSALS[name](message)
-        if kind != "ready":
-            raise EngineError(f"the engine process failed to start: {rest[0] if rest else kind}")
+        try:
+            kind, rest = self._await_start(ours, timeout)
+            if kind == "failed" and rest[1]:  # an operator's error: the same one clear line as in process
+                name, _, message = rest[0].partition(": ")
+                raise _REFUSALS[name](message)
+            if kind != "ready":
+                raise EngineError(f"the engine process failed to start: {rest[0] if rest else kind}")
+        except BaseException:
+            self._forget_child()
+            raise
         self.sampling, self.memory = rest
         publish_memory(self.memory)
         # ~640 ms of every call's audio may wait for the pipe.
@@ -186,6 +190,19 @@ class FrameLoopProcess:
                 what = "fetch its checkpoint" if fetching else "come up"
                 raise EngineError("the engine process was stopped while starting" if aborted
                                   else f"the engine process did not {what} in {limit:.0f}s")  # fmt: skip
+
+    def _forget_child(self) -> None:
+        """After a failed start: the child waited for (a CUDA out-of-memory child may still be letting go of its
+        memory, which a next start beside it would need) and forgotten, its pipe closed; `start` may run again."""
+        process, conn = self._process, self._conn
+        self._process = self._conn = None
+        if process is not None:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if conn is not None:
+            conn.close()
 
     def abort_start(self) -> None:
         """From any thread: a `start` still waiting for the child kills it and raises EngineError."""

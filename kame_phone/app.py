@@ -164,7 +164,7 @@ def backend_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def backend_from_args(args: argparse.Namespace) -> BackendServices | None:
+def backend_from_args(args: argparse.Namespace, *, start_stt: bool = True) -> BackendServices | None:
     if args.stt == "none" and args.llm == "none":
         return None
     overrides: dict[str, object] = {"stt": args.stt, "llm_enabled": args.llm != "none", "stt_rows": args.max_calls,
@@ -172,18 +172,36 @@ def backend_from_args(args: argparse.Namespace) -> BackendServices | None:
     if args.llm_model:
         overrides["llm_model"] = args.llm_model
     overrides["llm_idle_timeout_s"] = args.llm_idle_timeout
-    return BackendServices(BackendConfig.from_env(**overrides), agents_from_args(args))
+    return BackendServices(BackendConfig.from_env(**overrides), agents_from_args(args), start_stt=start_stt)
 
 
 async def load_engine(args: argparse.Namespace) -> LocalEngine:
-    # Off the event loop: `--stt kyutai` loads a model here, and /healthz must keep answering meanwhile.
-    backend = await asyncio.to_thread(backend_from_args, args)
-    if backend is not None:
-        # Build STT decoders before the first call instead of during it (~0.4 s each, GIL held).
-        await backend.warm_up(min(args.max_calls, 8))
-    engine = await LocalEngine.load(engine_config_from_args(args), backend)
-    await engine.start()
+    # Off the event loop: `--stt kyutai` loads a model, and /healthz must keep answering meanwhile.
+    backend = await asyncio.to_thread(backend_from_args, args, start_stt=False)
+    engine: LocalEngine | None = None
+    try:
+        if backend is not None:
+            await backend.start()  # the STT's process, where it has one
+            # Build STT decoders before the first call instead of during it (~0.4 s each, GIL held).
+            await backend.warm_up(min(args.max_calls, 8))
+        engine = await LocalEngine.load(engine_config_from_args(args), backend)
+        await engine.start()
+    except BaseException:
+        # A load that failed (a GPU out of memory) or was stopped (SIGTERM) leaves nothing running: the STT's
+        # process lived on until the interpreter's exit, whose SIGTERM it then reported as a crash.
+        await _give_up_load(engine, backend)
+        raise
     return engine
+
+
+async def _give_up_load(engine: LocalEngine | None, backend: BackendServices | None) -> None:
+    try:
+        if engine is not None:
+            await engine.stop()  # its frame loop, if it came up, and the back-end it was given
+        elif backend is not None:
+            await backend.aclose()
+    except Exception:  # the load's own error is the one to report
+        log.exception("stopping what a failed load had started")
 
 
 async def connect_engine(args: argparse.Namespace) -> RemoteEngine:

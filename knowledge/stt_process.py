@@ -62,6 +62,7 @@ ANSWER_TIMEOUT_S = 5.0  # open and flush: the child answers between two steps
 RESTART_BACKOFF_S = (1.0, 30.0)  # first wait, longest wait
 SHORT_LIFE_S = 60.0  # a child dead within this of its start backs the next restart off, as a failed start does
 STEP_FAILURES_TO_EXIT = 3  # steps failing in a row: the child exits, to be started afresh
+CLOSE_SPAWN_WAIT_S = 15.0  # a start under way at a close: it gives up within a poll and a kill
 STALL_S = 10.0  # calls' audio sent with no step since: the child is wedged, and is killed
 STEPS_FAILED_EXIT = 70  # the child's exit code when its steps keep failing
 
@@ -127,6 +128,10 @@ class SttProcess:
         self._counted = (0, 0)  # the child's (dropped frames, catch-up steps) already in this process's metrics
         self._counted_generation = 0
         self._closed = threading.Event()
+        # (Re)starts under way (a caller's `start`, the restart thread's): `close` waits for them to give up
+        # before it closes the tick signal a spawn is still handing its child.
+        self._spawning = 0
+        self._spawned = threading.Condition(self._lock)
         self.restarts = 0
         self.recent_steps: deque[tuple[float, float]] = deque(maxlen=4096)  # the child's (began, seconds)
 
@@ -139,6 +144,18 @@ class SttProcess:
         self._spawn()
 
     def _spawn(self) -> None:
+        with self._lock:
+            if self._closed.is_set():
+                raise RuntimeError("the Kyutai STT process is closed")
+            self._spawning += 1
+        try:
+            self._spawn_child()
+        finally:
+            with self._lock:
+                self._spawning -= 1
+                self._spawned.notify_all()
+
+    def _spawn_child(self) -> None:
         ours, theirs = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(target=_child_main, name="kame-stt", daemon=True,
                                     args=(theirs, self.spec, self.tick_signal, LogSetup.of_this_process()))
@@ -212,6 +229,11 @@ class SttProcess:
     def close(self) -> None:
         self._closed.set()
         with self._lock:
+            # A (re)start waiting for its child sees `_closed` within a poll, kills it and gives up: waited for,
+            # so that nothing outlives the close and the tick signal is not closed under a spawn.
+            if not self._spawned.wait_for(lambda: self._spawning == 0, timeout=CLOSE_SPAWN_WAIT_S):
+                log.error("the Kyutai STT process: a start did not give up within %.0f s of the close",
+                          CLOSE_SPAWN_WAIT_S)  # fmt: skip
             link, self._link = self._link, None
             for request in self._requests.values():
                 request.set_exception(RuntimeError("the Kyutai STT process is closing"))
@@ -392,6 +414,8 @@ class SttProcess:
             try:
                 self._spawn()
             except Exception as e:
+                if self._closed.is_set():  # closed meanwhile: the start gave up, as it should
+                    return
                 log.error("the Kyutai STT process did not start again (%s); next try in %.0f s", e, wait)
                 continue
             self.restarts += 1

@@ -528,3 +528,17 @@ async def test_a_restart_in_a_tick_the_consumer_missed_is_marked_on_its_next(
         assert marks == [True, False]  # its first frame was dropped: the next one delivered says so, once
     finally:
         await engine.stop()
+
+
+def test_a_failed_start_leaves_no_child_and_can_be_tried_again(tmp_path: Path) -> None:
+    """A start that failed (a bad checkpoint here; a GPU out of memory on the H100) waited for its child and
+    forgot it: a second start tried again (it returned at once, doing nothing, with the child's pipe open)."""
+    from engine.checkpoint import CheckpointError
+
+    loop = FrameLoopProcess(ChildSpec(str(tmp_path), "cpu", 1, None, SamplingOverrides(), 0.0, 4))
+    for _ in range(2):
+        with pytest.raises(CheckpointError, match="not a KAME checkpoint"):
+            loop.start(warmup_ticks=1)
+        assert loop._process is None and loop._conn is None
+        assert not [p for p in multiprocessing.active_children() if p.name == "kame-engine"]
+    loop.stop()  # after failed starts: nothing to stop, no error

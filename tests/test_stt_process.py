@@ -381,3 +381,69 @@ async def test_a_live_call_rides_out_its_stt_process_dying(
     said_down = [r for r in caplog.records if sid in r.getMessage() and "STT" in r.getMessage()]
     assert [r.getMessage().split(": ")[1] for r in said_down] == [
         "STT failed, restarting it", "STT unavailable, asking again until it is back"]
+
+
+def _stt_children() -> list:  # type: ignore[type-arg]
+    import multiprocessing
+
+    return [p for p in multiprocessing.active_children() if p.name == "kame-stt"]
+
+
+def _serve_args(checkpoint: Path, monkeypatch: pytest.MonkeyPatch, stt_checkpoint: Path):  # type: ignore[no-untyped-def]
+    from kame_phone.cli import build_parser
+    from kame_phone.env_flags import resolve_env_defaults
+
+    monkeypatch.setenv("KAME_STT_CHECKPOINT", str(stt_checkpoint))
+    monkeypatch.setenv("KAME_STT_DEVICE", "cpu")
+    args = build_parser().parse_args(["serve", "--insecure-dev", "--stt", "kyutai", "--stt-process", "--llm", "none",
+                                      "--checkpoint", str(checkpoint), "--device", "cpu", "--max-calls", "1"])
+    resolve_env_defaults(args)
+    return args
+
+
+async def test_a_failed_engine_load_stops_the_stt_process_it_started(
+    stt_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The engine failing to start (a GPU out of memory; here a checkpoint that is no checkpoint) left the STT's
+    process running until the interpreter's exit, whose SIGTERM it then logged as a crash ("the Kyutai STT
+    process died ... starting it again") while serve was exiting (seen on the H100, session 27)."""
+    from kame_phone.app import load_engine
+
+    assert not _stt_children()
+    with pytest.raises(CheckpointError, match="not a KAME checkpoint"):
+        await load_engine(_serve_args(tmp_path, monkeypatch, stt_checkpoint))
+    assert not [p for p in _stt_children() if p.is_alive()]  # stopped, not left to the exit
+    assert "STT process died" not in caplog.text
+
+
+async def test_serve_stopped_while_the_stt_loads_stops_the_stt_at_once(
+    stt_checkpoint: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGTERM while the STT's model loads cancels the load: the child is stopped within a poll, not waited for
+    through its whole load (minutes for the 2.6B model) and then leaked."""
+    from kame_phone.app import load_engine
+
+    loading = asyncio.create_task(load_engine(_serve_args(tiny_checkpoint, monkeypatch, stt_checkpoint)))
+    await until(lambda: bool(_stt_children()) or loading.done(), within=30)
+    assert not loading.done()
+    child = _stt_children()[0]
+    loading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(loading, 30)
+    await until(lambda: not child.is_alive(), within=10)
+
+
+def test_a_close_during_a_restart_waits_for_it_to_give_up_quietly(
+    make_process, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """close() while the restart thread was loading a new child returned at once: the child outlived the close
+    and the restart logged an ERROR ("did not start again") during a clean shutdown."""
+    process = make_process(restart_backoff_s=(0.2, 1.0))
+    first = process.pid
+    assert first is not None
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: any(p.pid != first for p in _stt_children()), 30)  # the restart is loading a new child
+    process.close()
+    assert not [p for p in _stt_children() if p.is_alive()]
+    time.sleep(0.5)
+    assert "did not start again" not in caplog.text
