@@ -40,7 +40,7 @@ from .conversation import DEFAULT_SYSTEM_PROMPT, Conversation, ToolExchange, wor
 from .llm import LlmClient, LlmConfig, LlmError, ToolCallRequest
 from .oracle_policy import OraclePolicy, OraclePolicyConfig, TriggerReason
 from .stt import DECODER_POOL, StreamingSTT, SttResult, SttUnavailable, make_stt
-from .tools import CallTools, HttpSession, ToolResult
+from .tools import CallTools, HttpSession, ToolResult, parse_arguments
 
 if TYPE_CHECKING:
     from .stt_process import SttProcess
@@ -71,11 +71,8 @@ def _tool_key(call: ToolCallRequest) -> tuple[str, str]:
 
 def _history_arguments(arguments: str, sort_keys: bool = False) -> str:
     """Arguments as the history carries them: a JSON object's text, else "{}"."""
-    try:
-        parsed = json.loads(arguments or "{}")
-    except (ValueError, RecursionError):
-        return "{}"
-    if not isinstance(parsed, dict):
+    parsed = parse_arguments(arguments)  # None past a few dozen levels: sorting them again could overflow
+    if parsed is None:
         return "{}"
     return json.dumps(parsed, sort_keys=True) if sort_keys else (arguments or "{}")
 
@@ -132,7 +129,9 @@ class BackendConfig:
 class BackendServices:
     """What all calls of a process share: the STT factory and thread pool, and the LLM client."""
 
-    def __init__(self, config: BackendConfig, agents: AgentDirectory | None = None) -> None:
+    def __init__(self, config: BackendConfig, agents: AgentDirectory | None = None, *, start_stt: bool = True) -> None:
+        """`start_stt=False`: the STT's process is made but not started; `await start()` then starts it, and a
+        start cancelled (SIGTERM while it loads) stops the child at once (serve's load_engine)."""
         self.config = config
         self.agents = agents or AgentDirectory(Agents.builtin())
         self.stt_process: SttProcess | None = None
@@ -140,7 +139,8 @@ class BackendServices:
             from .stt_process import SttChildSpec, SttProcess
 
             self.stt_process = SttProcess(SttChildSpec.from_env(config.stt_rows))
-            self.stt_process.start()  # blocks while the child loads: serve builds this off the event loop
+            if start_stt:
+                self.stt_process.start()  # blocks while the child loads: built off the event loop
             self.stt_factory: Callable[[], StreamingSTT] = self.stt_process.open_stream
         else:
             self.stt_factory = make_stt(config.stt, rows=config.stt_rows)
@@ -218,6 +218,12 @@ class BackendServices:
     def process_tick_signal(self) -> Any:
         """The STT process's pace (a TickSignal) for the engine to set after each tick, or None."""
         return self.stt_process.tick_signal if self.stt_process is not None else None
+
+    async def start(self) -> None:
+        """Starts the STT's process (a model load: seconds to minutes) off the event loop. Cancelled, the
+        caller's `aclose` stops the child within a poll (its start gives up) instead of waiting out the load."""
+        if self.stt_process is not None:
+            await asyncio.to_thread(self.stt_process.start)
 
     async def aclose(self) -> None:
         if self.llm is not None:

@@ -37,6 +37,7 @@ GOODBYE_LINE = "Thank you for calling. Goodbye!"
 HTTP_TIMEOUT_S = 5.0  # the caller hears the front-end meanwhile, but an answer late by more is stale
 MAX_ANSWER_BYTES = 16_384  # a tool's answer goes into every later prompt of the call
 MAX_RESULT_CHARS = 4_000  # what of it the LLM sees
+MAX_ARGUMENT_DEPTH = 32  # a tool's arguments are a few fields: deeper is a broken or hostile model
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 _BUILTIN: dict[str, tuple[CallAction, str, str]] = {
@@ -80,8 +81,14 @@ class CallTools:
         return specs + [_spec(t.name, t.description, t.parameters) for t in self._http_tools.values()]
 
     async def run(self, call: ToolCallRequest, *, call_id: str) -> ToolResult:
-        """Run one tool call; counted and logged (the tool's name, never its URL or its arguments)."""
-        result = await self._run(call)
+        """Run one tool call; counted and logged (the tool's name, never its URL or its arguments). Never
+        raises (but CancelledError): a tool's failure is a result the LLM is told, not the end of the call's
+        tools."""
+        try:
+            result = await self._run(call)
+        except Exception:
+            log.exception("call %s: tool %s failed unexpectedly", call_id, self.name_for(call.name))
+            result = ToolResult(self.name_for(call.name), call.arguments, "error", "error: the tool failed")
         metrics.TOOL_CALLS.labels(tool=result.name, outcome=result.outcome).inc()
         level = logging.INFO if result.outcome in ("ok", "requested") else logging.WARNING
         log.log(level, "call %s: tool %s: %s", call_id, result.name, result.outcome)
@@ -95,18 +102,37 @@ class CallTools:
         name = self.name_for(call.name)
         if name == "unknown":
             return ToolResult(name, call.arguments, "unknown_tool", f"error: there is no tool named {call.name!r}")
-        try:
-            arguments = json.loads(call.arguments or "{}")
-        except (ValueError, RecursionError):  # RecursionError: ~1000 nested brackets
-            arguments = None
-        if not isinstance(arguments, dict):
-            return ToolResult(name, call.arguments, "bad_arguments", "error: the arguments were not a JSON object")
+        arguments = parse_arguments(call.arguments)
+        if arguments is None:
+            return ToolResult(name, call.arguments, "bad_arguments",
+                              f"error: the arguments were not a JSON object (nested at most {MAX_ARGUMENT_DEPTH} deep)")
         if name in self._actions:
             action, line, _ = self._actions[name]
             # "requested", not "done": the edge carries it out once the line has played, and it can still fail.
             return ToolResult(name, call.arguments, "requested", f"requested: {line}", action=action, say=line)
         outcome, content = await self._http.post(self._http_tools[name], arguments)
         return ToolResult(name, call.arguments, outcome, content)
+
+
+def parse_arguments(text: str) -> dict[str, Any] | None:
+    """A tool call's arguments as a JSON object, or None: not JSON, not an object, or nested deeper than
+    MAX_ARGUMENT_DEPTH. json.loads takes ~980 nested brackets (8 KB of them fit the size cap), but encoding
+    them again (the request's body, the history's sorted key) overflowed the stack deeper in: a RecursionError
+    that ended the call's tools task and left its tools "pending" for the rest of the call."""
+    try:
+        parsed = json.loads(text or "{}")
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    level, depth = [parsed], 1
+    while level:  # breadth first, without recursion of our own
+        if depth > MAX_ARGUMENT_DEPTH:
+            return None
+        level = [v for item in level for v in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(v, dict | list)]
+        depth += 1
+    return parsed
 
 
 async def _read_at_most(content: aiohttp.StreamReader, limit: int) -> bytes:

@@ -23,7 +23,7 @@ from knowledge.backend import MAX_TOOL_ROUNDS, TOOL_PENDING, BackendConfig, Back
 from knowledge.llm import MAX_TOOL_ARGUMENTS, LlmClient, LlmConfig, LlmError, ToolCallRequest
 from knowledge.oracle_policy import OraclePolicyConfig
 from knowledge.stt import NullSTT, SttResult
-from knowledge.tools import GOODBYE_LINE, TRANSFER_LINE, CallTools, HttpSession
+from knowledge.tools import GOODBYE_LINE, MAX_ARGUMENT_DEPTH, TRANSFER_LINE, CallTools, HttpSession
 from telephony.audiosocket_config import AudioSocketListen
 from telephony.audiosocket_session import call_id_for
 from telephony.call_store import CallRecord, MemoryCallStore
@@ -830,3 +830,34 @@ async def test_a_model_retrying_a_failed_transfer_stops_at_the_rounds_cap(
         await asyncio.sleep(2.0)  # the caller says nothing more
     assert 1 <= len(acted) <= MAX_TOOL_ROUNDS + 1, len(acted)
     assert "tools" not in llm_server.requests[-1]  # the last request offered none
+
+
+async def test_arguments_nested_past_the_cap_are_bad_arguments_and_the_calls_tools_go_on(
+    llm_server: FakeLlm, tool_server: ToolServer, tmp_path: Path
+) -> None:
+    """~980 nested objects parse (8 KB of brackets fit the size cap) but encoding them again overflowed the
+    stack: the call's tools task died, its tool calls stayed "pending" in the history for good, nothing was
+    recorded and no follow-up was asked. Past MAX_ARGUMENT_DEPTH they are bad arguments, and the call goes on."""
+    deep = '{"a":' * (MAX_ARGUMENT_DEPTH + 8) + "1" + "}" * (MAX_ARGUMENT_DEPTH + 8)
+    llm_server.tool_triggers = {"order": ("order_status", {})}
+    llm_server.raw_arguments = deep
+    async with _sales_backend(llm_server, tool_server, tmp_path) as (backend, used):
+        backend._handle_transcript(SttResult("where is my order", final=True), time.monotonic())
+        await until(lambda: any(r["messages"][-1]["role"] == "tool" for r in llm_server.requests), within=10)
+    asked = next(r for r in llm_server.requests if r["messages"][-1]["role"] == "tool")["messages"]
+    assert asked[-2]["tool_calls"][0]["function"]["arguments"] == "{}"
+    assert asked[-1]["content"].startswith("error: the arguments were not a JSON object")
+    assert [(u.name, u.outcome) for u in used] == [("order_status", "bad_arguments")]
+    assert tool_server.received == []
+    # The review's 980 levels (whether the stack overflows there depends on how deep the caller already is), and
+    # as deep as the cap, which is still a tool call like any other.
+    at_cap = '{"a":' * (MAX_ARGUMENT_DEPTH - 1) + "1" + "}" * (MAX_ARGUMENT_DEPTH - 1)
+    http = HttpSession()
+    try:
+        tools = CallTools(_agents(tmp_path, tool_server.base_url + "/order-status").agents.get("sales"), (), http)
+        review = await tools.run(ToolCallRequest("c1", "order_status", '{"a":' * 980 + "1" + "}" * 980), call_id="CA1")
+        result = await tools.run(ToolCallRequest("c2", "order_status", at_cap), call_id="CA1")
+    finally:
+        await http.aclose()
+    assert review.outcome == "bad_arguments"
+    assert result.outcome == "ok" and len(tool_server.received) == 1
