@@ -3,7 +3,10 @@
 # KAME Phone: the production image (`kame-phone serve` on one NVIDIA GPU).
 #
 #   docker build -t kame-phone .
-#   docker run --gpus 1 -p 8080:8080 --env-file ops/.env -v kame-hf:/data kame-phone
+#   docker run --gpus 1 -p 8080:8080 --env-file ops/.env -e REDIS_URL=redis://<redis-host>:6379/0 \
+#     -v kame-hf:/data kame-phone
+#   (ops/.env's REDIS_URL, 127.0.0.1, is the container itself inside it: the node would answer, ready, with no
+#   call store; or run with --network host, or leave REDIS_URL empty for one node with no records kept)
 #   (/metrics is on 9092, unpublished here: add -p 127.0.0.1:9092:9092 to scrape it from the host)
 #
 # Base image: nvidia/cuda:<ver>-base-ubuntu24.04, on purpose not -cudnn-runtime nor pytorch/pytorch.

@@ -12,7 +12,8 @@ from .twilio_messages import PROTOCOL_ERROR_KINDS
 # 1200: the turn-latency alert's threshold is a bucket edge (between 1000 and 1500 its p95 was interpolated).
 _LATENCY_BUCKETS_MS = (20, 40, 80, 120, 160, 240, 320, 480, 640, 800, 1000, 1200, 1500, 2000, 3000, 5000)
 _MEDIA_BUCKETS_MS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 40, 50, 100)
-_CALL_DURATION_BUCKETS_S = (5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+# Up to the 4 h a call may last by default (--max-call-minutes): calls held open to the limit show as such.
+_CALL_DURATION_BUCKETS_S = (5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)
 
 FIRST_AUDIO_SECONDS = Histogram(
     "kame_first_audio_seconds",

@@ -319,6 +319,32 @@ def test_promtool_check_config() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@needs_yaml
+def test_the_k8s_scrape_jobs_are_the_ones_the_alerts_name() -> None:
+    """An annotation-discovery job ("kubernetes-pods") gave every series another job label: KameAllInstancesGone
+    fired for good and KameInstanceDown / KameEngineDown never could. The shipped jobs keep each kind of pod on
+    its /metrics port, under the alerts' job names."""
+    (scrape,) = load_yaml_docs(OPS / "prometheus" / "k8s-scrape.yml")
+    jobs = {job["job_name"]: job for job in scrape["scrape_configs"]}
+    assert set(jobs) == {"kame", "kame-engine"}
+    exprs = "\n".join(r["expr"] for g in load_yaml_docs(ALERTS)[0]["groups"] for r in g["rules"])
+    for name in jobs:
+        assert f'job="{name}"' in exprs
+    # Each job keeps the pods of its app, on the container port that serves /metrics in the manifests.
+    manifests = [*load_yaml_docs(K8S / "deployment.yaml"), *load_yaml_docs(K8S_SPLIT / "engine.yaml")]
+    for job, app in (("kame", "kame-phone"), ("kame-engine", "kame-engine")):
+        relabel = jobs[job]["relabel_configs"]
+        keep = {tuple(r["source_labels"]): r["regex"] for r in relabel if r.get("action") == "keep"}
+        assert keep[("__meta_kubernetes_pod_label_app_kubernetes_io_name",)] == app
+        (deployment,) = [d for d in manifests if d.get("kind") == "Deployment"
+                         and d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == app]
+        ports = {p["name"]: p["containerPort"] for c in deployment["spec"]["template"]["spec"]["containers"]
+                 for p in c.get("ports", ())}
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert ports[keep[("__meta_kubernetes_pod_container_port_name",)]] == int(annotations["prometheus.io/port"])
+    # (Not `promtool check config`: Debian's promtool is built without Kubernetes discovery.)
+
+
 @needs_promtool
 def test_promtool_check_rules() -> None:
     result = promtool("check", "rules", ALERTS)
@@ -575,6 +601,28 @@ ALERT_SCENARIOS = [
         ],
         [_alerts("KameCapacityLow", {"severity": "warning"}), _alerts("KameCapacityExhausted")],
         id="capacity-low",
+    ),
+    pytest.param(
+        # A node loading its model (seats 0) pages nobody for minutes; still none after 20 m does.
+        [
+            _series("kame_engine_slots", {"instance": "a"}, "0x30"),
+            _series("kame_engine_slots_busy", {"instance": "a"}, "0x30"),
+        ],
+        [
+            _alerts("KameCapacityExhausted"),
+            _alerts("KameNoSeats"),
+            {"eval_time": "25m", "alertname": "KameNoSeats", "exp_alerts": [{"exp_labels": {"severity": "critical"}}]},
+        ],
+        id="no-seats",
+    ),
+    pytest.param(
+        # One busy answer among 50 calls a minute (a node draining) kept the 10 m rate above 0 and fired.
+        [
+            _series("kame_calls_total", {"instance": "a", "outcome": "completed"}, "0+50x30"),
+            _series("kame_calls_total", {"instance": "a", "outcome": "busy"}, "0x8 1x22"),
+        ],
+        [_alerts("KameCallersGetBusy")],
+        id="one-busy-call",
     ),
     pytest.param(
         [
