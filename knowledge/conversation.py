@@ -57,6 +57,12 @@ MAX_HISTORY_CHARS = 16_000
 # of speech: no real turn is cut).
 TURN_SHARE = 4
 MIN_CLIPPED_CHARS = 40  # a turn clipped to fewer than this says nothing: the history stops there instead
+# Kept in memory: what a request could still send, several times over. Every turn of a long call was kept and
+# re-rendered on every request (thousands after hours: 12 ms a request on the event loop at 4 h), and one turn
+# growing piece by piece was copied whole at each piece. Older turns are dropped every PRUNE_EVERY new ones, and
+# a turn's text past what a request sends of it is dropped from its front.
+KEEP_HISTORY_FACTOR = 3
+PRUNE_EVERY = 64
 
 
 def _clean(text: str) -> str:
@@ -117,6 +123,7 @@ class Conversation:
     # the greeting turn already holds those words.
     _greeting_left: str | None = field(default=None, init=False, repr=False)
     _greeting_turn: Turn | None = field(default=None, init=False, repr=False)
+    _since_prune: int = field(default=0, init=False, repr=False)  # turns added since the last prune
 
     def greet(self, greeting: str) -> None:
         """The agent's greeting as the first assistant turn (cut to what was said if the bot moves on from it
@@ -148,9 +155,10 @@ class Conversation:
         self.committed_words += word_count(text)
         last = self.turns[at - 1] if at else None
         if last is not None and last.role == "user":
-            last.text += " " + text  # type: ignore[union-attr]
+            self._grow(last, " " + text)  # type: ignore[arg-type]
         else:
             self.turns.insert(at, Turn("user", text))
+            self._added()
 
     @property
     def pending_words(self) -> int:
@@ -186,14 +194,15 @@ class Conversation:
         if not starts_word and self._bot_word_turn is not None:
             # Continuation of a word: it belongs to the turn holding that word, even if a caller final
             # landed in between ("hel" | caller final | "lo" stays "hello").
-            self._bot_word_turn.text += text
+            self._grow(self._bot_word_turn, text)
             return
         last = self.turns[-1] if self.turns else None
         if last is not None and last.role == "assistant":
-            last.text += text
+            self._grow(last, text)  # type: ignore[arg-type]
         else:
             last = Turn("assistant", text)
             self.turns.append(last)
+            self._added()
         self._bot_word_turn = last
 
     @property
@@ -204,6 +213,45 @@ class Conversation:
         """The LLM's function calls with their results, as the newest entry (after what was said so far)."""
         exchange.mid_utterance = bool(self.partial)
         self.turns.append(exchange)
+        self._added()
+
+    # --- memory ------------------------------------------------------------------------------------
+    def _per_turn(self) -> int:
+        return max(1, self.max_history_chars // TURN_SHARE)
+
+    def _grow(self, turn: Turn, text: str) -> None:
+        """`text` onto `turn`; past four times what a request sends of one turn, its front is dropped (at
+        most a quarter of the budget of it is ever sent, its newest words)."""
+        turn.text += text
+        if len(turn.text) > 4 * self._per_turn():
+            turn.text = turn.text[-2 * self._per_turn():]
+
+    def _added(self) -> None:
+        self._since_prune += 1
+        if self._since_prune >= PRUNE_EVERY:
+            self._since_prune = 0
+            self._prune()
+
+    def _prune(self) -> None:
+        """Drop the turns older than KEEP_HISTORY_FACTOR times what a request sends (each counted as at most
+        `messages` would send of it), but the newest tool exchange, which every request sends whole."""
+        keep = KEEP_HISTORY_FACTOR * self.max_history_chars
+        newest_exchange = next((t for t in reversed(self.turns) if isinstance(t, ToolExchange)), None)
+        total, cut = 0, 0
+        for i in range(len(self.turns) - 1, -1, -1):
+            turn = self.turns[i]
+            if isinstance(turn, ToolExchange):
+                size = sum(len(c) for _, c in turn.results) + len(str(turn.calls))
+            else:
+                size = min(len(turn.text), self._per_turn())
+            total += min(size, self.max_history_chars)
+            if total > keep:
+                cut = i
+                break
+        if cut:
+            older = self.turns[:cut]
+            kept = [newest_exchange] if any(t is newest_exchange for t in older) else []  # (identity, not ==)
+            self.turns = kept + self.turns[cut:]
 
     # --- rendering ---------------------------------------------------------------------------------
     def messages(self) -> list[dict[str, Any]]:
