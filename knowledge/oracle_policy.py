@@ -133,6 +133,12 @@ class OraclePolicy:
             s.retry_pending = True
             return False
         self._forget_old_requests(now)
+        if len(s.request_times) >= self.config.max_requests:
+            # The window's cap holds here too: a model answering every final with a tool call that resolves at
+            # once (an unknown name, bad arguments) asked past it, ~4 requests a final. Asked at the first poll
+            # the window allows, as a retry.
+            s.retry_pending = True
+            return False
         self._asked(now)
         return True
 

@@ -393,3 +393,13 @@ def test_a_very_long_outage_backs_off_without_overflowing() -> None:
     for i in range(1100):
         p.on_failure(float(i))
     assert p.poll(1100.0) is None  # still backed off, at most backoff_max_s
+
+
+def test_a_request_the_back_end_makes_itself_keeps_to_the_rate_cap() -> None:
+    """Tool results were asked about past the window's cap (10 in one 2 s window with a cap of 5, in the
+    review): one waits for the window now, and is asked at the first poll it allows."""
+    p = OraclePolicy(CFG)
+    granted = [t for t in (10.0 + 0.1 * i for i in range(10)) if p.ask_now(t)]
+    assert granted == [10.0, 10.1, 10.2, 10.3, 10.4]
+    fired = polls(p, 11.0, 13.0)
+    assert fired[0] == (12.0, TriggerReason.RETRY)  # when the window's first request (10.0) leaves it
