@@ -504,9 +504,15 @@ async def handle_readyz(request: web.Request) -> web.Response:
     # got the load balancer's 503 (Twilio's "application error") instead of the agent's busy or fallback
     # answer; the seats other nodes publish in Redis still take what calls they can.
     # (Not an AudioSocket-only node: it routes nothing through Redis, and its PBX must move on to another node.)
+    # A node with its own engine, loaded and alive but not taking calls for now (a few seconds behind its 80 ms
+    # ticks, its STT's process restarting), stays too, for the same reason: with one replica (ops/k8s) it was
+    # the only endpoint, and Twilio got the load balancer's 503 for every webhook, and for the media upgrade of
+    # a call answered a moment before. Its webhooks answer busy, or route the caller to a node with room.
     twilio = bool(ctx.config.twilio_auth_token or ctx.config.insecure_dev)
-    shared = ctx.remote_engine and bool(ctx.config.redis_url) and twilio
-    ready = checks["not_draining"] and (checks["model_loaded"] or shared)
+    engine = ctx.engine
+    holds = ctx.remote_engine or (engine is not None and not engine.failed)
+    routed = bool(ctx.config.redis_url) and twilio and holds
+    ready = checks["not_draining"] and (checks["model_loaded"] or routed)
     # Reported, not required: every node shares the one Redis, so gating on it would take every node out of
     # rotation at once in an outage, failing every new call, which the write-behind store and this node's own
     # admission are built to ride out. kame_redis_errors_total and its alert say the store is down.

@@ -11,9 +11,10 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -1040,6 +1041,41 @@ async def test_a_node_restarted_under_its_id_ends_the_calls_its_last_run_left_st
     got = {sid: (r.state, r.end_reason) for sid, r in records.items() if r is not None}
     assert got == {left_as: ("ended", "node_lost"), left_twilio: ("ended", "node_lost"), live: ("streaming", None),
                    other: ("streaming", None), hung_up: ("streaming", None)}  # fmt: skip
+
+
+async def test_a_node_whose_own_engine_falls_behind_stays_in_rotation_to_answer_busy(
+    prefix: str, tiny_checkpoint: Path
+) -> None:
+    """ops/k8s runs one replica. Its engine a few seconds behind its ticks (or its STT's process restarting),
+    the node left rotation: the load balancer had no endpoint, and Twilio got its 503 for every webhook and for
+    the media upgrade of a call answered a moment before. With a cluster to route through it stays ready (the
+    engine's state is still reported) and answers busy; a dead engine still takes it out."""
+    from .phone_fixtures import running_phone
+
+    async with running_phone(tiny_checkpoint, max_calls=2, redis_url=REDIS_URL, redis_prefix=prefix,
+                             node_id="solo", heartbeat_s=0.1, node_ttl_s=0.6) as phone:  # fmt: skip
+        ctx = phone.ctx
+        ctx.cluster = open_cluster(ctx.config, ctx.free_slots, phone.base.replace("http://", "ws://") + MEDIA_PATH)
+        await ctx.cluster.start()
+        try:
+            stats, now = phone.engine.frame_loop.stats, time.monotonic()
+            for i in range(25):  # the last 2 s as a starved loop reports them: every tick past its frame
+                stats.record_tick(0.12, True, now=now - 1.9 + i * 0.076)
+            async with aiohttp.ClientSession() as http:
+                async with http.get(phone.base + "/readyz") as r:
+                    body = await r.json()
+                    assert r.status == 200 and body["checks"]["model_loaded"] is False, body
+                    assert body["capacity_left"] == 0
+                url = phone.base + VOICE_PATH
+                form = {"CallSid": new_call_sid(), "AccountSid": "AC" + "0" * 32, "From": "+15550001",
+                        "To": "+15550002"}  # fmt: skip
+                async with http.post(url, data=form, headers={"X-Twilio-Signature": phone.sign(url, form)}) as r:
+                    assert r.status == 200 and 'reason="busy"' in await r.text()
+                ctx.config = replace(ctx.config, redis_url=None)  # no cluster to route through: out, as before
+                async with http.get(phone.base + "/readyz") as r:
+                    assert r.status == 503
+        finally:
+            await ctx.cluster.aclose()
 
 
 async def test_an_edge_whose_shared_engine_is_down_stays_in_rotation_to_answer_busy(prefix: str) -> None:
