@@ -67,18 +67,23 @@ def test_the_engine_bench_records_a_refused_batch_as_out_of_memory_and_goes_on()
                for line in lines), lines
 
 
-@pytest.mark.parametrize("engine_process", ["--engine-process", "--no-engine-process"])
-def test_serve_sized_past_its_memory_exits_2_in_one_line(tiny_checkpoint: Path, engine_process: str) -> None:
+def _serve_refusal(checkpoint: Path, *flags: str) -> str:
+    """`serve`'s last line on stderr, once it has exited 2 without a traceback."""
     env = {k: v for k, v in os.environ.items() if k not in ("TWILIO_AUTH_TOKEN", "REDIS_URL")}
     proc = subprocess.run(
         [sys.executable, "-m", "kame_phone.cli", "serve", "--insecure-dev", "--port", str(free_port()),
-         "--metrics-port", str(free_port()), "--checkpoint", str(tiny_checkpoint), "--device", "cpu",
-         "--max-calls", "8", "--context", "200000000", "--stt", "pocketsphinx", "--llm", "none", engine_process],
+         "--metrics-port", str(free_port()), "--checkpoint", str(checkpoint), "--device", "cpu",
+         "--stt", "pocketsphinx", "--llm", "none", *flags],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
+    return proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("engine_process", ["--engine-process", "--no-engine-process"])
+def test_serve_sized_past_its_memory_exits_2_in_one_line(tiny_checkpoint: Path, engine_process: str) -> None:
+    last = _serve_refusal(tiny_checkpoint, "--max-calls", "8", "--context", "200000000", engine_process)
     assert last.startswith("kame-phone: 8 slots at context 200000000 frames need "), last
     assert last.endswith("0 slots would fit: a lower --max-calls, or --kv-dtype int8 (one byte a value), "
                          "or a shorter --context"), last
@@ -87,14 +92,5 @@ def test_serve_sized_past_its_memory_exits_2_in_one_line(tiny_checkpoint: Path, 
 @pytest.mark.parametrize("engine_process", ["--engine-process", "--no-engine-process"])
 def test_a_bad_checkpoint_is_still_one_line_from_either_engine(tmp_path: Path, engine_process: str) -> None:
     """The child's refusals are raised again in the parent by name: a checkpoint's as before."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TWILIO_AUTH_TOKEN", "REDIS_URL")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "kame_phone.cli", "serve", "--insecure-dev", "--port", str(free_port()),
-         "--metrics-port", str(free_port()), "--checkpoint", str(tmp_path), "--device", "cpu",
-         "--stt", "pocketsphinx", "--llm", "none", engine_process],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
+    last = _serve_refusal(tmp_path, engine_process)
     assert last == f"kame-phone: {tmp_path} has no config.json: not a KAME checkpoint directory", last
