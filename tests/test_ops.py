@@ -676,6 +676,16 @@ ALERT_SCENARIOS = [
         id="engine-down",
     ),
     pytest.param(
+        # e: the engine's container died at 5 m and left DNS discovery: its `up` ends, never reads 0.
+        [_series("up", {"job": "kame-engine", "instance": "e"}, "1x5"), _series("up", {"instance": "a"}, "1x30")],
+        [
+            _alerts("KameEngineGone", {"severity": "critical"}),
+            _alerts("KameEngineDown"),
+            {"eval_time": "5m", "alertname": "KameEngineGone", "exp_alerts": []},
+        ],
+        id="engine-gone",
+    ),
+    pytest.param(
         [
             # a: lost its engine at 12 m and was not restarted yet (the series appears already at 1:
             # increase() would see nothing). b: lost it at 1 m, restarted at 3 m. c: never.
