@@ -214,15 +214,16 @@ class FrameLoopProcess:
         self._send(("stop",))
         if self._sender is not None:
             self._sender.close()  # after the stop message
-        if self._process is not None:
-            self._process.join(10)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join()
+        process, conn = self._process, self._conn  # once: a failed start's thread may forget them meanwhile
+        if process is not None:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join()
         if self._reader is not None:
             self._reader.join(5)
-        if self._conn is not None:
-            self._conn.close()
+        if conn is not None:
+            conn.close()
 
     # ---- FrameLoop's methods (any thread; never block) ----
 

@@ -40,7 +40,8 @@ def device_memory(device: torch.device) -> DeviceMemory | None:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return DeviceMemory(str(device), free + cached, total, torch.cuda.memory_reserved(device))
+        # Ours: what is allocated (the unused cache is counted free above, so not here too).
+        return DeviceMemory(str(device), free + cached, total, torch.cuda.memory_allocated(device))
     if device.type == "cpu":
         info = _meminfo()
         if "MemAvailable" not in info or "MemTotal" not in info:

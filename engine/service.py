@@ -106,6 +106,7 @@ class EngineConfig:
 
 _CLOSED = object()
 BACKEND_CLOSE_WAIT_S = 10.0  # at stop, for the calls' back-ends (their STT jobs, their LLM streams) to close
+ABORT_WAIT_S = 15.0  # a start given up (SIGTERM while loading): its thread ends within a poll and a kill
 
 
 class LocalCallSession:
@@ -264,12 +265,17 @@ class LocalEngine:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        starting = asyncio.ensure_future(asyncio.to_thread(self.frame_loop.start, self.config.warmup_ticks))
         try:
-            await asyncio.to_thread(self.frame_loop.start, self.config.warmup_ticks)
+            await asyncio.shield(starting)
         except asyncio.CancelledError:
             # Stopped while loading (SIGTERM): the thread cannot be cancelled, so the loop is told to give up
-            # (the engine process is killed), or the process would wait out the whole load before exiting.
+            # (the engine process is killed), or the process would wait out the whole load before exiting. The
+            # thread is waited for (it gives up within a poll): a `stop` racing it found the loop half torn down.
             self.frame_loop.abort_start()
+            await asyncio.wait({starting}, timeout=ABORT_WAIT_S)
+            if starting.done() and not starting.cancelled():
+                starting.exception()  # (its EngineError is the expected end, not news)
             raise
         self._ready = True
         if self.backend is not None:

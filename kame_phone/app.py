@@ -195,13 +195,18 @@ async def load_engine(args: argparse.Namespace) -> LocalEngine:
 
 
 async def _give_up_load(engine: LocalEngine | None, backend: BackendServices | None) -> None:
-    try:
-        if engine is not None:
+    stopped = False
+    if engine is not None:
+        try:
             await engine.stop()  # its frame loop, if it came up, and the back-end it was given
-        elif backend is not None:
+            stopped = True
+        except Exception:  # the load's own error is the one to report
+            log.exception("stopping what a failed load had started")
+    if backend is not None and not stopped:  # not left running because the engine's stop failed half way
+        try:
             await backend.aclose()
-    except Exception:  # the load's own error is the one to report
-        log.exception("stopping what a failed load had started")
+        except Exception:
+            log.exception("closing the back-end of a failed load")
 
 
 async def connect_engine(args: argparse.Namespace) -> RemoteEngine:
