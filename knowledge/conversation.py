@@ -113,6 +113,7 @@ class Conversation:
     max_history_chars: int = MAX_HISTORY_CHARS
     partial: str = ""  # the caller's current unfinished utterance
     committed_words: int = 0  # words in the caller's finals
+    prune: bool = True  # drop what no request can send any more (False: keep everything, for comparison)
     # The assistant turn whose last word may still continue with a piece that has no '▁'.
     _bot_word_turn: Turn | None = field(default=None, init=False, repr=False)
     # While the front-end speaks the greeting (until the caller first speaks), its pieces are the greeting
@@ -223,28 +224,33 @@ class Conversation:
         """`text` onto `turn`; past four times what a request sends of one turn, its front is dropped (at
         most a quarter of the budget of it is ever sent, its newest words)."""
         turn.text += text
-        if len(turn.text) > 4 * self._per_turn():
-            turn.text = turn.text[-2 * self._per_turn():]
+        if self.prune and len(turn.text) > 4 * self._per_turn():
+            # Cut as sent (whitespace collapsed), so that what is kept is at least twice what a request sends
+            # of it: cut raw, a turn of many spaces kept less than that, and its request started mid-word.
+            trailing = " " if turn.text[-1].isspace() else ""  # the next piece may continue this word, or not
+            turn.text = _clean(turn.text)[-2 * self._per_turn():] + trailing
 
     def _added(self) -> None:
+        if not self.prune:
+            return
         self._since_prune += 1
         if self._since_prune >= PRUNE_EVERY:
             self._since_prune = 0
             self._prune()
 
     def _prune(self) -> None:
-        """Drop the turns older than KEEP_HISTORY_FACTOR times what a request sends (each counted as at most
-        `messages` would send of it), but the newest tool exchange, which every request sends whole."""
+        """Drop the turns older than KEEP_HISTORY_FACTOR times what a request sends of the words (each turn
+        counted as `messages` would send of it), but the newest tool exchange, which every request sends whole.
+        Exchanges are not counted: `messages` leaves out an older one that does not fit and goes on to older
+        words, so only the words' share bounds how far back a request reaches."""
         keep = KEEP_HISTORY_FACTOR * self.max_history_chars
         newest_exchange = next((t for t in reversed(self.turns) if isinstance(t, ToolExchange)), None)
         total, cut = 0, 0
         for i in range(len(self.turns) - 1, -1, -1):
             turn = self.turns[i]
             if isinstance(turn, ToolExchange):
-                size = sum(len(c) for _, c in turn.results) + len(str(turn.calls))
-            else:
-                size = min(len(turn.text), self._per_turn())
-            total += min(size, self.max_history_chars)
+                continue
+            total += min(len(_clean(turn.text)), self._per_turn())
             if total > keep:
                 cut = i
                 break

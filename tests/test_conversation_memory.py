@@ -1,72 +1,111 @@
 """A long call's conversation keeps what its requests can still send, not everything ever said: every turn of
 a 4-hour call was kept and re-rendered on each request (12 ms a request on the event loop in the review), and
-one turn growing piece by piece was copied whole at each piece."""
+one turn growing piece by piece was copied whole at each piece. Each test runs the same call on a pruned
+conversation and on one that keeps everything (`prune=False`), and asks for the same requests."""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
+
 from knowledge.conversation import KEEP_HISTORY_FACTOR, TURN_SHARE, Conversation, ToolExchange
 
-
-def _exchange(n: int, size: int = 50) -> ToolExchange:
-    call = {"id": f"c{n}", "type": "function", "function": {"name": "order_status", "arguments": "{}"}}
-    return ToolExchange(calls=[call], results=[(f"c{n}", "r" * size)])
+Step = Callable[[Conversation], None]
 
 
-def _talk(conv: Conversation, shadow: list, turns: int) -> None:
-    """Caller and bot alternate (a tool exchange now and then); `shadow` keeps every turn, unpruned."""
-    for n in range(turns):
-        if n % 2 == 0:
-            conv.caller_final(f"question number {n} about the order")
-        else:
-            for word in f"answer number {n} with a few more words".split():
-                conv.bot_piece("▁" + word)
-        if n % 17 == 0:
-            conv.tool_exchange(_exchange(n))
-        shadow[:] = _merged(shadow, conv)
+def _exchange(n: int, results: int = 1, size: int = 50) -> ToolExchange:
+    calls = [{"id": f"c{n}-{i}", "type": "function", "function": {"name": "order_status", "arguments": "{}"}}
+             for i in range(results)]  # fmt: skip
+    return ToolExchange(calls=calls, results=[(c["id"], "r" * size) for c in calls])
 
 
-def _merged(shadow: list, conv: Conversation) -> list:
-    """The full history: what `shadow` had, then whatever `conv` holds that it lacks (by identity)."""
-    known = {id(t) for t in shadow}
-    return shadow + [t for t in conv.turns if id(t) not in known]
+def _same_requests(steps: list[Step], budget: int = 16_000, every: int = 1) -> Conversation:
+    """Runs `steps` on both; the requests must match after every `every` steps. Returns the pruned one."""
+    pruned, whole = Conversation(system_prompt="S", max_history_chars=budget), \
+        Conversation(system_prompt="S", max_history_chars=budget, prune=False)  # fmt: skip
+    for n, step in enumerate(steps):
+        step(pruned)
+        step(whole)
+        if n % every == 0 or n == len(steps) - 1:
+            assert pruned.messages() == whole.messages(), f"step {n}"
+    return pruned
+
+
+def _caller(text: str) -> Step:
+    return lambda c: c.caller_final(text)
+
+
+def _bot(text: str) -> Step:
+    return lambda c: [c.bot_piece("▁" + w) for w in text.split()]  # type: ignore[func-returns-value]
+
+
+def _tools(n: int, results: int = 1, size: int = 50) -> Step:
+    return lambda c: c.tool_exchange(_exchange(n, results, size))
 
 
 def test_a_long_call_keeps_a_bounded_history_and_sends_what_it_sent_before() -> None:
-    conv, shadow = Conversation(system_prompt="S", max_history_chars=2_000), []
-    _talk(conv, shadow, 3_000)
-    assert len(shadow) > 3_000
+    steps: list[Step] = []
+    for n in range(3_000):
+        steps.append(_caller(f"question number {n} about the order") if n % 2 == 0
+                     else _bot(f"answer number {n} with a few more words"))  # fmt: skip
+        if n % 17 == 0:
+            steps.append(_tools(n))
+    pruned = _same_requests(steps, budget=2_000, every=7)
     # Bounded: about KEEP_HISTORY_FACTOR budgets of turns of ~40 characters, plus a prune's worth.
-    assert len(conv.turns) < KEEP_HISTORY_FACTOR * 2_000 // 30 + 64 + 1
-    # Every request sends exactly what the whole history would have sent.
-    whole = Conversation(system_prompt="S", max_history_chars=2_000, turns=list(shadow))
-    assert conv.messages() == whole.messages()
+    assert len(pruned.turns) < KEEP_HISTORY_FACTOR * 2_000 // 30 * 2 + 64
+
+
+def test_big_tool_answers_do_not_cut_the_words_a_request_still_sends() -> None:
+    """An older exchange too big for what is left of the budget is left out, and the request goes on to older
+    words: pruning that charged exchanges dropped words the request still sent (the review: 7 messages
+    against 67)."""
+    steps: list[Step] = []
+    for n in range(30):
+        steps += [_caller(f"small talk {n}"), _bot(f"sure thing {n}"), _tools(n)]
+    steps.append(_caller("where are my four orders"))
+    for n in range(4):
+        steps += [_tools(100 + n, results=4, size=4_000), _bot(f"order {n} is on its way")]
+    steps += [_caller(f"and the next one {n}") for n in range(200)]
+    _same_requests(steps)
+
+
+def test_random_calls_send_the_same_requests() -> None:
+    rng = random.Random(7)
+    for seed in range(6):
+        rng.seed(seed)
+        steps: list[Step] = []
+        for n in range(1_200):
+            roll = rng.random()
+            if roll < 0.4:
+                steps.append(_caller(" ".join(rng.choice(["yes", "no", "order", "the", "price"])
+                                              for _ in range(rng.randint(0, 12)))))  # fmt: skip
+            elif roll < 0.85:
+                said = " ".join(rng.choice(["sure", "let", "me", "check"]) for _ in range(rng.randint(1, 9)))
+                steps.append(_bot(said))
+            elif roll < 0.9:
+                steps.append(lambda c: c.caller_partial("and also"))
+            elif roll < 0.93:
+                steps.append(lambda c: c.bot_piece("thing"))  # a word continued, maybe across a caller final
+            else:
+                steps.append(_tools(n, results=rng.randint(1, 4), size=rng.choice([20, 800, 3_000])))
+        _same_requests(steps, budget=rng.choice([1_000, 4_000, 16_000]), every=11)
 
 
 def test_the_newest_tool_exchange_stays_however_old() -> None:
     """Every request sends the newest exchange whole (the LLM must see the result it asked for), even behind a
     caller's many words since: pruning keeps it."""
-    conv = Conversation(system_prompt="S", max_history_chars=1_000)
-    exchange = _exchange(1, size=300)
-    conv.caller_final("where is my order")
-    conv.tool_exchange(exchange)
-    for n in range(2_000):
-        if n % 2:
-            conv.caller_final(f"still talking {n}")
-        else:
-            conv.bot_piece(f"▁reply{n}")
-    assert any(t is exchange for t in conv.turns)
-    sent = conv.messages()
-    assert any(m.get("tool_calls") == exchange.calls for m in sent)
-    assert len(conv.turns) < 500
+    steps: list[Step] = [_caller("where is my order"), _tools(1, size=300)]
+    steps += [_caller(f"still talking {n}") if n % 2 else _bot(f"reply {n}") for n in range(2_000)]
+    pruned = _same_requests(steps, budget=1_000, every=50)
+    assert any(isinstance(t, ToolExchange) for t in pruned.turns) and len(pruned.turns) < 500
 
 
 def test_a_monologue_turn_is_kept_to_what_a_request_sends_of_it() -> None:
-    """A bot talking on alone for an hour grows one turn: kept to a bounded tail, its newest words sent."""
-    conv = Conversation(system_prompt="S", max_history_chars=16_000)
-    per_turn = 16_000 // TURN_SHARE
-    for n in range(60_000):
-        conv.bot_piece(f"▁w{n}")
-    (turn,) = conv.turns
-    assert len(turn.text) <= 4 * per_turn
-    sent = conv.messages()[-1]["content"]
-    assert sent.endswith("w59999") and len(sent) <= per_turn + 2
+    """A bot talking on alone for an hour grows one turn: kept to a bounded tail, its newest words sent; a
+    turn of many spaces as well (cut raw, it kept less than a request sends)."""
+    words = [_bot(f"w{n}") for n in range(60_000)]
+    spaces = [lambda c: c.bot_piece("▁")] * 3 + [lambda c: c.bot_piece("a")]
+    for steps, budget, every in ((words, 16_000, 997), (spaces * 2_000, 400, 1)):
+        pruned = _same_requests(steps, budget=budget, every=every)
+        (turn,) = pruned.turns
+        assert len(turn.text) <= 4 * (budget // TURN_SHARE)
