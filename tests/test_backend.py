@@ -1337,3 +1337,12 @@ def test_a_tool_call_made_during_an_utterance_the_stt_retracted_stays_before_the
     conv.caller_final("")  # retracted
     conv.caller_final("hello are you there")
     assert [m["role"] for m in conv.messages()] == ["system", "assistant", "tool", "user"]
+
+
+def test_a_key_the_server_cut_short_is_still_scrubbed() -> None:
+    """A server echoing the request's headers cut to its own length: the key's first part was logged in clear
+    (a 22-character key cut to 15, in the review)."""
+    for key, echoed in (("gsk_0123456789abcdefgh", "Bearer gsk_0123456789a..."),
+                        ("sk-proj-A1b2C3d4E5f6G7h8I9j0", "key=sk-proj-A1b2C3d4 (truncated)")):
+        scrubbed = LlmClient(LlmConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key=key))._scrub(echoed)
+        assert key[:10] not in scrubbed and "***" in scrubbed, scrubbed
