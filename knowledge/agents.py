@@ -134,7 +134,8 @@ class Agents:
     def describe(self) -> list[dict[str, Any]]:
         """For `GET /agents`: names, numbers and policies; not the instructions (they may be long)."""
         return [
-            {"name": a.name, "numbers": list(a.numbers), "greeting": a.greeting, "transfer_to": a.transfer_to,
+            {"name": a.name, "numbers": list(a.numbers), "greeting": a.greeting,
+             "transfer_to": _without_password(a.transfer_to),
              "busy": a.busy, "llm_model": a.llm_model, "forced_delay_ms": a.forced_delay_ms,
              "tools": [t.name for t in a.tools]}
             for a in self.by_name.values()
@@ -242,6 +243,15 @@ def _optional_text(table: dict[str, Any], key: str, bad: Any, *, limit: int) -> 
     if not isinstance(value, str) or not value.strip() or len(value) > limit:
         raise bad(key, f"a non-empty string of at most {limit} characters")
     return value.strip()
+
+
+def _without_password(target: str | None) -> str | None:
+    """A SIP target as shown (GET /agents): `sip:user:password@host` with its password masked."""
+    if target is None or not is_sip_uri(target):
+        return target
+    scheme, _, rest = target.partition(":")
+    user, _, host = rest.rpartition("@")
+    return f"{scheme}:{user.split(':', 1)[0]}:***@{host}" if ":" in user else target
 
 
 def is_sip_uri(value: str) -> bool:

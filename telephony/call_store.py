@@ -108,6 +108,12 @@ class CallRecord:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def summary(self) -> dict[str, Any]:
+        """The scalar fields and how long each list is: what a listing of many calls shows (each whole, a
+        listing of long calls ran to tens of MB built on the event loop)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _LIST_FIELDS}
+        return out | {"counts": {name: len(getattr(self, name)) for name in _LIST_FIELDS}}
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CallRecord:
         data = dict(data)
@@ -123,6 +129,12 @@ class CallRecord:
     def from_json(cls, text: str) -> CallRecord:
         return cls.from_dict(json.loads(text))
 
+
+_LIST_FIELDS = ("turns", "oracle", "dtmf", "turn_latencies_s", "tools")
+# The newest this many items of each list are kept: a 4 h call (or one with no limit) that talks on grew its
+# lists without bound, and each read of the record (the admin API, `dial --wait` every second) with them.
+MAX_LIST_ITEMS = 1000
+MAX_LIST_PAGES = 10  # index pages a listing reads at most (records gone since their index entry was written)
 
 # Scalar fields `update` may set, by type. call_sid and created_at are fixed at create time.
 _STR_FIELDS = frozenset({"stream_sid", "from_number", "to_number", "node", "state", "end_reason", "agent"})
@@ -182,6 +194,20 @@ class _Op:
     submitted: float = field(default_factory=lambda: time.time())  # epoch s (this node's clock): orders `list_recent`
 
 
+def _items(cls: type, encoded: Iterable[str]) -> list[Any]:
+    """List items as their dataclass, keys it does not know (a newer version's) dropped, and an item that
+    is not an object of it skipped."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    out = []
+    for text in encoded:
+        try:
+            data = json.loads(text)
+            out.append(cls(**{k: v for k, v in data.items() if k in known}))
+        except (ValueError, TypeError, AttributeError):
+            continue
+    return out
+
+
 def _apply(record: CallRecord | None, op: _Op) -> CallRecord | None:
     """Apply `op` to `record` in place (or build it, for create). Ops on an unknown call are dropped:
     a late write must not resurrect an expired record. Mirrored by `_APPLY_LUA`."""
@@ -193,7 +219,10 @@ def _apply(record: CallRecord | None, op: _Op) -> CallRecord | None:
         return record  # first end wins: the stream stop and the status callback both end a call
     if op.kind == "push":
         assert op.list_name is not None and op.item is not None, op
-        getattr(record, op.list_name).append(op.item)
+        items = getattr(record, op.list_name)
+        items.append(op.item)
+        if len(items) > MAX_LIST_ITEMS:
+            del items[:-MAX_LIST_ITEMS]
     else:
         for name, value in op.fields.items():
             setattr(record, name, value)
@@ -439,6 +468,7 @@ elseif kind ~= 'create' then
 end
 if kind == 'push' then
   redis.call('RPUSH', KEYS[tonumber(ARGV[8])], ARGV[7])
+  redis.call('LTRIM', KEYS[tonumber(ARGV[8])], -MAX_LIST_ITEMS, -1)
 elseif kind ~= 'noop' then
   for f, v in pairs(cjson.decode(ARGV[7])) do
     if v == cjson.null then redis.call('HDEL', h, f) else redis.call('HSET', h, f, v) end
@@ -456,6 +486,8 @@ redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', '(' .. (now - tonumber(ARGV[4]) 
 for i = 1, 8 do redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
 return 1
 """
+
+_APPLY_LUA = _APPLY_LUA.replace("MAX_LIST_ITEMS", str(MAX_LIST_ITEMS))
 
 # Writes a live call's whole record back, if Redis has none (it restarted empty, or lost it). Same KEYS.
 # ARGV: 1 writer seq field, 2 seq (the last op the record includes), 3 ttl ms, 4 call sid, 5 activity time,
@@ -971,18 +1003,26 @@ class RedisCallStore(_OpStore):
         records: list[CallRecord] = []
         seen: set[str] = set()
         start = 0
+        # The index is pruned only by writes: after a quiet night it still held the day's expired calls, and a
+        # listing walked them all (150,000 commands for one live call among 20,000). Pruned here too, by
+        # Redis's clock as the writes do; and the walk is bounded.
+        seconds, micros = await self._guard(self._redis.time())
+        expired = seconds + micros / 1e6 - self.ttl_s
+        await self._guard(self._redis.zremrangebyscore(self._index_key, "-inf", f"({expired!r}"))
+        pages = 0
         while True:
             batch = [sid for sid in sids if sid not in seen]
             seen.update(batch)
             for sid, (record, applied) in zip(batch, await self._read(batch), strict=True):
                 if (merged := self._merge(record, applied, pending.get(sid, ()))) is not None:
                     records.append(merged)
-            if len(records) >= limit:
+            if len(records) >= limit or pages >= MAX_LIST_PAGES:
                 return records[:limit]
             sids = await self._guard(self._redis.zrevrange(self._index_key, start, start + limit - 1))
             if not sids:
                 return records
             start += len(sids)
+            pages += 1
 
     async def streaming_nodes(self) -> set[str]:
         """The nodes Redis has calls streaming on (the sweep of crashed nodes' calls asks every few seconds:
@@ -1028,19 +1068,28 @@ class RedisCallStore(_OpStore):
 
         raw = await self._guard(run())
         n = len(_KEY_SUFFIXES)
-        return [self._decode(sid, raw[i * n : (i + 1) * n]) for i, sid in enumerate(sids)]
+        # Decoded in a thread: a listing of long calls is thousands of JSON items, and on the event loop it
+        # held every live call's media for a second.
+        return await asyncio.to_thread(
+            lambda: [self._decode(sid, raw[i * n : (i + 1) * n]) for i, sid in enumerate(sids)])
 
     def _decode(self, call_sid: str, raw: list[Any]) -> tuple[CallRecord | None, int]:
+        """A record as Redis holds it; None for one that cannot be read (logged), never an exception: one odd
+        record (an item a newer version wrote, mid-upgrade) made the whole listing a 500."""
         fields, turns, oracle, dtmf, latencies, tools = raw
         if not fields:
             return None, 0
-        kw: dict[str, Any] = {k: v for k, v in fields.items() if k in _STR_FIELDS}
-        kw |= {k: float(v) for k, v in fields.items() if k in _FLOAT_FIELDS or k == "created_at"}
-        kw |= {"turns": [Turn(**json.loads(t)) for t in turns], "dtmf": dtmf}
-        kw |= {"oracle": [OracleNote(**json.loads(o)) for o in oracle]}
-        kw |= {"tools": [ToolNote(**json.loads(t)) for t in tools]}
-        record = CallRecord(call_sid=call_sid, turn_latencies_s=[float(x) for x in latencies], **kw)
-        return record, int(fields.get(self._seq_field, 0))
+        try:
+            kw: dict[str, Any] = {k: v for k, v in fields.items() if k in _STR_FIELDS}
+            kw |= {k: float(v) for k, v in fields.items() if k in _FLOAT_FIELDS or k == "created_at"}
+            kw |= {"turns": _items(Turn, turns), "dtmf": dtmf, "oracle": _items(OracleNote, oracle),
+                   "tools": _items(ToolNote, tools)}  # fmt: skip
+            record = CallRecord(call_sid=call_sid, turn_latencies_s=[float(x) for x in latencies], **kw)
+            return record, int(fields.get(self._seq_field, 0))
+        except (ValueError, TypeError) as exc:
+            logger.warning("call %s: its record in Redis cannot be read (%s); left out", call_sid,
+                           type(exc).__name__)  # fmt: skip
+            return None, 0
 
     async def _guard(self, aw: Any) -> Any:
         try:

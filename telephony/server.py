@@ -548,7 +548,8 @@ async def handle_calls(request: web.Request) -> web.Response:
         records = await ctx.store.list_recent(limit)
     except CallStoreUnavailable:
         return _store_unavailable()
-    return web.json_response({"calls": [r.to_dict() for r in records]}, dumps=json.dumps)
+    # Summaries (each list's length, not the list): GET /calls/{CallSid} has the whole record.
+    return web.json_response({"calls": [r.summary() for r in records]}, dumps=json.dumps)
 
 
 async def handle_call(request: web.Request) -> web.Response:

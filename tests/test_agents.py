@@ -484,3 +484,13 @@ async def test_the_agents_dtmf_key_hands_the_caller_to_a_person_through_the_rest
     else:
         assert not twilio.updates and twilio.refused == 1
         assert record.end_reason == "completed"
+
+
+def test_get_agents_never_shows_a_sip_password(tmp_path: Path) -> None:
+    """`transfer_to = "sip:user:password@pbx"` was shown as written by GET /agents (admin-only, but a PBX
+    password all the same); the agent still dials it as written."""
+    target = "sip:bob:s3cretPW@pbx.example.com;transport=tls"
+    agents = Agents.load(write_agents(tmp_path, f'[agents.a]\ninstructions = "x"\ntransfer_to = "{target}"\n'))
+    (shown,) = [a for a in agents.describe() if a["name"] == "a"]
+    assert shown["transfer_to"] == "sip:bob:***@pbx.example.com;transport=tls"
+    assert agents.get("a").transfer_to == target

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
 from telephony.call_store import (
+    MAX_LIST_ITEMS,
     CallBrief,
     CallRecord,
     CallStore,
@@ -557,4 +558,64 @@ async def test_a_live_call_quiet_past_the_retention_is_kept_in_memory() -> None:
     assert record is not None and record.state == "ended" and [t.text for t in record.turns] == ["still there?"]
     await asyncio.sleep(0.5)
     assert await store.get("CA1") is None  # once ended, the retention applies
+    await store.aclose()
+
+
+async def test_a_calls_lists_keep_their_newest_items(kind: str, prefix: str) -> None:
+    """A long call that talks on grew its lists without bound, and every read of its record with them (the
+    admin API, `dial --wait` each second): the newest MAX_LIST_ITEMS of each are kept, in Redis as in memory."""
+    store = make_store(kind, prefix)
+    await store.create(new_call("CA1"))
+    for i in range(MAX_LIST_ITEMS + 25):
+        await store.append_turn("CA1", "caller", f"turn {i}", at=T0 + i)
+        await store.append_oracle("CA1", f"draft {i}", at=T0 + i)
+    await flushed(store)
+    for reader in (store, make_store(kind, prefix) if kind == "redis" else store):
+        record = await reader.get("CA1")
+        assert record is not None and len(record.turns) == len(record.oracle) == MAX_LIST_ITEMS
+        assert record.turns[0].text == "turn 25" and record.turns[-1].text == f"turn {MAX_LIST_ITEMS + 24}"
+        (summary,) = [c.summary() for c in await reader.list_recent(5)]
+        assert "turns" not in summary and summary["counts"]["turns"] == MAX_LIST_ITEMS
+        if reader is not store:
+            await reader.aclose()
+    await store.aclose()
+
+
+async def test_an_odd_record_is_left_out_not_a_failed_listing(prefix: str, raw: aioredis.Redis) -> None:
+    """An item a newer version wrote (a field this one does not know) made every listing a 500 mid-upgrade:
+    unknown keys are dropped, and a record that cannot be read at all is left out, with a log line."""
+    store = make_store("redis", prefix)
+    for sid in ("CA1", "CA2", "CA3"):
+        await store.create(new_call(sid))
+        await store.append_turn(sid, "caller", "hello", at=T0)
+    await flushed(store)
+    await raw.rpush(f"{prefix}call:CA1:turns", '{"role": "bot", "text": "hi", "at": 1.0, "lang": "en"}', "[1, 2]")
+    await raw.hset(f"{prefix}call:CA2", "first_audio_s", "not a number")
+    reader = make_store("redis", prefix)
+    try:
+        one = await reader.get("CA1")
+        assert one is not None and [t.text for t in one.turns] == ["hello", "hi"]
+        assert await reader.get("CA2") is None
+        assert sorted(r.call_sid for r in await reader.list_recent(10)) == ["CA1", "CA3"]
+    finally:
+        await reader.aclose()
+        await store.aclose()
+
+
+async def test_a_listing_after_a_quiet_spell_prunes_the_expired_index(prefix: str, raw: aioredis.Redis) -> None:
+    """The index was pruned only by writes: after a quiet night a listing walked the whole day's expired calls
+    (150,000 Redis commands for one live call in the review). It prunes them first, by Redis's clock."""
+    store = make_store("redis", prefix, ttl_s=1.0)
+    for i in range(40):
+        await store.create(new_call(f"CA{i}"))
+    await flushed(store)
+    await asyncio.sleep(0.6)
+    await store.create(new_call("CA-last"))  # keeps the index alive past the others' expiry
+    await flushed(store)
+    await asyncio.sleep(0.6)  # the 40 expired, and nothing written since
+    assert await raw.zcard(f"{prefix}calls") == 41
+    reader = make_store("redis", prefix, ttl_s=1.0)  # nothing buffered: what Redis holds
+    assert [r.call_sid for r in await reader.list_recent(2)] == ["CA-last"]
+    assert await raw.zcard(f"{prefix}calls") == 1
+    await reader.aclose()
     await store.aclose()

@@ -92,6 +92,7 @@ async def test_admin_api_health_and_metrics_after_a_call(tiny_checkpoint: Path, 
             assert r.status == 200
             calls = (await r.json())["calls"]
             assert [c["call_sid"] for c in calls] == [report.call_sid]
+            assert "turns" not in calls[0] and calls[0]["counts"]["turns"] >= 1  # a summary; the record below
         async with http.get(phone.base + f"/calls/{report.call_sid}", headers=auth) as r:
             record = await r.json()
             assert record["state"] == "ended" and record["first_audio_s"] > 0
