@@ -170,7 +170,8 @@ class Agents:
             # the caller goes round, every leg billed.
             claimant = agent.transfer_to and agents._claimant(agent.transfer_to, any_host=False)
             if claimant:
-                raise AgentsError(f"agents file {path}: agent {name!r}: key 'transfer_to': {agent.transfer_to} is "
+                raise AgentsError(f"agents file {path}: agent {name!r}: key 'transfer_to': "
+                                  f"{_without_password(agent.transfer_to)} is "
                                   f"answered by this service (agent {claimant!r}): a transfer "
                                   "there would loop back to the bot")  # fmt: skip
             target = sip_address(agent.transfer_to or "")
@@ -179,7 +180,7 @@ class Agents:
                 # an address no agent claims comes back to this service's default agent.
                 log.warning("agents file %s: agent %r: transfer_to %s is on a SIP Domain this service answers: "
                             "unless a phone is registered there, the transfer rings the bot again", path, name,
-                            agent.transfer_to)  # fmt: skip
+                            _without_password(agent.transfer_to))  # fmt: skip
         by_name.setdefault(DEFAULT_AGENT, Agent(DEFAULT_AGENT))  # numbers no agent claims
         return agents
 

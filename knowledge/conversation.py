@@ -250,7 +250,7 @@ class Conversation:
             turn = self.turns[i]
             if isinstance(turn, ToolExchange):
                 continue
-            total += min(len(_clean(turn.text)), self._per_turn())
+            total += len(_tail(_clean(turn.text), self._per_turn()))  # as `messages` charges it
             if total > keep:
                 cut = i
                 break

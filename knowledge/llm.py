@@ -214,7 +214,10 @@ class EmptyReplyError(Exception):
 # every call's memory at link speed (400 MB in 10 s).
 MAX_STREAM_LINE_BYTES = 256 * 1024
 MIN_WHOLE_WORD_KEY_CHARS = 8  # an API key shorter than this is scrubbed from logs only where it stands alone
-KEY_HEAD_CHARS = 12  # a key's first characters (8 to 12), anywhere, are scrubbed with whatever key characters follow
+KEY_HEAD_CHARS = 12  # a key's first characters (10 to 12), anywhere, are scrubbed with whatever key characters follow
+# ... for keys this long: real API keys are 20 and more; a shorter one may be a word ("development1"), whose
+# head would scrub ordinary words from every log line.
+MIN_HEAD_KEY_CHARS = 16
 
 
 class StreamTooLarge(ValueError):
@@ -585,8 +588,8 @@ class LlmClient:
         key = self.config.api_key
         if len(key) >= MIN_WHOLE_WORD_KEY_CHARS:
             message = message.replace(key, "***")
-            if len(key) >= KEY_HEAD_CHARS:  # and a key the server itself cut short: its head and what follows
-                head = key[: min(KEY_HEAD_CHARS, max(MIN_WHOLE_WORD_KEY_CHARS, len(key) * 2 // 3))]
+            if len(key) >= MIN_HEAD_KEY_CHARS:  # and a key the server itself cut short: its head and what follows
+                head = key[: min(KEY_HEAD_CHARS, len(key) * 2 // 3)]
                 message = re.sub(re.escape(head) + r"[\w.~+/=-]*", "***", message)
         elif key:  # a short key (a local server's "x") only where it stands alone: not inside every word
             message = re.sub(rf"(?<![\w-]){re.escape(key)}(?![\w-])", "***", message)

@@ -66,6 +66,9 @@ class _PolicyState:
     failures: int = 0  # consecutive failed requests
     blocked_until: float = -math.inf  # back-off after a failure
     retry_pending: bool = False
+    # The back-end has something to ask about (a tool's result) that it could not ask yet: unlike a retry, a
+    # failure of the request in flight does not cancel it; only a request that starts does.
+    ask_owed: bool = False
     auto_retries: int = 0  # retries fired since the last new-input trigger
 
 
@@ -130,14 +133,14 @@ class OraclePolicy:
         backed off after a failure: a retry is then due when it lifts, with the same history."""
         s = self._s
         if now < s.blocked_until:
-            s.retry_pending = True
+            s.ask_owed = True
             return False
         self._forget_old_requests(now)
         if len(s.request_times) >= self.config.max_requests:
             # The window's cap holds here too: a model answering every final with a tool call that resolves at
             # once (an unknown name, bad arguments) asked past it, ~4 requests a final. Asked at the first poll
             # the window allows, as a retry.
-            s.retry_pending = True
+            s.ask_owed = True
             return False
         self._asked(now)
         return True
@@ -145,7 +148,7 @@ class OraclePolicy:
     def ask_later(self) -> None:
         """The back-end has something to ask about (a tool's result) but may not ask now (a call action's line
         is being said): asked at the first poll that may, with what the caller says meanwhile."""
-        self._s.retry_pending = True
+        self._s.ask_owed = True
 
     def _forget_old_requests(self, now: float) -> None:
         """Drop the request starts that fell out of the rate cap's window."""
@@ -160,6 +163,7 @@ class OraclePolicy:
         s.asked_at_words = self.word_count
         s.final_pending = False
         s.retry_pending = False
+        s.ask_owed = False
 
     def poll(self, now: float) -> TriggerReason | None:
         """Call every `poll_interval_s`. Returns why a request must start now, or None.
@@ -181,7 +185,7 @@ class OraclePolicy:
             reason = TriggerReason.FINAL
         elif count - s.asked_at_words >= cfg.min_word_delta:
             reason = TriggerReason.GROWTH
-        elif s.retry_pending:
+        elif s.retry_pending or s.ask_owed:
             reason = TriggerReason.RETRY
         if reason is None:
             return None
@@ -191,6 +195,7 @@ class OraclePolicy:
         # 0.8 s behind them. A final still counts in the window (finals come at most every ~0.6 s of silence).
         if len(s.request_times) >= cfg.max_requests and reason is not TriggerReason.FINAL:
             return None
+        automatic = reason is TriggerReason.RETRY and s.retry_pending  # (an owed ask is not a failure's retry)
         self._asked(now)
-        s.auto_retries = s.auto_retries + 1 if reason is TriggerReason.RETRY else 0
+        s.auto_retries = s.auto_retries + 1 if automatic else 0
         return reason

@@ -494,3 +494,11 @@ def test_get_agents_never_shows_a_sip_password(tmp_path: Path) -> None:
     (shown,) = [a for a in agents.describe() if a["name"] == "a"]
     assert shown["transfer_to"] == "sip:bob:***@pbx.example.com;transport=tls"
     assert agents.get("a").transfer_to == target
+
+
+def test_a_sip_password_never_reaches_the_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    claims = '[agents.b]\ninstructions = "x"\nnumbers = ["sip:desk@acme.sip.twilio.com"]\n'
+    warned = Agents.load(write_agents(tmp_path, claims + '[agents.a]\ninstructions = "x"\n'
+                                      'transfer_to = "sip:other:Hunter2pw@acme.sip.twilio.com"\n'))
+    assert warned.get("a").transfer_to == "sip:other:Hunter2pw@acme.sip.twilio.com"
+    assert "on a SIP Domain this service answers" in caplog.text and "Hunter2pw" not in caplog.text

@@ -1346,3 +1346,9 @@ def test_a_key_the_server_cut_short_is_still_scrubbed() -> None:
                         ("sk-proj-A1b2C3d4E5f6G7h8I9j0", "key=sk-proj-A1b2C3d4 (truncated)")):
         scrubbed = LlmClient(LlmConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key=key))._scrub(echoed)
         assert key[:10] not in scrubbed and "***" in scrubbed, scrubbed
+
+
+def test_a_short_key_that_is_a_word_does_not_scrub_other_words() -> None:
+    """A 12-character key made of a word ("development1") had its head scrubbed from every log line."""
+    client = LlmClient(LlmConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key="development1"))
+    assert client._scrub("The development server refused development1") == "The development server refused ***"

@@ -619,3 +619,21 @@ async def test_a_listing_after_a_quiet_spell_prunes_the_expired_index(prefix: st
     assert await raw.zcard(f"{prefix}calls") == 1
     await reader.aclose()
     await store.aclose()
+
+
+async def test_a_redis_refusing_writes_still_lists_its_calls(server: RedisServer) -> None:
+    """The listing's prune of the index is a write: a Redis refusing writes (NOREPLICAS here; MISCONF, a
+    read-only replica) made every listing a 503, exactly when an operator looks."""
+    store = open_call_store(server.url)
+    await store.create(new_call("CA1"))
+    await flushed(store)
+    admin = aioredis.Redis.from_url(server.url)
+    try:
+        await admin.config_set("min-replicas-to-write", 1)
+        reader = open_call_store(server.url)
+        assert [r.call_sid for r in await reader.list_recent(5)] == ["CA1"]
+        await reader.aclose()
+    finally:
+        await admin.config_set("min-replicas-to-write", 0)
+        await admin.aclose()
+        await store.aclose()

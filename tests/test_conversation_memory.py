@@ -109,3 +109,10 @@ def test_a_monologue_turn_is_kept_to_what_a_request_sends_of_it() -> None:
         pruned = _same_requests(steps, budget=budget, every=every)
         (turn,) = pruned.turns
         assert len(turn.text) <= 4 * (budget // TURN_SHARE)
+
+
+def test_turns_cut_to_a_few_words_are_charged_as_sent() -> None:
+    """A turn whose newest words follow a long run with no space is sent as those words alone ("… ok"):
+    charged at a quarter of the budget, it pushed turns that requests still send out of memory."""
+    steps = [step for n in range(200) for step in (_caller("x" * 5000 + f" ok{n}"), _bot(f"fine {n}"))]
+    _same_requests(steps, every=13)

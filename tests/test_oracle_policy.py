@@ -403,3 +403,17 @@ def test_a_request_the_back_end_makes_itself_keeps_to_the_rate_cap() -> None:
     assert granted == [10.0, 10.1, 10.2, 10.3, 10.4]
     fired = polls(p, 11.0, 13.0)
     assert fired[0] == (12.0, TriggerReason.RETRY)  # when the window's first request (10.0) leaves it
+
+
+def test_an_ask_the_cap_deferred_survives_the_request_in_flight_failing() -> None:
+    """Capped, the tool's result waited as a retry, and the request in flight then breaking after some words
+    (no retry: the caller would hear the start again) wiped it: the answer was never asked for. Owed, it is
+    asked once the window and the back-off allow."""
+    p = OraclePolicy(CFG)
+    for n in range(5):  # growth requests fill the window
+        p.on_partial(2 * (n + 1))
+        assert p.poll(10.0 + n * STEP) is not None
+    assert not p.ask_now(11.25)
+    p.on_failure(11.3, retry=False)
+    fired = polls(p, 11.5, 20.0)
+    assert fired and fired[0][1] is TriggerReason.RETRY
