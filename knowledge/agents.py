@@ -280,7 +280,9 @@ def sip_address(uri: str) -> str | None:
     m = _SIP_URI.fullmatch(uri.strip())
     if m is None:
         return None
-    user, host = unquote(m.group(2).split(";", 1)[0]), re.sub(r":\d+$", "", m.group(3).lower())
+    # The user without its parameters or password (userinfo is user[:password], RFC 3261), escapes decoded after.
+    user = unquote(m.group(2).split(";", 1)[0].split(":", 1)[0])
+    host = re.sub(r":\d+$", "", m.group(3).lower())
     if not user or "@" in user:  # an escaped '@' would make a user that names another domain's address
         return None
     host = _TWILIO_SIP_HOST.sub(r"\1.sip.twilio.com", host) if _TWILIO_SIP_HOST.fullmatch(host) else host

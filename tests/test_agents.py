@@ -502,3 +502,8 @@ def test_a_sip_password_never_reaches_the_log(tmp_path: Path, caplog: pytest.Log
                                       'transfer_to = "sip:other:Hunter2pw@acme.sip.twilio.com"\n'))
     assert warned.get("a").transfer_to == "sip:other:Hunter2pw@acme.sip.twilio.com"
     assert "on a SIP Domain this service answers" in caplog.text and "Hunter2pw" not in caplog.text
+    # A password does not hide a transfer that would ring the bot again (user[:password]@host is desk's).
+    with pytest.raises(AgentsError) as looped:
+        Agents.load(write_agents(tmp_path, claims + '[agents.a]\ninstructions = "x"\n'
+                                 'transfer_to = "sip:desk:Hunter2pw@acme.sip.twilio.com"\n'))
+    assert "would loop back" in str(looped.value) and "Hunter2pw" not in str(looped.value)
