@@ -33,6 +33,7 @@ from . import metrics
 from .batch import ModelMemory
 from .checkpoint import CheckpointError
 from .child_logging import LogSetup
+from .children import end_child
 from .frame_loop import (
     FrameLoop,
     LoopStats,
@@ -170,10 +171,7 @@ class FrameLoopProcess:
                 try:
                     kind, *rest = conn.recv()
                 except EOFError:
-                    process.join(5)
-                    if process.is_alive():  # closed its pipe but hangs on the way out (CUDA teardown)
-                        process.kill()
-                        process.join()
+                    end_child(process, 5)  # closed its pipe, but may hang on the way out (CUDA teardown)
                     raise EngineError(f"the engine process died while starting (exit code {process.exitcode})"
                                       ) from None  # fmt: skip
                 if kind != "fetched":
@@ -197,10 +195,7 @@ class FrameLoopProcess:
         process, conn = self._process, self._conn
         self._process = self._conn = None
         if process is not None:
-            process.join(5)
-            if process.is_alive():
-                process.kill()
-                process.join()
+            end_child(process, 5)
         if conn is not None:
             conn.close()
 
@@ -216,10 +211,7 @@ class FrameLoopProcess:
             self._sender.close()  # after the stop message
         process, conn = self._process, self._conn  # once: a failed start's thread may forget them meanwhile
         if process is not None:
-            process.join(10)
-            if process.is_alive():
-                process.kill()
-                process.join()
+            end_child(process, 10)
         if self._reader is not None:
             self._reader.join(5)
         if conn is not None:

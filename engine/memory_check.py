@@ -39,9 +39,9 @@ def device_memory(device: torch.device) -> DeviceMemory | None:
     """What is free on `device`, or None where it cannot be read (then nothing is checked)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        # Ours: what is allocated (the unused cache is counted free above, so not here too).
-        return DeviceMemory(str(device), free + cached, total, torch.cuda.memory_allocated(device))
+        # Ours: what is allocated; the allocator's unused cache is ours to use, so counted free.
+        ours = torch.cuda.memory_allocated(device)
+        return DeviceMemory(str(device), free + torch.cuda.memory_reserved(device) - ours, total, ours)
     if device.type == "cpu":
         info = _meminfo()
         if "MemAvailable" not in info or "MemTotal" not in info:
@@ -68,14 +68,20 @@ def _meminfo() -> dict[str, int]:
 def reserve_bytes(device: str, slots: int, width: int) -> int:
     """Beside the caches: the tick's activations grow with the slots and the model's width (measured at
     4096, the 7B's), and a GPU also keeps cuBLAS workspaces and graph pools."""
-    base = RESERVE_BYTES if device.startswith("cuda") else 0
-    return base + RESERVE_BYTES_PER_SLOT * width // 4096 * slots
+    return _base_reserve(device) + _slot_reserve(width) * slots
+
+
+def _base_reserve(device: str) -> int:
+    return RESERVE_BYTES if device.startswith("cuda") else 0
+
+
+def _slot_reserve(width: int) -> int:
+    return RESERVE_BYTES_PER_SLOT * width // 4096
 
 
 def slots_that_fit(memory: DeviceMemory, kv_bytes_per_slot: int, width: int) -> int:
-    room = memory.free_bytes - reserve_bytes(memory.device, 0, width)
-    per_slot = kv_bytes_per_slot + reserve_bytes(memory.device, 1, width) - reserve_bytes(memory.device, 0, width)
-    return max(0, room // max(per_slot, 1))
+    room = memory.free_bytes - _base_reserve(memory.device)
+    return max(0, room // max(kv_bytes_per_slot + _slot_reserve(width), 1))
 
 
 def check_slots_fit(memory: DeviceMemory, *, kv_cache_bytes: int, slots: int, width: int, kv_dtype: str,

@@ -635,8 +635,8 @@ class CallBackend:
             # The same call twice in one answer (parallel duplicates, which some models emit) runs once too.
             seen, unique = set(self._tools_running), []
             for c in calls:
-                if _tool_key(c) not in seen:
-                    seen.add(_tool_key(c))
+                if (key := _tool_key(c)) not in seen:
+                    seen.add(key)
                     unique.append(c)
             calls = unique
             if calls:

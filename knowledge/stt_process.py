@@ -46,6 +46,7 @@ import numpy as np
 
 from engine.checkpoint import CheckpointError
 from engine.child_logging import LogSetup
+from engine.children import end_child
 from engine.pipe_sender import ParentSender, PipeSender, commands
 from engine.tick_signal import TickSignal
 
@@ -179,9 +180,7 @@ class SttProcess:
                 link = self._link = _Link(next(self._generations), process, ours, sender)
         if closed:  # closed while this (re)start waited for the child: stop it, as `close` would have
             ours.send(("stop",))
-            process.join(10)
-            process.kill()
-            process.join()
+            end_child(process, 10)
             ours.close()
             return
         threading.Thread(target=self._read_forever, args=(link,), name="kame-stt-reader", daemon=True).start()
@@ -201,17 +200,11 @@ class SttProcess:
         try:
             kind, *rest = conn.recv()
         except EOFError:
-            process.join(5)
-            if process.is_alive():
-                process.kill()
-                process.join()
+            end_child(process, 5)
             raise RuntimeError(f"the Kyutai STT process died while starting (exit code {process.exitcode})") from None
         if kind == "failed":
             message, bad_checkpoint = rest
-            process.join(5)
-            if process.is_alive():  # still letting go of its GPU memory: the next try must not start beside it
-                process.kill()
-                process.join()
+            end_child(process, 5)  # still letting go of its GPU memory: the next try must not start beside it
             if bad_checkpoint:  # the same one clear line as in process
                 raise CheckpointError(message.removeprefix("CheckpointError: "))
             raise RuntimeError(f"the Kyutai STT process failed to start: {message}")
@@ -243,10 +236,7 @@ class SttProcess:
             return
         link.sender.put(("stop",))
         link.sender.close()
-        link.process.join(10)
-        if link.process.is_alive():
-            link.process.kill()
-            link.process.join()
+        end_child(link.process, 10)
         link.conn.close()
         self.tick_signal.close()  # an engine still ticking finds it closed: its `set` does nothing
 

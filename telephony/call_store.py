@@ -111,8 +111,8 @@ class CallRecord:
     def summary(self) -> dict[str, Any]:
         """The scalar fields and how long each list is: what a listing of many calls shows (each whole, a
         listing of long calls ran to tens of MB built on the event loop)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _LIST_FIELDS}
-        return out | {"counts": {name: len(getattr(self, name)) for name in _LIST_FIELDS}}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _LIST_NAMES}
+        return out | {"counts": {name: len(getattr(self, name)) for name in _LIST_NAMES}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CallRecord:
@@ -130,7 +130,6 @@ class CallRecord:
         return cls.from_dict(json.loads(text))
 
 
-_LIST_FIELDS = ("turns", "oracle", "dtmf", "turn_latencies_s", "tools")
 # The newest this many items of each list are kept: a 4 h call (or one with no limit) that talks on grew its
 # lists without bound, and each read of the record (the admin API, `dial --wait` every second) with them.
 MAX_LIST_ITEMS = 1000
