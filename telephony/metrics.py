@@ -64,7 +64,7 @@ AUDIOSOCKET_PROTOCOL_ERRORS = zero_series(
 WEBHOOK_REJECTIONS = zero_series(
     Counter(
         "kame_webhook_rejections_total",
-        "HTTP webhooks and WebSocket upgrades refused, by reason.",
+        "HTTP webhooks, WebSocket upgrades and admin API requests refused, by reason.",
         ["endpoint", "reason"],
     ),
     endpoint=("voice", "stream_status", "call_status", "media", "connect_action"),
@@ -84,6 +84,8 @@ zero_series(WEBHOOK_REJECTIONS, endpoint=("media",),
 # connections awaiting their call's UUID, the UUID of a call already streaming here, or of one with a record.
 zero_series(WEBHOOK_REJECTIONS, endpoint=("audiosocket",),
             reason=("not_allowed", "engine_down", "unstarted_cap", "unstarted_evicted", "second_stream", "replayed"))
+# The admin API (/calls, /agents): no bearer token, the wrong one, or none set on this node (ADMIN_TOKEN unset).
+zero_series(WEBHOOK_REJECTIONS, endpoint=("admin",), reason=("missing_token", "bad_token", "disabled"))
 STREAM_MESSAGES_DROPPED = zero_series(
     Counter(
         "kame_stream_messages_dropped_total",

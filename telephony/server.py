@@ -521,16 +521,28 @@ async def handle_readyz(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if ready else 503)
 
 
-def _admin_ok(ctx: ServerContext, request: web.Request) -> bool:
+def _admin_refusal(ctx: ServerContext, request: web.Request) -> str | None:
+    """Why an admin request is refused (None: it is not): no ADMIN_TOKEN on this node (`disabled`), no bearer
+    token, or the wrong one."""
     expected = ctx.config.admin_token
     given = request.headers.get("Authorization", "")
-    if not expected or not given.startswith("Bearer "):
-        return False
+    if not expected:
+        return "disabled"
+    if not given.startswith("Bearer "):
+        return "missing_token"
     # (surrogateescape: aiohttp hands over a header's non-UTF-8 bytes that way, and a plain encode() was a 500.)
-    return hmac.compare_digest(given.removeprefix("Bearer ").encode("utf-8", "surrogateescape"), expected.encode())
+    ok = hmac.compare_digest(given.removeprefix("Bearer ").encode("utf-8", "surrogateescape"), expected.encode())
+    return None if ok else "bad_token"
 
 
-def _unauthorized() -> web.Response:
+def _unauthorized(request: web.Request, reason: str) -> web.Response:
+    """401, counted and logged sampled (a token guesser sends thousands; never the token it tried)."""
+    metrics.WEBHOOK_REJECTIONS.labels(endpoint="admin", reason=reason).inc()
+    if n := _ctx(request).sampled(f"admin:{reason}"):
+        # The route, not the path: a path is the sender's text (newlines and all).
+        resource = request.match_info.route.resource
+        log.warning("admin request %s %s refused (%s) from %s (#%d)", request.method,
+                    resource.canonical if resource else "?", reason, request.remote, n)
     return web.json_response(
         {"error": "bearer token required (ADMIN_TOKEN)"}, status=401, headers={"WWW-Authenticate": "Bearer"}
     )
@@ -538,8 +550,8 @@ def _unauthorized() -> web.Response:
 
 async def handle_calls(request: web.Request) -> web.Response:
     ctx = _ctx(request)
-    if not _admin_ok(ctx, request):
-        return _unauthorized()
+    if refusal := _admin_refusal(ctx, request):
+        return _unauthorized(request, refusal)
     try:
         limit = max(1, min(int(request.query.get("limit", "50")), 500))
     except ValueError:
@@ -554,8 +566,8 @@ async def handle_calls(request: web.Request) -> web.Response:
 
 async def handle_call(request: web.Request) -> web.Response:
     ctx = _ctx(request)
-    if not _admin_ok(ctx, request):
-        return _unauthorized()
+    if refusal := _admin_refusal(ctx, request):
+        return _unauthorized(request, refusal)
     call_sid = request.match_info["call_sid"]
     # Only a well-formed call id reaches the store: `CA…:turns` would name one of a call's own Redis keys.
     if not _CALL_ID.fullmatch(call_sid):
@@ -576,8 +588,8 @@ def _store_unavailable() -> web.Response:
 async def handle_agents(request: web.Request) -> web.Response:
     """The agents in force and the numbers they answer (bearer ADMIN_TOKEN)."""
     ctx = _ctx(request)
-    if not _admin_ok(ctx, request):
-        return _unauthorized()
+    if refusal := _admin_refusal(ctx, request):
+        return _unauthorized(request, refusal)
     agents = ctx.agents.agents
     return web.json_response({"source": str(agents.source) if agents.source else None, "agents": agents.describe()})
 

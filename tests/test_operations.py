@@ -53,7 +53,8 @@ def _metric_value(text: str, name: str, labels: str = "") -> float:
     return 0.0
 
 
-async def test_admin_api_health_and_metrics_after_a_call(tiny_checkpoint: Path, hello_wav: Path) -> None:
+async def test_admin_api_health_and_metrics_after_a_call(tiny_checkpoint: Path, hello_wav: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
     async with running_phone(tiny_checkpoint, admin_token="admin-secret", metrics_port=0) as phone, \
             aiohttp.ClientSession() as http:
         async with http.get(phone.base + "/healthz") as r:
@@ -82,11 +83,22 @@ async def test_admin_api_health_and_metrics_after_a_call(tiny_checkpoint: Path, 
             before, "kame_engine_tick_seconds_count")
         assert _metric_value(after, "kame_engine_slots") == 2
 
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "admin-secret"}):
+        refused = "kame_webhook_rejections_total"
+        for headers in ({}, {"Authorization": "Bearer wrong-guess"}, {"Authorization": "admin-secret"}):
             async with http.get(phone.base + "/calls", headers=headers) as r:
                 assert r.status == 401
             async with http.get(phone.base + f"/calls/{report.call_sid}", headers=headers) as r:
                 assert r.status == 401
+        # Each refusal counted by why, and logged (sampled) with the route, never the token tried.
+        async with http.get(phone.handle.metrics_url) as r:
+            counted = await r.text()
+        for reason, n in (("missing_token", 4), ("bad_token", 2), ("disabled", 0)):
+            labels = f'{{endpoint="admin",reason="{reason}"}}'
+            assert _metric_value(counted, refused, labels) == _metric_value(after, refused, labels) + n, reason
+            assert refused + labels in counted  # every series exported from the start, for rate() and alerts
+        lines = [r.getMessage() for r in caplog.records if "admin request" in r.getMessage()]
+        assert any("GET /calls refused (bad_token) from 127.0.0.1" in line for line in lines), lines
+        assert not any("wrong-guess" in r.getMessage() or "admin-secret" in r.getMessage() for r in caplog.records)
         auth = {"Authorization": "Bearer admin-secret"}
         async with http.get(phone.base + "/calls", headers=auth) as r:
             assert r.status == 200
