@@ -43,6 +43,7 @@ from telephony.metrics import (
     CALL_STORE_PENDING_OPS,
     CALL_STORE_RESTORED_RECORDS,
     CALL_STORE_UNAPPLIED_OPS,
+    CALL_STORE_UNREADABLE,
     REDIS_ERRORS,
 )
 
@@ -203,6 +204,7 @@ def _items(cls: type, encoded: Iterable[str]) -> list[Any]:
             data = json.loads(text)
             out.append(cls(**{k: v for k, v in data.items() if k in known}))
         except (ValueError, TypeError, AttributeError):
+            CALL_STORE_UNREADABLE.labels(what="item").inc()
             continue
     return out
 
@@ -1087,11 +1089,16 @@ class RedisCallStore(_OpStore):
             kw |= {"turns": _items(Turn, turns), "dtmf": dtmf, "oracle": _items(OracleNote, oracle),
                    "tools": _items(ToolNote, tools)}  # fmt: skip
             record = CallRecord(call_sid=call_sid, turn_latencies_s=[float(x) for x in latencies], **kw)
-            return record, int(fields.get(self._seq_field, 0))
+            applied = int(fields.get(self._seq_field, 0))
         except (ValueError, TypeError) as exc:
+            CALL_STORE_UNREADABLE.labels(what="record").inc()
             logger.warning("call %s: its record in Redis cannot be read (%s); left out", call_sid,
                            type(exc).__name__)  # fmt: skip
             return None, 0
+        read = len(record.turns) + len(record.oracle) + len(record.tools)
+        if skipped := len(turns) + len(oracle) + len(tools) - read:
+            logger.warning("call %s: %d items of its record in Redis cannot be read; left out", call_sid, skipped)
+        return record, applied
 
     async def _guard(self, aw: Any) -> Any:
         try:

@@ -140,6 +140,15 @@ CALL_STORE_UNAPPLIED_OPS = Counter(
     "Call-store writes Redis could not apply: their call is not there (expired, or lost with a Redis that "
     "came back empty) and this node holds no copy of it to write back.",
 )
+CALL_STORE_UNREADABLE = zero_series(
+    Counter(
+        "kame_call_store_unreadable_total",
+        "Call records, or items of their lists (turns, oracle notes, tool notes), in Redis that could not be "
+        "read (written by another version, or edited by hand): left out of the admin API's answers.",
+        ["what"],
+    ),
+    what=("record", "item"),
+)
 CALL_STORE_RESTORED_RECORDS = Counter(
     "kame_call_store_restored_records_total",
     "Live calls' whole records written back to a Redis that had lost them (restarted without persistence).",

@@ -581,9 +581,11 @@ async def test_a_calls_lists_keep_their_newest_items(kind: str, prefix: str) -> 
     await store.aclose()
 
 
-async def test_an_odd_record_is_left_out_not_a_failed_listing(prefix: str, raw: aioredis.Redis) -> None:
+async def test_an_odd_record_is_left_out_not_a_failed_listing(prefix: str, raw: aioredis.Redis,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
     """An item a newer version wrote (a field this one does not know) made every listing a 500 mid-upgrade:
-    unknown keys are dropped, and a record that cannot be read at all is left out, with a log line."""
+    unknown keys are dropped, and an item or a record that cannot be read at all is left out, counted and
+    logged with its call id."""
     store = make_store("redis", prefix)
     for sid in ("CA1", "CA2", "CA3"):
         await store.create(new_call(sid))
@@ -592,11 +594,21 @@ async def test_an_odd_record_is_left_out_not_a_failed_listing(prefix: str, raw: 
     await raw.rpush(f"{prefix}call:CA1:turns", '{"role": "bot", "text": "hi", "at": 1.0, "lang": "en"}', "[1, 2]")
     await raw.hset(f"{prefix}call:CA2", "first_audio_s", "not a number")
     reader = make_store("redis", prefix)
+
+    def unreadable(what: str) -> float:
+        return REGISTRY.get_sample_value("kame_call_store_unreadable_total", {"what": what}) or 0.0
+
+    before = {what: unreadable(what) for what in ("record", "item")}
     try:
         one = await reader.get("CA1")
         assert one is not None and [t.text for t in one.turns] == ["hello", "hi"]
         assert await reader.get("CA2") is None
         assert sorted(r.call_sid for r in await reader.list_recent(10)) == ["CA1", "CA3"]
+        # Read twice each (get, then the listing): CA1's "[1, 2]" item, CA2's whole record.
+        assert {what: unreadable(what) - n for what, n in before.items()} == {"record": 2, "item": 2}
+        said = [r.getMessage() for r in caplog.records]
+        assert "call CA1: 1 items of its record in Redis cannot be read; left out" in said
+        assert any(line.startswith("call CA2: its record in Redis cannot be read") for line in said), said
     finally:
         await reader.aclose()
         await store.aclose()
