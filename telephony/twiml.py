@@ -17,7 +17,8 @@ MAX_PARAMETER_CHARS = 500
 # Twilio refuses TwiML responses over 64 kB (error 11750).
 MAX_TWIML_BYTES = 64_000
 # Characters XML 1.0 cannot carry at all; ElementTree would write them and Twilio would reject the TwiML.
-_XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+# Lone surrogates too (a JSON "\ud800" decodes to one): the UTF-8 encode of the answer raised on them.
+_XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 
 def xml_safe(text: str) -> str:

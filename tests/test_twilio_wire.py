@@ -16,7 +16,7 @@ from telephony.signatures import (
     validate_websocket,
     websocket_signature_url,
 )
-from telephony.twiml import busy_twiml, connect_stream_twiml, parse_connect_stream
+from telephony.twiml import busy_twiml, connect_stream_twiml, parse_connect_stream, xml_safe
 
 SID = "MZXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX"
 CALL = "CAXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX"
@@ -332,6 +332,19 @@ def test_bad_parameters_and_callback_rejected() -> None:
         connect_stream_twiml(STREAM_URL, STATUS_URL, {"k": "bell\x07"})
     with pytest.raises(ValueError):
         connect_stream_twiml(STREAM_URL, "/twilio/stream-status", {})
+
+
+@pytest.mark.parametrize("bad", ["bell\x07", "lone \ud800 surrogate", "\ufffe"])
+def test_text_xml_cannot_carry_is_refused_or_dropped(bad: str) -> None:
+    """Ours to refuse (a parameter we set) is a ValueError; not ours (a caller id) is dropped, and what is left
+    makes a TwiML answer that encodes (a lone surrogate made the UTF-8 encode raise: a 500)."""
+    with pytest.raises(ValueError):
+        connect_stream_twiml(STREAM_URL, STATUS_URL, {"k": bad})
+    safe = xml_safe(bad)
+    assert len(safe) == len(bad) - 1
+    twiml = connect_stream_twiml(STREAM_URL, STATUS_URL, {"k": safe})
+    twiml.encode("utf-8")  # as the webhook sends it
+    assert parse_connect_stream(twiml).parameters == {"k": safe}
 
 
 def test_busy_twiml() -> None:
