@@ -59,9 +59,13 @@ ToolCallback = Callable[[ToolUse], None]
 # What a tool call's result reads as in the history until it answers.
 TOOL_PENDING = "pending: still running; its result comes in a later message. Do not call it again."
 MAX_TOOL_ROUNDS = 3  # tool answers chained without the caller speaking: then the LLM must answer in words
-# After a call action (transfer, hang-up) no new draft may replace its line while the edge carries it out;
-# should the action fail, the call goes on with the LLM after this.
-ACTION_QUIET_S = 15.0
+# After a call action (transfer, hang-up) no new draft may replace its line while the edge carries it out.
+# The edge ends the window early when the action fails (action_failed), and a done action ends the call; so
+# this is a backstop, longer than the edge's worst case (telephony/media_session.py): the line played (at
+# most 2 x (12 + 6 a word) frames, two 5 s mark waits and a 1 s pause: 23 s for the 10-word transfer line)
+# and the REST request (11 s). At 15 s, a caller speaking in a slow transfer's last seconds could set the
+# LLM talking over the hand-off (tests/test_agent_tools.py checks the sum).
+ACTION_QUIET_S = 45.0
 
 
 def _tool_key(call: ToolCallRequest) -> tuple[str, str]:
@@ -648,7 +652,7 @@ class CallBackend:
         """The edge could not carry out the call action this call's LLM asked for (Twilio refused or did not
         answer): the caller heard "connecting you" and is still here. The history says it failed, the
         action's quiet window ends, and the LLM is asked again: it can tell the caller, not go quiet for
-        15 s believing the call was handed on."""
+        ACTION_QUIET_S believing the call was handed on."""
         if self._closed:
             return
         what = "transfer to a person" if action == "transfer" else "hang-up"

@@ -861,3 +861,20 @@ async def test_arguments_nested_past_the_cap_are_bad_arguments_and_the_calls_too
         await http.aclose()
     assert review.outcome == "bad_arguments"
     assert result.outcome == "ok" and len(tool_server.received) == 1
+
+
+def test_a_call_actions_quiet_window_outlasts_the_edge_carrying_it_out() -> None:
+    """The back-end keeps quiet while the edge plays the action's line and makes the REST request; at 15 s the
+    window could close first in a slow transfer (a caller speaking then set the LLM talking over the hand-off).
+    The edge's worst case, from its own limits: the line's frames (waited twice over should frames stop), two
+    mark waits and the pause between, and the REST client's timeout."""
+    import knowledge.backend as backend_module
+    from telephony import media_session as edge
+    from telephony.twilio_rest import _TIMEOUT_S
+
+    assert edge.ACTION_ANSWER_WAIT_S >= _TIMEOUT_S
+    for line in (TRANSFER_LINE, GOODBYE_LINE):
+        frames = edge.LINE_LEAD_FRAMES + len(line.split()) * edge.FRAMES_PER_WORD
+        worst = 2 * frames * edge.FRAME_SECONDS + 2 * (edge.LINE_MARK_WAIT_S + edge.LINE_AFTER_CLEAR_S) \
+            + _TIMEOUT_S
+        assert backend_module.ACTION_QUIET_S > worst, (line, worst)
