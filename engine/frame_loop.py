@@ -23,7 +23,7 @@ import sentencepiece
 
 from . import metrics
 from .batch import UNGENERATED, KameBatch, ModelMemory
-from .interface import FRAME_SAMPLES, FRAME_SECONDS, EngineClosed, EngineFull
+from .interface import FRAME_SAMPLES, FRAME_SECONDS, EngineClosed, EngineError, EngineFull
 from .oracle_buffer import OracleBuffer, tokenize_draft
 from .sampling import SamplingConfig
 from .ticker import FrameTicker
@@ -208,6 +208,7 @@ class FrameLoop:
         self._lock = threading.Lock()
         self._ticker = FrameTicker("kame-frame-loop", self.safe_tick, self._record_timing, clock)
         self._closed = False
+        self._abort_start = threading.Event()
         self._failed_ticks = 0  # in a row
         self._ticking: list[Slot] = []  # the calls the tick under way steps (a failed one resets only those)
         self.broken: str | None = None  # why the loop gave up (BROKEN_AFTER_FAILED_TICKS); never cleared
@@ -508,6 +509,8 @@ class FrameLoop:
         pad = np.full(B, self.batch.lm.text_padding_token_id, dtype=np.int64)
         t0 = time.monotonic()
         for _ in range(ticks):
+            if self._abort_start.is_set():  # between ticks: one under way cannot be interrupted
+                raise EngineError("the engine was stopped while warming up")
             self.batch.step(np.zeros((B, FRAME_SAMPLES), dtype=np.float32), everyone, pad)
         self.batch.reset_rows(everyone)
         # With --compile this is where start-up goes (minutes for the 7B step on a cold compile cache).
@@ -515,17 +518,25 @@ class FrameLoop:
                  self.batch.compile_mode)
 
     def abort_start(self) -> None:
-        """Nothing to kill in process: a warm-up under way runs to its end (seconds), then `stop`."""
+        """From any thread: a `start` under way gives up at its next warm-up tick (nothing to kill in process;
+        a compiling tick runs to its end) and raises EngineError, and never starts ticking."""
+        self._abort_start.set()
 
     def start(self, warmup_ticks: int = 4) -> None:
         if self._ticker.running:
             return
         self.warmup(warmup_ticks)
-        self._ticker.start()
+        with self._lock:
+            # A stop (or an abort) while the warm-up ran: the ticker started after it ticked a stopped engine
+            # for good (no one left to stop it).
+            if self._closed or self._abort_start.is_set():
+                raise EngineError("the engine was stopped while warming up")
+            self._ticker.start()
 
     def stop(self) -> None:
         with self._lock:
             self._closed = True
+        self._abort_start.set()  # a start still warming up gives up too
         self._ticker.stop()
         metrics.ENGINE_SLOTS.set(0)  # no seats once stopped
 

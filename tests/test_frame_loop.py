@@ -524,3 +524,44 @@ def test_a_call_can_have_its_own_forced_delay(tiny_bundle) -> None:
         loop.tick()
     assert [o.held for o in delayed.outputs] == [True] * 3 + [False]
     assert not any(o.held for o in plain.outputs)
+
+
+@pytest.mark.parametrize("how", ["stop", "abort"])
+def test_a_loop_stopped_while_warming_up_never_starts_ticking(tiny_bundle, how: str) -> None:
+    """A SIGTERM during the warm-up (minutes under --compile) stops the in-process loop before it ticks; the
+    warm-up then ended and started the ticker anyway, ticking a stopped engine with no one left to stop it.
+    Now the start gives up (EngineError, at the next warm-up tick for an abort) and no tick follows."""
+    from engine.interface import EngineError
+
+    loop = _loop(tiny_bundle, slots=2)
+    ticks = 0
+    step = loop.batch.step
+
+    def counted_step(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        nonlocal ticks
+        ticks += 1
+        time.sleep(0.02)  # a slow warm-up tick: the stop lands inside the warm-up
+        return step(*args, **kw)
+
+    loop.batch.step = counted_step  # type: ignore[method-assign]
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            loop.start(warmup_ticks=100)
+        except EngineError as e:
+            failed.append(e)
+
+    starting = threading.Thread(target=start)
+    starting.start()
+    while ticks < 3:
+        time.sleep(0.005)
+    (loop.stop if how == "stop" else loop.abort_start)()
+    starting.join(10)
+    assert not starting.is_alive() and failed, "the start went on"
+    if how == "abort":
+        assert ticks < 100  # gave up at the next tick, not after the whole warm-up
+    after = ticks
+    time.sleep(0.3)  # ~4 frames: a ticker started would have stepped
+    assert ticks == after and not loop._ticker.running
+    loop.stop()
