@@ -496,9 +496,11 @@ def main(argv: list[str] | None = None) -> int:
         from engine.checkpoint import CheckpointError
         from engine.link_wire import LinkRefused
         from engine.memory_check import NotEnoughMemory
+        from telephony.cluster import NodeIdInUse
 
-        # A bad checkpoint, a wrong token or protocol version, a node sized past its GPU: a retry won't help.
-        if isinstance(e, (CheckpointError, LinkRefused, NotEnoughMemory)):
+        # A bad checkpoint, a wrong token or protocol version, a node sized past its GPU, a node id another
+        # live node has: a retry won't help.
+        if isinstance(e, (CheckpointError, LinkRefused, NotEnoughMemory, NodeIdInUse)):
             print(f"kame-phone: {e}", file=sys.stderr)
             return 2
         if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:  # another process holds the port

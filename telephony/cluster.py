@@ -383,7 +383,15 @@ redis.call('ZREM', KEYS[3], ARGV[1])
 return 1
 """
 
+# A renewed key's TTL is a beat's interval above its unrenewed fall (1 s by default; tests use 0.1 s): this
+# much allows for the round trips' own time.
+_RENEWED_MARGIN_MS = 40
 _REDIS_FAILURES = (RedisError, OSError)  # OSError covers socket errors and TimeoutError
+
+
+class NodeIdInUse(RuntimeError):
+    """Another live node heartbeats under this node's id: starting would end its calls as this node's own
+    leftovers (lost_calls) and mix both nodes' seats under one key."""
 
 
 class RedisCluster:
@@ -520,14 +528,45 @@ class RedisCluster:
         self._redis_reserved = max(0, self._redis_reserved - 1)
 
     async def start(self) -> None:
-        with contextlib.suppress(*_REDIS_FAILURES):
-            other = await self._redis.hget(self._node_key(self.node_id), "url")
-            if other is not None and other != self.stream_url:
-                log.error("cluster: node id %r is also used by a node at %s: give each node its own KAME_NODE_ID",
-                          self.node_id, other)
+        """Raises NodeIdInUse when a live node already heartbeats under this id."""
+        with contextlib.suppress(*_REDIS_FAILURES):  # Redis down: nothing to compare (and no beats either)
+            await self._check_node_id_free()
         await self._beat()  # visible (with free = 0 until the engine is ready) before the first webhook
         self._task = asyncio.create_task(self._heartbeats(), name="cluster-heartbeat")
         self._task.add_done_callback(self._heartbeats_ended)
+
+    async def _check_node_id_free(self) -> None:
+        """A node key of this id still alive is either this node's last run, which died without closing (its
+        keys expire within node_ttl_s), or another node given the same id (two replicas sharing a hostname or
+        a KAME_NODE_ID). Only the latter renews them: watched for a beat and a half, a renewal (its keys' TTL
+        back up) refuses the start. The URL alone told nothing: replicas behind one host share it."""
+        keys = (self._node_key(self.node_id), self._alive_key(self.node_id))
+
+        async def ttls() -> list[int]:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.pttl(key)
+                return [int(t) for t in await pipe.execute()]
+
+        before = await ttls()
+        if all(t < 0 for t in before):  # none there (-2), the usual start: a clean stop deletes them
+            return
+        watch_s = min(1.5 * self.heartbeat_s, self.node_ttl_s)
+        log.info("cluster: node id %r was heartbeating %.1f s ago: watching %.1f s for another live node with it",
+                 self.node_id, self.node_ttl_s - max(before) / 1000, watch_s)
+        t0 = time.monotonic()
+        await asyncio.sleep(watch_s)
+        elapsed_ms = (time.monotonic() - t0) * 1000
+        # Unrenewed, a TTL falls by the time waited (or the key expires: -2); renewed, it is about a beat's
+        # interval above that. A key that appeared meanwhile was made by a node starting with this id too.
+        after = await ttls()
+        renewed = any(a >= 0 and (b < 0 or a > b - elapsed_ms + _RENEWED_MARGIN_MS)
+                      for b, a in zip(before, after, strict=True))
+        if renewed:
+            url = await self._redis.hget(keys[0], "url")
+            where = f" (streams at {url})" if url else ""
+            raise NodeIdInUse(f"node id {self.node_id!r} is in use by a live node{where}: give each node its own "
+                              "KAME_NODE_ID (the default is the host name)")
 
     def _heartbeats_ended(self, task: asyncio.Task[None]) -> None:
         if self._closing:

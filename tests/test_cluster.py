@@ -27,7 +27,7 @@ from telephony import admission
 from telephony.admission import CallSidUsed
 from telephony.audiosocket_session import call_id_for
 from telephony.call_store import CallRecord, open_call_store
-from telephony.cluster import LocalCluster, RedisCluster, Reservation, open_cluster, stream_url_for
+from telephony.cluster import LocalCluster, NodeIdInUse, RedisCluster, Reservation, open_cluster, stream_url_for
 from telephony.config import ServiceConfig
 from telephony.lost_calls import LostCallSweep
 from telephony.server import CALL_STATUS_PATH, MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
@@ -1041,6 +1041,48 @@ async def test_a_node_restarted_under_its_id_ends_the_calls_its_last_run_left_st
     got = {sid: (r.state, r.end_reason) for sid, r in records.items() if r is not None}
     assert got == {left_as: ("ended", "node_lost"), left_twilio: ("ended", "node_lost"), live: ("streaming", None),
                    other: ("streaming", None), hung_up: ("streaming", None)}  # fmt: skip
+
+
+@pytest.mark.parametrize("routable", [True, False])
+async def test_a_second_node_with_a_live_nodes_id_is_refused_and_a_restart_is_not(
+    prefix: str, raw: aioredis.Redis, routable: bool
+) -> None:
+    """Two nodes under one id (replicas sharing a hostname or a KAME_NODE_ID): the second one's start ended the
+    first one's live calls as its own last run's leftovers, and both published seats under one key. A live
+    node renews its keys, so the second start is refused; a dead last run's keys only age, so a restart (the
+    container restarted with its hostname) starts after watching a beat and a half, and a clean one at once."""
+    url = "ws://127.0.0.1/dup" + MEDIA_PATH
+
+    def node() -> RedisCluster:
+        return RedisCluster(client(), "dup", url, lambda: 2, key_prefix=prefix, heartbeat_s=0.1, node_ttl_s=0.6,
+                            routable=routable)  # fmt: skip
+
+    first = node()
+    await first.start()
+    try:
+        with pytest.raises(NodeIdInUse, match="'dup' is in use by a live node"):
+            await node().start()
+        await asyncio.sleep(0.3)
+        key = f"{prefix}node:dup" if routable else f"{prefix}alive:dup"
+        assert await raw.pttl(key) > 300  # still beating: the refused start changed nothing of the first's
+        if routable:
+            assert (await first.reserve(new_call_sid())) is not None
+    finally:
+        first._closing = True  # dies without closing: its keys stay until they expire
+        first._poke.set()
+        if first._task is not None:
+            await first._task
+        await first._redis.aclose()
+    restarted = node()
+    t0 = time.monotonic()
+    await restarted.start()  # the last run's keys still there, not renewed: started after watching
+    assert 0.14 <= time.monotonic() - t0 < 1.0
+    await restarted.aclose()
+    again = node()
+    t0 = time.monotonic()
+    await again.start()  # closed cleanly: nothing to watch
+    assert time.monotonic() - t0 < 0.14
+    await again.aclose()
 
 
 async def test_a_node_whose_own_engine_falls_behind_stays_in_rotation_to_answer_busy(
