@@ -755,6 +755,45 @@ async def _all_free(raw: aioredis.Redis, prefix: str, expected: dict[str, int]) 
     return all([await node_free(raw, prefix, node_id) == free for node_id, free in expected.items()])
 
 
+async def test_serve_under_a_live_nodes_id_exits_2_and_leaves_it_serving(
+    tiny_checkpoint: Path, question_wav: Path, prefix: str, raw: aioredis.Redis, tmp_path: Path
+) -> None:
+    """`serve` started with the KAME_NODE_ID of a live node (a copied .env, two replicas on one hostname) says
+    so in one line and exits 2, before loading a model; the live node's call goes on to its end."""
+    token = uuid.uuid4().hex
+    a = start_node("node-same", 1, tiny_checkpoint, prefix, token, tmp_path, "--no-engine-process")
+    twin: Node | None = None
+    sid = new_call_sid()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            await until(lambda: _is(readyz(http, a), 200), "a ready", 120, every=0.5)
+            url, _ = await answer(http, a, token, sid)
+            assert url is not None
+            call = asyncio.create_task(simulate_call(
+                url, question_wav, auth_token=token, public_url=a.base, voice_url=a.base + VOICE_PATH,
+                custom_sid=sid, hold_after=1.0))  # fmt: skip
+            await until(lambda: _hget_is(raw, f"{prefix}resv:{sid}", "state", "claimed"), "streaming")
+            twin_dir = tmp_path / "twin"
+            twin_dir.mkdir()
+            twin = start_node("node-same", 1, tiny_checkpoint, prefix, token, twin_dir)
+            assert await asyncio.wait_for(asyncio.to_thread(twin.proc.wait), 60) == 2
+            assert "node id 'node-same' is in use by a live node" in twin.log.read_text()
+            report = await asyncio.wait_for(call, 60)
+            assert report.outcome == "completed" and report.bot_seconds_received > 0, report.errors
+            assert await readyz(http, a) == 200
+            keys = [f"{p}call:{sid}" for p in (prefix, "kame:")]
+            await until(lambda: _any_hget_is(raw, keys, "end_reason", "completed"), "the call's own end")
+    finally:
+        for node in (a, twin):
+            if node is not None and node.proc.poll() is None:
+                node.proc.kill()
+                node.proc.wait(10)
+        keys = [k async for k in raw.scan_iter(match=f"kame:call:{sid}*")]
+        if keys:
+            await raw.delete(*keys)
+        await raw.zrem("kame:calls", sid)
+
+
 async def test_nodes_behind_one_url_take_each_others_streams(prefix: str, raw: aioredis.Redis) -> None:
     """Two nodes behind one public host name (an old and a new pod in a rolling update, one Ingress): the
     webhook reserves on one, the load balancer sends the stream to either. It used to be refused on the
