@@ -40,7 +40,7 @@ from engine.metrics import zero_series
 log = logging.getLogger(__name__)
 
 DEFAULT_AGENT = "default"
-E164 = re.compile(r"\+[1-9]\d{6,14}")
+E164 = re.compile(r"\+[1-9][0-9]{6,14}")  # ASCII digits: \d takes any script's, which no carrier dials
 # A SIP URI as Twilio's `To` carries it for a call through a SIP Domain or a BYOC trunk (the INVITE's
 # Request-URI): scheme, user@host, then any port, parameters or headers (`;transport=tls`, `?X-Foo=1`).
 # The user may carry parameters of its own (sip:+15550002222;npdi;rn=+15550009999@host: a carrier's number
@@ -282,7 +282,7 @@ def sip_address(uri: str) -> str | None:
         return None
     # The user without its parameters or password (userinfo is user[:password], RFC 3261), escapes decoded after.
     user = unquote(m.group(2).split(";", 1)[0].split(":", 1)[0])
-    host = re.sub(r":\d+$", "", m.group(3).lower())
+    host = re.sub(r":[0-9]+$", "", m.group(3).lower())
     if not user or "@" in user:  # an escaped '@' would make a user that names another domain's address
         return None
     host = _TWILIO_SIP_HOST.sub(r"\1.sip.twilio.com", host) if _TWILIO_SIP_HOST.fullmatch(host) else host

@@ -177,6 +177,11 @@ async def test_a_sip_domain_call_gets_its_agent_through_the_real_webhook_and_str
          f'numbers = ["{SALES}"]\n', f"agent 'b': key 'numbers': {SALES} is also claimed by agent 'a'"),
         ('[agents.a]\ninstructions = "x"\nnumbers = ["555-1234"]\n', "agent 'a': key 'numbers': a list of E.164"),
         ('[agents.a]\ninstructions = "x"\ntransfer_to = "bob"\n', "agent 'a': key 'transfer_to'"),
+        # Full-width digits: \d took them; the file loaded, the agent never got a call, its transfers never dialled.
+        ('[agents.a]\ninstructions = "x"\nnumbers = ["+1' + "\\uff15" * 3 + "\\uff10" * 3 + "\\uff12" * 4 + '"]\n',
+         "agent 'a': key 'numbers': a list of E.164"),
+        ('[agents.a]\ninstructions = "x"\ntransfer_to = "+4\u0664\u0662\u0660\u0667\u0669\u0664\u0666\u0660\u0660"\n',
+         "agent 'a': key 'transfer_to'"),
         ('[agents.a]\ninstructions = "x"\nbusy = "dial"\n', "agent 'a': key 'busy': 'dial' needs transfer_to"),
         ('[agents.a]\ninstructions = "x"\n[[agents.a.tools]]\nname = "t"\ndescription = "d"\n'
          'url = "http://crm.example.com/x"\n', "agent 'a': key 'tools.t.url'"),
