@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import itertools
 import json
 import logging
+import os
+import socket
 import ssl
+import stat
 import struct
 import time
 from dataclasses import dataclass, field
@@ -120,6 +124,9 @@ class EngineServer:
         self._listen_tls: ssl.SSLContext | None = None
         self._closing: set[asyncio.Task[None]] = set()  # calls the edges hung up, still saying their last words
         self._server: asyncio.Server | None = None
+        # The socket file we made: its path and identity (device, inode, and its creation's ctime, since a file
+        # made right after ours was deleted may reuse our inode number).
+        self._unix_socket: tuple[str, tuple[int, int, int]] | None = None
         self._fanout: asyncio.Task[None] | None = None
         self._status: asyncio.Task[None] | None = None
         self.draining = False
@@ -138,7 +145,14 @@ class EngineServer:
     async def listen(self, address: Address) -> Address:
         """Start serving; returns the bound address (the real port when `address.port` is 0)."""
         if address.unix_path is not None:
-            self._server = await asyncio.start_unix_server(self._serve_edge, path=address.unix_path)
+            path = address.unix_path
+            # asyncio removes a socket file in the way: a second engine-serve on the path of a live one took it
+            # over silently (the first's edges then reconnected to the wrong engine). A stale one (nothing
+            # accepting) is still replaced.
+            if await asyncio.to_thread(_unix_socket_answers, path):
+                raise OSError(errno.EADDRINUSE, f"another process is listening on {path}")
+            self._server = await asyncio.start_unix_server(self._serve_edge, path=path)
+            self._unix_socket = (path, _identity(os.stat(path)))
             bound = address
         else:
             if address.tls and self.tls is None:
@@ -168,6 +182,17 @@ class EngineServer:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._no_calls.wait(), timeout_s)
         return self.calls
+
+    def remove_socket(self) -> None:
+        """Remove the Unix socket this server made, if it is still ours: another engine-serve started on the
+        path since (after this one stopped listening) owns the file now, and removing it cut its edges off."""
+        if self._unix_socket is None:
+            return
+        path, ours = self._unix_socket
+        self._unix_socket = None
+        with contextlib.suppress(FileNotFoundError):
+            if _identity(os.stat(path)) == ours:
+                os.unlink(path)
 
     async def aclose(self) -> None:
         if self._server is not None:
@@ -567,3 +592,23 @@ def _abort(writer: asyncio.StreamWriter) -> None:
     """End a closed connection's transport for good: a TLS close still waiting for the peer's close_notify."""
     with contextlib.suppress(Exception):  # already gone
         writer.transport.abort()
+
+
+def _unix_socket_answers(path: str) -> bool:
+    """Whether something accepts connections on the Unix socket at `path` (False: none there, or stale)."""
+    try:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            return False
+    except FileNotFoundError:
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:  # ECONNREFUSED: a socket file its process left behind
+            return False
+    return True
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_dev, st.st_ino, st.st_ctime_ns

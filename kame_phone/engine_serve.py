@@ -141,7 +141,6 @@ async def run_engine_server(args: argparse.Namespace) -> int:
         if engine is not None:
             await engine.stop()
         await runner.cleanup()
-        if address.unix_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(address.unix_path)
+        if server is not None:
+            server.remove_socket()
     return code

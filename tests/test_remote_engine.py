@@ -811,3 +811,39 @@ async def test_a_rolling_upgrade_keeps_edges_and_engines_of_protocols_3_and_4_li
     finally:
         await edge.stop()
         old.close()
+
+
+async def test_a_second_engine_on_a_live_engines_socket_is_refused_and_a_stale_one_replaced(engine_server) -> None:
+    """asyncio removes a Unix socket file in its way: a second engine-serve on a live one's path took it over
+    silently, and the first one's exit then removed the second's socket (every edge restarting after that
+    found no engine). A live socket now refuses the second listener (EADDRINUSE), a stale one is replaced,
+    and an engine removes its socket on the way out only while the file is still its own."""
+    import errno
+    import os
+
+    from engine.link_server import EngineServer
+    from kame_phone.media_bench import LoopbackEngine
+
+    first, address = await engine_server(2)
+    assert address.unix_path is not None
+    with pytest.raises(OSError) as refused:
+        await EngineServer(LoopbackEngine(max_calls=2), token=None).listen(address)
+    assert refused.value.errno == errno.EADDRINUSE and "another process is listening" in str(refused.value)
+    edge = await RemoteEngine.connect(address, token=None, seats=1, name="still-first")
+    assert edge.max_calls == 1 and first.seats_granted == 1  # the first engine still has its socket
+    await edge.stop()
+
+    await first.aclose()  # stopped listening, its file left behind: stale
+    second_engine = LoopbackEngine(max_calls=2)
+    second = EngineServer(second_engine, token=None)
+    try:
+        await second.listen(address)  # replaced
+        first.remove_socket()  # the first's way out: the file is the second's now, and stays
+        edge = await RemoteEngine.connect(address, token=None, seats=1, name="second")
+        assert second.seats_granted == 1
+        await edge.stop()
+        second.remove_socket()
+        assert not os.path.exists(address.unix_path)  # noqa: ASYNC240 - its own: removed
+    finally:
+        await second.aclose()
+        await second_engine.stop()
