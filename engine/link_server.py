@@ -220,6 +220,10 @@ class EngineServer:
                             "engine %s: edges told to admit calls again",
                             "not keeping time" if behind else "keeping time again")  # fmt: skip
                 was_behind = behind
+                if not behind:
+                    # Seats freed while it was not ready were kept back (`_offer_free_seats` gives none then):
+                    # offered now, or an edge granted less than it asked stayed short until another left.
+                    self._offer_free_seats()
             status = json_message(b"S", {"draining": self.draining, "behind": behind})
             for edge in list(self._edges):
                 if edge.version >= 6 and not edge.writer.transport.is_closing():

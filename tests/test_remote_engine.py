@@ -633,6 +633,28 @@ async def test_an_engine_not_keeping_time_tells_its_edges_to_admit_no_new_calls(
         await edge.stop()
 
 
+async def test_seats_freed_while_the_engine_was_behind_are_offered_once_it_keeps_time(engine_server) -> None:
+    """Seats freed while the engine is not ready are not offered (they would be taken for calls it cannot
+    carry); nothing offered them when it became ready again, so an edge granted less than it asked stayed
+    short, and callers heard busy beside idle seats, until another edge happened to leave (review, session 28)."""
+    server, address = await engine_server(4)
+    other = await RemoteEngine.connect(address, token=None, seats=2, name="other")
+    short = await RemoteEngine.connect(address, token=None, seats=4, name="short")
+    try:
+        assert (other.max_calls, short.max_calls) == (2, 2)
+        server.engine.behind = True
+        await until(lambda: short.engine_behind, "the edges told the engine is behind", within=5)
+        await other.stop()  # its 2 seats come free while the engine is behind: kept back
+        await until(lambda: server.seats_granted == 2, "the other edge's seats back", within=5)
+        await asyncio.sleep(0.3)
+        assert short.max_calls == 2
+        server.engine.behind = False
+        await until(lambda: short.max_calls == 4, "the freed seats offered to the edge short of them", within=5)
+        assert server.seats_granted == 4
+    finally:
+        await short.stop()
+
+
 async def test_an_engine_that_goes_silent_is_taken_for_lost(monkeypatch: pytest.MonkeyPatch) -> None:
     """A partition or a frozen engine host sends no reset: an idle edge, which wrote nothing that could fail,
     stayed ready for ever and every call routed to it waited out its seat request (review, session 22). The
