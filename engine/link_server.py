@@ -16,6 +16,7 @@ free go to a connected edge of protocol 5 that was granted less than it asked ("
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import errno
 import hmac
@@ -238,9 +239,10 @@ class EngineServer:
             if tls is not None and not await self._handshake(writer, tls, peer):
                 return
             if len(self._awaiting_hello) >= MAX_UNAUTHENTICATED:
-                # A flood of connections: the oldest that has not said hello goes (an edge says it at once).
-                # Refusing the newest let a few silent sockets, reopened as they timed out, keep every edge out.
-                oldest = next(iter(self._awaiting_hello))
+                # A flood of connections: the oldest that has not said hello goes (an edge says it at once), of
+                # the host holding the most. Refusing the newest let a few silent sockets, reopened as they timed
+                # out, keep every edge out; the oldest of all let one host's flood evict every edge's hello.
+                oldest = _evictee(self._awaiting_hello)
                 del self._awaiting_hello[oldest]
                 metrics.ENGINE_LINK_ERRORS.labels(kind="unauthenticated_cap").inc()
                 if n := self._sampled("hello_cap"):
@@ -317,8 +319,8 @@ class EngineServer:
         the hello's (an honest edge is exposed to eviction for its whole handshake, a round trip or two, not just
         for its hello, which comes in the same flight as the handshake's end): the oldest goes for a newer one."""
         if len(self._handshaking) >= MAX_HANDSHAKES:
-            oldest, task = next(iter(self._handshaking.items()))
-            del self._handshaking[oldest]
+            oldest = _evictee(self._handshaking)  # of the host holding the most, as for hellos
+            task = self._handshaking.pop(oldest)
             metrics.ENGINE_LINK_ERRORS.labels(kind="unauthenticated_cap").inc()
             if n := self._sampled("handshake_cap"):
                 log.warning("engine link: %d TLS handshakes under way; the oldest stopped for one from %s (#%d)",
@@ -616,3 +618,18 @@ def _unix_socket_answers(path: str) -> bool:
 
 def _identity(st: os.stat_result) -> tuple[int, int, int]:
     return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+def _peer_host(writer: asyncio.StreamWriter) -> str:
+    """The peer's address without its port (a TCP peer's every connection has its own port); "" for a Unix
+    socket's peers, all local."""
+    peer = writer.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else ""
+
+
+def _evictee(waiting: dict[asyncio.StreamWriter, Any]) -> asyncio.StreamWriter:
+    """Who goes when too many peers are unauthenticated: the oldest connection (dicts keep insertion order) of
+    the host that holds the most, so a flood from one host evicts its own connections, not an edge's."""
+    hosts = collections.Counter(_peer_host(w) for w in waiting)
+    most = max(hosts.values())
+    return next(w for w in waiting if hosts[_peer_host(w)] == most)

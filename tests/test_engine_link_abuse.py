@@ -288,3 +288,27 @@ async def test_a_calls_setup_crosses_the_link_and_a_malformed_one_costs_only_its
                     break
     finally:
         await good.stop()
+
+
+async def test_a_flood_from_one_host_evicts_its_own_connections_not_an_edges_hello(engine_server) -> None:
+    """Over the cap of peers awaiting their hello, the oldest of all went: a host opening silent connections
+    fast enough evicted every edge's connection before its hello (0 of 10 edges joined at 2000 connections a
+    second, review session 28). The oldest of the host holding the most goes now: the flood evicts its own."""
+    from engine.link_wire import json_message, read_message
+
+    _, address = await engine_server(2, tcp=True, token=TOKEN)
+    reader, writer = await asyncio.open_connection(address.host, address.port)  # an edge far away: hello late
+    flood = [await asyncio.open_connection(address.host, address.port, local_addr=("127.0.0.2", 0))
+             for _ in range(4 * MAX_UNAUTHENTICATED)]  # fmt: skip
+    try:
+        await asyncio.sleep(0.3)  # every one accepted and waiting (or evicted) by now
+        writer.write(json_message(b"H", {"version": PROTOCOL_VERSION, "token": TOKEN, "seats": 1, "name": "far"}))
+        kind, body = await asyncio.wait_for(read_message(reader), 5)
+        welcome = json.loads(bytes(body))
+        assert kind == b"W" and "error" not in welcome, welcome
+        answers = await asyncio.gather(*(_read_or_closed(r, 0.5) for r, _ in flood[:-MAX_UNAUTHENTICATED]))
+        assert all(b"too many connections" in a for a in answers)  # the flood's older ones made the room
+    finally:
+        writer.close()
+        for _, w in flood:
+            w.close()
