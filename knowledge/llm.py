@@ -329,10 +329,13 @@ def _delta_content(delta: dict[str, Any]) -> str | None:
 
 
 def _add_tool_call_pieces(delta: dict[str, Any], calls: dict[int, _ToolCallParts]) -> bool:
-    """Join a delta's `tool_calls` pieces into `calls` (by index); True if it had any."""
+    """Join a delta's `tool_calls` pieces into `calls` (by index); True if they added to a call's id, name or
+    arguments. Empty pieces (`{"index": 0}`) are no progress: counted as such, a server sending them every half
+    second held the request open to max_request_s, as empty chunks once did."""
     pieces = delta.get("tool_calls")
     if not pieces:
         return False
+    before = sum(len(c.id) + len(c.name) + len(c.arguments) for c in calls.values())
     if not isinstance(pieces, list):
         raise TypeError("delta.tool_calls is not a list")
     for piece in pieces:
@@ -354,7 +357,7 @@ def _add_tool_call_pieces(delta: dict[str, Any], calls: dict[int, _ToolCallParts
         parts.arguments += str(function.get("arguments") or "")
         if len(parts.arguments) > MAX_TOOL_ARGUMENTS or len(parts.name) > 64 or len(parts.id) > 128:
             raise ValueError("a tool call past its size limits")
-    return True
+    return sum(len(c.id) + len(c.name) + len(c.arguments) for c in calls.values()) > before
 
 
 def _cut_at_word(text: str, limit: int) -> str:

@@ -85,6 +85,7 @@ class FakeLlm:
     # minute (a gateway that keeps the connection).
     hold_after_finish: bool = False
     chatter_after_finish: bool = False  # while held: a chunk with no choices every half second
+    chatter_delta: dict[str, Any] | None = None  # ... or, if set, a chunk with this (empty) delta
     finish_every_chunk: bool = False  # finish_reason "stop" on every chunk (some gateways in front of Gemini)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -260,8 +261,9 @@ class FakeLlm:
             await resp.write(f"data: {json.dumps(body)}\n\n".encode())
             for _ in range(120 if self.chatter_after_finish else 0):
                 await asyncio.sleep(0.5)
+                choices = [] if self.chatter_delta is None else [{"index": 0, "delta": self.chatter_delta}]
                 empty = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": model,
-                         "choices": []}  # fmt: skip
+                         "choices": choices}  # fmt: skip
                 await resp.write(f"data: {json.dumps(empty)}\n\n".encode())
             await asyncio.sleep(60)
         except ConnectionError:

@@ -627,10 +627,15 @@ async def test_an_answer_whose_stream_stays_open_after_its_finish_is_whole_at_on
     assert metric("kame_llm_errors_total", kind="timeout") == timeouts
 
 
-async def test_chunks_with_nothing_in_them_after_the_finish_do_not_hold_the_tool_call(llm_server: FakeLlm) -> None:
+@pytest.mark.parametrize("chatter", [None, {"tool_calls": [{"index": 0}]}], ids=["no-choices", "empty-tool-piece"])
+async def test_chunks_with_nothing_in_them_after_the_finish_do_not_hold_the_tool_call(
+    llm_server: FakeLlm, chatter: dict | None
+) -> None:
     """After its finish_reason, a server sending an empty chunk every half second: each pushed the finish's
-    grace on, so the tool call (handed over at the stream's end) waited the whole request's cap, 30 s."""
+    grace on, so the tool call (handed over at the stream's end) waited the whole request's cap, 30 s. An empty
+    tool-call piece (`{"index": 0}`, nothing in it) did the same (review, session 28)."""
     llm_server.hold_after_finish = llm_server.chatter_after_finish = True
+    llm_server.chatter_delta = chatter
     llm_server.tool_triggers = {"order": ("order_status", {"order_id": "4217"})}
     async with _llm(llm_server) as llm:
         started = time.monotonic()
