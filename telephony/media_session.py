@@ -201,6 +201,9 @@ class MediaStreamSession(CallLeg):
         self._end_reason = "max_duration"  # not the hang-up's own outcome
 
     async def _on_text(self, raw: str) -> None:
+        if not self.limits.allow_text(len(raw)):  # before the parse, which is what a flood of big frames costs
+            await self._end_if_flooding()
+            return
         try:
             message = parse_twilio_message(raw)
         except ProtocolError as e:

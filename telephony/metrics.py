@@ -90,11 +90,11 @@ STREAM_MESSAGES_DROPPED = zero_series(
     Counter(
         "kame_stream_messages_dropped_total",
         "Media Streams messages dropped over their per-stream limit (telephony/stream_limits.py): control "
-        "messages and pings over their rate, media past real time or its message rate; a stream far past its "
-        "limits is ended as flooding.",
+        "messages and pings over their rate, media past real time or its message rate, text frames over the "
+        "stream's text rate (refused unparsed: event text); a stream far past its limits is ended as flooding.",
         ["event"],
     ),
-    event=("connected", "start", "stop", "mark", "dtmf", "media", "invalid", "audio", "media_msgs", "ping"),
+    event=("connected", "start", "stop", "mark", "dtmf", "media", "invalid", "audio", "media_msgs", "ping", "text"),
 )
 MEDIA_UNSTARTED_SOCKETS = Gauge(
     "kame_media_unstarted_sockets",

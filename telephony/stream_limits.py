@@ -30,6 +30,11 @@ LIMITS: dict[str, tuple[float, float]] = {
     # (it answered every ping at once, and a peer that never reads stalled the receive loop in that pong).
     "ping": (5.0, 20),
 }
+# Text a stream may send, in characters: its JSON is parsed before its kind is known, and a 64 KiB frame of
+# numbers costs ~8 ms of the event loop every call shares (review, session 28: a socket sending them, 1000
+# drops before its end, stalled the loop for seconds). Twilio sends ~20 KB a second (50 media messages), a
+# `start` of a few KB once, and a backlog after a network stall: a frame over this is refused unparsed.
+TEXT_PER_S, TEXT_BURST = 64 * 1024.0, 256 * 1024.0
 END_AFTER_DROPS = 1000  # a stream this far past its limits within a window is hostile or broken: end it
 # Counted per window, not over the call's life: an honest sender whose clock runs a little fast, or the odd
 # burst after a network stall, drops a few messages an hour; over a long call those would add up to an end.
@@ -43,12 +48,12 @@ class _Bucket:
     tokens: float
     at: float
 
-    def take(self, now: float) -> bool:
+    def take(self, now: float, cost: float = 1.0) -> bool:
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
         self.at = now
-        if self.tokens < 1.0:
+        if self.tokens < cost:
             return False
-        self.tokens -= 1.0
+        self.tokens -= cost
         return True
 
 
@@ -96,6 +101,18 @@ class StreamLimits:
         if bucket.take(now):
             return True
         self.drop(kind, now)
+        return False
+
+    def allow_text(self, chars: int, now: float | None = None) -> bool:
+        """False (and counted, as a `text` drop) when a text frame of `chars` is over the stream's text rate:
+        it is then refused before it is parsed."""
+        now = time.monotonic() if now is None else now
+        bucket = self._buckets.get("text")
+        if bucket is None:
+            bucket = self._buckets["text"] = _Bucket(TEXT_PER_S, TEXT_BURST, TEXT_BURST, now)
+        if bucket.take(now, chars):
+            return True
+        self.drop("text", now)
         return False
 
     def drop(self, kind: str, now: float | None = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -204,6 +205,39 @@ async def test_bad_input_never_disturbs_a_good_call(tiny_checkpoint: Path, quest
     grew = {k for k in kinds if after[k] > before[k]}
     assert grew == set(kinds), set(kinds) - grew
     assert after["flooding"] - before["flooding"] >= 200  # each dropped packet counted
+
+
+async def test_big_frames_are_refused_unparsed_past_the_streams_text_rate(tiny_checkpoint: Path,
+                                                                          question_wav: Path) -> None:
+    """Every text frame was parsed as JSON before any limit, and a 60 KiB frame of numbers costs the shared
+    event loop ~8 ms: one socket (before its start, no token needed) sending them stalled every call's audio
+    for seconds (review, session 28). Past the stream's text rate a frame is refused unparsed, counted as a
+    drop, and the flood ends the socket as any flood does; the good call beside it is heard throughout."""
+    drops = metric("kame_stream_messages_dropped_total", event="text")
+    parsed = metric("kame_twilio_protocol_errors_total", kind="invalid_message")  # (a mark without its fields)
+    frame = json.dumps({"event": "mark", "streamSid": "MZ9", "mark": {"name": "m"}, "pad": [7] * 20_000})
+    assert 60_000 < len(frame) < 64 * 1024
+    async with running_phone(tiny_checkpoint, max_calls=2) as phone, aiohttp.ClientSession() as http:
+        good = asyncio.create_task(
+            simulate_call(phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base, hold_after=1.0)
+        )
+        call_sid, _ = await phone.answer(http)
+        ws = await phone.open_stream(http, call_sid)
+        sent = 0
+        with contextlib.suppress(ConnectionResetError, RuntimeError):  # closed under us as flooding
+            for _ in range(1200):
+                await ws.send_str(frame)
+                sent += 1
+        async with asyncio.timeout(10):
+            while not ws.closed:
+                await ws.receive()
+        assert ws.close_code == aiohttp.WSCloseCode.POLICY_VIOLATION  # ended as flooding
+        report = await good
+    assert report.outcome == "completed", report.errors
+    assert report.bot_seconds_received > 0.6 * report.call_seconds
+    assert metric("kame_stream_messages_dropped_total", event="text") - drops > 1000
+    # Parsed: the text burst (256 KiB) and what the rate (64 KiB/s) let through while they came.
+    assert metric("kame_twilio_protocol_errors_total", kind="invalid_message") - parsed < 40, sent
 
 
 @pytest.mark.parametrize("start_held", [False, True], ids=["server_busy_after_start", "network_held_start"])

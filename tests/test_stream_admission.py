@@ -194,7 +194,8 @@ async def test_media_floods_end_their_stream_and_the_call_beside_it_goes_on(
     # Three seats: the unstarted socket's webhook holds one until its reservation lapses.
     async with running_phone(tiny_checkpoint, max_calls=3, engine_process=True) as phone, \
             aiohttp.ClientSession() as http:  # fmt: skip
-        dropped = {k: metric("kame_stream_messages_dropped_total", event=k) for k in ("invalid", "media", "media_msgs")}
+        dropped = {k: metric("kame_stream_messages_dropped_total", event=k)
+                   for k in ("invalid", "media", "media_msgs", "text")}  # fmt: skip
         sid = new_call_sid()
         good = asyncio.create_task(simulate_call(
             phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base, custom_sid=sid,
@@ -205,6 +206,10 @@ async def test_media_floods_end_their_stream_and_the_call_beside_it_goes_on(
         packet = tm.media_msg("MZnever", 1, 1, 0, b"\xff" * 160)
         sent = await _send_until_closed(unstarted, [packet] * 3000)
         assert sent < 1200 and unstarted.close_code == aiohttp.WSCloseCode.POLICY_VIOLATION
+        # Refused as invalid once parsed, or unparsed past the stream's text rate (as fast as it can).
+        now = {k: metric("kame_stream_messages_dropped_total", event=k) for k in dropped}
+        assert now["invalid"] - dropped["invalid"] + now["text"] - dropped["text"] > 900
+        dropped = now
         # 2. A started stream sending 100 ms packets as fast as it can: 2 min of audio in a second or two.
         flood_sid, params = await phone.answer(http)
         ws = await phone.open_stream(http, flood_sid)
@@ -213,7 +218,10 @@ async def test_media_floods_end_their_stream_and_the_call_beside_it_goes_on(
         sent = await _send_until_closed(ws, fast)
         assert sent < 1200 and ws.close_code == aiohttp.WSCloseCode.POLICY_VIOLATION
         await _flood_ended_and_the_good_call_went_on(phone, good, flood_sid)
-        assert metric("kame_stream_messages_dropped_total", event="invalid") - dropped["invalid"] > 900
+        # Past real time, or past the message count (100 a second), or unparsed past the text rate: a drop.
+        media = [metric("kame_stream_messages_dropped_total", event=k) - dropped[k]
+                 for k in ("media", "media_msgs", "text")]  # fmt: skip
+        assert sum(media) > 900, media
         # 3. Binary frames (Twilio sends none) skipped every limit: counted as invalid, a flood of them ends too.
         binary_sid, params = await phone.answer(http)
         ws = await phone.open_stream(http, binary_sid)
@@ -223,9 +231,6 @@ async def test_media_floods_end_their_stream_and_the_call_beside_it_goes_on(
         await phone.settled()
         binary = await phone.store.get(binary_sid)
         assert binary is not None and binary.end_reason == "flooding"
-        # Past real time, or past the message count (100 a second) first: a drop either way.
-        media = [metric("kame_stream_messages_dropped_total", event=k) - dropped[k] for k in ("media", "media_msgs")]
-        assert sum(media) > 900, media
 
 
 async def test_a_stream_cannot_bank_real_time_to_push_it_all_at_once_later(
