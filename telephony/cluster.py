@@ -141,6 +141,14 @@ class Cluster(Protocol):
         says: the record lags while that node's writes wait out a Redis outage. None: cannot tell."""
         ...
 
+    async def forsake(self, call_sid: str) -> bool | None:
+        """The caller is gone (Twilio's final status) and the call's record says its stream never started: if
+        it has not (its reservation, on whichever node, still unclaimed), the reservation is used up at once,
+        so a stream arriving after is refused, and True: the caller ends the record. False: it started after
+        all (claimed, or ended since); None: cannot tell. Checked and used up in one step: checked and left
+        live (`streamed`), a `start` racing the callback reopened the ended record and was counted twice."""
+        ...
+
     async def node_alive(self, node_id: str) -> bool | None:
         """Whether node `node_id` still heartbeats (its node hash has not expired). None: cannot tell."""
         ...
@@ -215,6 +223,12 @@ class LocalCluster:
 
     async def streamed(self, call_sid: str) -> bool | None:
         return self.admission.streamed(call_sid)
+
+    async def forsake(self, call_sid: str) -> bool | None:
+        if self.admission.streamed(call_sid):
+            return False
+        self.admission.release(call_sid)  # unclaimed: used up (one process: nothing ran in between)
+        return True
 
     async def node_alive(self, node_id: str) -> bool | None:
         return True if node_id == self.node_id else None  # no registry of other nodes here
@@ -373,6 +387,18 @@ if held[2] and tonumber(held[2]) <= now then return 0 end
 return 1
 """
 
+# KEYS 1 resv:<sid>. ARGV 1 call sid, 2 prefix, 3 bound ttl ms. Returns 1 (was unclaimed: now used up, its
+# node's seat freed), 0 (its stream started: claimed or ended) or -1 (no binding: cannot tell).
+_FORSAKE_LUA = """
+local held = redis.call('HMGET', KEYS[1], 'state', 'node')
+if not held[1] then return -1 end
+if held[1] ~= 'reserved' then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'ended')  -- kept, so the stream's claim (and a replay) is refused
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if held[2] then redis.call('ZREM', ARGV[2] .. 'node:' .. held[2] .. ':resv', ARGV[1]) end
+return 1
+"""
+
 _RELEASE_LUA = """
 if redis.call('HGET', KEYS[1], 'node') == ARGV[2] then
   redis.call('HSET', KEYS[1], 'state', 'ended')  -- kept, token and all, so a replayed webhook is known
@@ -431,6 +457,7 @@ class RedisCluster:
         # heartbeats (alive:<id>): without that, the other nodes' sweep would end its live calls as node_lost.
         self.routable = routable
         self._heartbeat_script = client.register_script(_HEARTBEAT_LUA)
+        self._forsake_script = client.register_script(_FORSAKE_LUA)
         self._reserve_script = client.register_script(_RESERVE_LUA)
         self._claim_script = client.register_script(_CLAIM_LUA)
         self._takeover_script = client.register_script(_TAKEOVER_LUA)
@@ -824,6 +851,25 @@ class RedisCluster:
             self._failed("streamed", exc)
             return None
         return None if state is None else state != "reserved"  # gone: expired or lost, cannot tell
+
+    async def forsake(self, call_sid: str) -> bool | None:
+        if self._mine.streamed(call_sid) or self._fallback.streamed(call_sid):
+            return False
+        if self._fallback.awaited(call_sid):  # reserved here while Redis failed: this node's book alone
+            self._fallback.release(call_sid)
+            return True
+        if self._failing:
+            return None
+        try:
+            forsaken = int(await self._forsake_script(keys=[self._resv_key(call_sid)],
+                                                      args=[call_sid, self.key_prefix, _ms(self.bound_ttl_s)]))
+        except _REDIS_FAILURES as exc:
+            self._failed("forsake", exc)
+            return None
+        if forsaken == 1:
+            self._mine.release(call_sid)  # if it was reserved here: its local grant too
+            self._poke.set()  # the seat it held, published now
+        return None if forsaken < 0 else forsaken == 1
 
     async def node_alive(self, node_id: str) -> bool | None:
         if node_id == self.node_id:

@@ -458,13 +458,14 @@ async def handle_call_status(request: web.Request) -> web.Response:
         except CallStoreUnavailable:
             return web.Response(status=204)  # the record keeps its state; Redis errors are counted already
         if record is not None and record.state == "ringing":
-            streamed = await ctx.cluster.streamed(call_sid)
-            if streamed is not False:
+            # Its reservation used up in the same step: a `start` racing this callback would reopen the record.
+            forsaken = await ctx.cluster.forsake(call_sid)
+            if forsaken is not True:
                 # Its stream did start, on a node whose writes have not landed (a Redis outage there): that
                 # node records the call's outcome; ending it here would count the call twice. None (the cluster
                 # cannot tell): left as it is, the same.
                 log.info("call status %s for a call whose stream started elsewhere (or cannot tell: %s); its node "
-                         "records it", status, streamed is None)  # fmt: skip
+                         "records it", status, forsaken is None)  # fmt: skip
             else:
                 metrics.CALLS_TOTAL.labels(outcome="no_stream", agent=record.agent or "default").inc()
                 await ctx.store.end(call_sid, "no_stream")

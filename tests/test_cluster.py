@@ -196,6 +196,27 @@ async def test_claim_needs_this_node_and_the_token(prefix: str, raw: aioredis.Re
                 await node.reserve(sid)
 
 
+async def test_a_forsaken_reservation_is_used_up_on_whichever_node_holds_it(prefix: str, raw: aioredis.Redis) -> None:
+    """The caller's final status, on any node, for a call whose stream never started: its reservation (here
+    on b, asked from a) is used up in the same step as the check, its seat freed, and a stream that starts
+    after is refused. A call whose stream started is not forsaken; one Redis knows nothing of cannot tell."""
+    async with nodes(prefix, {"a": 0, "b": 2}) as n:
+        a, b = n["a"], n["b"]
+        sid = new_call_sid()
+        r = await a.reserve(sid)
+        assert r is not None and r.node_id == "b"
+        assert await raw.zscore(f"{prefix}node:b:resv", sid) is not None
+        assert await a.forsake(sid) is True
+        assert await raw.zscore(f"{prefix}node:b:resv", sid) is None  # b's seat is free again
+        assert not await b.claim(sid, r.token)  # the late start
+        assert await a.forsake(sid) is False  # (ended: as for a stream that ran, nothing more to do)
+        started = new_call_sid()
+        r = await a.reserve(started)
+        assert r is not None and await b.claim(started, r.token)
+        assert await a.forsake(started) is False and await b.forsake(started) is False
+        assert await a.forsake(new_call_sid()) is None  # never reserved, or forgotten: cannot tell
+
+
 async def test_a_reservation_without_a_stream_expires(prefix: str) -> None:
     async with nodes(prefix, {"a": 1}, reservation_ttl_s=0.3) as n:
         a = n["a"]

@@ -301,6 +301,37 @@ async def test_a_second_stream_for_a_live_call_is_refused_and_the_first_plays_on
         assert phone.engine.free_slots == 2 and not phone.ctx.streams
 
 
+async def test_a_stream_starting_after_the_callers_final_status_is_refused_not_counted_twice(
+    tiny_checkpoint: Path
+) -> None:
+    """The caller hangs up while Twilio opens the socket: the final status callback and the stream's `start`
+    come on two connections, either first. Ended as no_stream with its reservation left live, the call's late
+    `start` was admitted, wrote "streaming" over the ended record and was counted again as completed (review,
+    session 28). The callback now uses the reservation up as it ends the record: the late start is refused."""
+    from telephony.server import CALL_STATUS_PATH
+
+    async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
+        no_stream = metric("kame_calls_total", outcome="no_stream", agent="default")
+        completed = metric("kame_calls_total", outcome="completed", agent="default")
+        call_sid, params = await phone.answer(http)
+        ws = await phone.open_stream(http, call_sid)  # Twilio's socket is open, its start not read yet
+        url = phone.base + CALL_STATUS_PATH
+        form = {"CallSid": call_sid, "AccountSid": "AC" + "0" * 32, "CallStatus": "completed"}
+        async with http.post(url, data=form, headers={"X-Twilio-Signature": phone.sign(url, form)}) as r:
+            assert r.status == 204
+        await ws.send_str(tm.start_msg("MZ1", call_sid, "AC1", params))
+        async with asyncio.timeout(10):
+            while not ws.closed:
+                await ws.receive()
+        assert ws.close_code == aiohttp.WSCloseCode.POLICY_VIOLATION  # not admitted
+        await phone.settled()
+        record = await phone.store.get(call_sid)
+        assert record is not None and (record.state, record.end_reason) == ("ended", "no_stream")
+        assert metric("kame_calls_total", outcome="no_stream", agent="default") == no_stream + 1
+        assert metric("kame_calls_total", outcome="completed", agent="default") == completed
+        assert phone.ctx.capacity_left == 2  # no seat held by it
+
+
 async def test_stream_status_callback(tiny_checkpoint: Path) -> None:
     async with running_phone(tiny_checkpoint) as phone, aiohttp.ClientSession() as http:
         url = phone.base + STATUS_PATH
