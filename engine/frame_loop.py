@@ -149,17 +149,29 @@ class LoopStats:
     input_backlog: int = 0  # the last tick's deepest caller backlog (frames left queued after its take)
     recent: deque[tuple[float, bool]] = field(default_factory=lambda: deque(maxlen=64))  # (finished at, late)
     busy_since: float | None = None  # when calls were first seated since the loop was last empty
+    # A stall the last call left behind: its calls hung up on a hung tick. Kept (and seating resumes from it)
+    # until the loop shows it is alive (a tick recorded, or an idle one: `beat`); forgotten, a wedged engine
+    # went back to taking calls each time it emptied, and never failed liveness on a quiet node.
+    stall_from: float | None = None
 
     def seated(self, calls: int, now: float | None = None) -> None:
         """How many calls are seated now (from join and leave)."""
+        now = time.monotonic() if now is None else now
         if calls == 0:
+            if self.busy_since is not None and self.stalled_s(now) > STALLED_S:
+                self.stall_from = now - self.stalled_s(now)
             self.busy_since = None
         elif self.busy_since is None:
-            self.busy_since = time.monotonic() if now is None else now
+            self.busy_since = self.stall_from if self.stall_from is not None else now
+
+    def beat(self) -> None:
+        """The loop's thread went round without a call seated: not hung."""
+        self.stall_from = None
 
     def stalled_s(self, now: float | None = None) -> float:
-        """How long a loop with calls seated has recorded no tick: 0 while idle or ticking."""
-        busy_since = self.busy_since
+        """How long a loop with calls seated (or left stalled by its last ones) has recorded no tick: 0 while
+        idle or ticking."""
+        busy_since = self.busy_since if self.busy_since is not None else self.stall_from
         if busy_since is None:
             return 0.0
         now = time.monotonic() if now is None else now
@@ -168,6 +180,7 @@ class LoopStats:
 
     def record_tick(self, elapsed: float, late: bool, now: float | None = None) -> None:
         """One tick's wall time, and whether it missed its 80 ms deadline, into the stats and metrics."""
+        self.stall_from = None
         self.ticks += 1
         self.last_tick_s = elapsed
         self.tick_s.append(elapsed)
@@ -543,3 +556,5 @@ class FrameLoop:
     def _record_timing(self, elapsed: float, late: bool) -> None:
         if not self._idle:
             self.stats.record_tick(elapsed, late)
+        else:
+            self.stats.beat()

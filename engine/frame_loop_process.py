@@ -61,6 +61,7 @@ START_TIMEOUT_S = 600.0  # loading a 7B checkpoint from a cold disk takes minute
 # (the hub client's read timeout); this only bounds one that crawls (16 GB at ~2 MB/s).
 FETCH_TIMEOUT_S = 7200.0
 COMPILE_TIMEOUT_S = 1800.0  # and with --compile, compiling the tick in the warm-up (autotuning: many minutes)
+BEAT_EVERY_S = 0.5  # an idle child's beat to the parent (its idle ticks are not sent)
 EXIT_BROKEN = 70  # the child's exit code when every tick fails (EX_SOFTWARE)
 
 
@@ -324,6 +325,8 @@ class FrameLoopProcess:
                 self.on_tick(delivered)
         elif kind == "timing":
             self.stats.record_tick(*body)
+        elif kind == "beat":
+            self.stats.beat()
         elif kind == "reset":
             (rows,) = body
             with self._lock:
@@ -408,6 +411,7 @@ def _child_main(
     # This process's heap is mostly torch and the model; a full collection over it stalls every call's tick.
     freeze_startup_heap()
     send(("ready", loop.sampling, loop.batch.memory))
+    loop.announced = True
     _serve_commands(conn, loop)
     send.close()
 
@@ -443,6 +447,8 @@ class _ChildFrameLoop(FrameLoop):
     def __init__(self, send: PipeSender, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.send = send
+        self._beat_sent_at = 0.0
+        self.announced = False  # "ready" sent: the parent's start reads nothing else before it
         self.pending_resets: list[tuple[int, str]] = []
         self.on_tick = self._forward_tick
         self.on_broken = self._exit_broken
@@ -487,3 +493,7 @@ class _ChildFrameLoop(FrameLoop):
         super()._record_timing(elapsed, late)
         if not self._idle:
             self.send(("timing", elapsed, late))
+        elif self.announced and time.monotonic() - self._beat_sent_at >= BEAT_EVERY_S:
+            # Idle: a beat now and then says the loop is not hung (a stall its last calls left clears on it).
+            self._beat_sent_at = time.monotonic()
+            self.send(("beat",))

@@ -363,6 +363,71 @@ async def test_a_hung_tick_turns_the_engine_not_ready_then_fails_liveness(
         await engine.stop()
 
 
+async def test_a_hung_tick_stays_hung_when_its_callers_hang_up(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Callers hang up on the dead air of a hung tick: the stall was measured only while calls were seated, so
+    the emptied engine was ready again, seated the next callers onto the dead loop, and never failed liveness
+    on a quiet node (review, session 28). The stall outlives its calls until the loop shows it is alive."""
+    monkeypatch.setattr("engine.service.HUNG_S", 4.0)  # 30 s in production
+    config = EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", max_calls=2, warmup_ticks=2,
+                          sampling=SamplingOverrides(greedy=True))  # fmt: skip
+    engine = await LocalEngine.load(config)
+    await engine.start()
+    gate = threading.Event()
+    hook = None
+    try:
+        call = await engine.open_call("CA-hung")
+        await until(lambda: engine.frame_loop.stats.ticks > 5, "the call's first ticks")
+        assert engine.bundle is not None
+        hook = engine.bundle.lm.text_emb.register_forward_pre_hook(lambda *_: gate.wait(30))  # the next tick hangs
+        await until(lambda: not engine.ready, "not ready once the loop is stalled", within=6)
+        await call.close()  # the caller hangs up on the silence
+        await asyncio.sleep(0.5)
+        assert not engine.ready and engine.free_slots == 0  # no new caller onto the dead loop
+        await until(lambda: engine.failed, "liveness failing once it is hung, with nobody seated", within=8)
+    finally:
+        gate.set()
+        if hook is not None:
+            hook.remove()
+        await engine.stop()
+
+
+def test_a_stall_left_by_its_calls_clears_once_the_loop_shows_it_is_alive() -> None:
+    """A slow tick (not a hang) as the last caller leaves: the stall is kept only until the loop goes round
+    again, an idle round (`beat`, sent by an engine process too) or a recorded tick; a healthy idle engine is
+    never restarted for it."""
+    from engine.frame_loop import STALLED_S, LoopStats
+
+    stats = LoopStats()
+    stats.seated(1, now=0.0)
+    stats.record_tick(0.08, False, now=1.0)
+    assert stats.stalled_s(now=1.0 + STALLED_S + 1) > STALLED_S
+    stats.seated(0, now=1.0 + STALLED_S + 1)  # its caller left on the silence
+    assert stats.stalled_s(now=10.0) == pytest.approx(9.0)  # still stalled, since the last tick
+    stats.seated(1, now=10.0)  # a new caller: the stall goes on, not from now
+    assert stats.stalled_s(now=10.5) == pytest.approx(9.5)
+    stats.seated(0, now=10.5)
+    stats.beat()  # the loop went round idle: not hung after all
+    assert stats.stalled_s(now=20.0) == 0.0
+    stats.seated(1, now=20.0)
+    assert stats.stalled_s(now=20.5) == pytest.approx(0.5)
+
+
+async def test_an_idle_engine_process_beats_so_a_stall_left_behind_clears(tiny_checkpoint: Path) -> None:
+    """The parent sees an engine process's ticks only while calls are seated: an idle child's beat is what
+    clears a stall its last calls left (else a healthy idle engine would be restarted at HUNG_S)."""
+    engine = await _engine(tiny_checkpoint)
+    try:
+        stats = engine.frame_loop.stats
+        stats.stall_from = time.monotonic() - 10.0  # as if its last callers had left a slow tick
+        assert stats.stalled_s() > 9
+        await until(lambda: stats.stall_from is None, "the idle child's beat", within=3)
+        assert stats.stalled_s() == 0.0 and engine.ready
+    finally:
+        await engine.stop()
+
+
 async def test_a_dead_engine_process_ends_its_calls_and_fails_liveness(tiny_checkpoint: Path) -> None:
     engine = await _engine(tiny_checkpoint)
     token = "k" * 32
