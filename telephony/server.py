@@ -470,20 +470,12 @@ async def handle_call_status(request: web.Request) -> web.Response:
                 metrics.CALLS_TOTAL.labels(outcome="no_stream", agent=record.agent or "default").inc()
                 await ctx.store.end(call_sid, "no_stream")
         elif record is not None and record.state == "streaming" and record.node is not None:
-            # A live node ends its own calls. One that no longer heartbeats crashed with the call: without
-            # this its record said "streaming" until it expired (24 h). None (Redis failing): left alone.
-            # (Its heartbeat may not have expired yet: then the lost-call sweep ends it, lost_calls.py.) Ended in
-            # one script with the sweep's check: once, counted once, and not if the node is back meanwhile.
-            if await ctx.cluster.node_alive(record.node) is False:
-                try:
-                    ended = await ctx.store.end_lost(call_sid, record.node, "node_lost",
-                                                     ctx.cluster.heartbeat_keys(record.node))  # fmt: skip
-                except CallStoreUnavailable:
-                    return web.Response(status=204)  # the sweeps end it once Redis answers
-                if ended:
-                    log.warning("call status %s for a call streaming on node %s, which is gone: ended as "
-                                "node_lost", status, record.node)  # fmt: skip
-                    metrics.CALLS_TOTAL.labels(outcome="node_lost", agent=record.agent or "default").inc()
+            # A live node ends its own calls. One that crashed with the call is found by the lost-call sweep,
+            # which ends its calls once it has been gone CONFIRM_S (lost_calls.py). Ended here as soon as its
+            # heartbeat lapsed (3 s), a node whose heartbeats only paused (a partition from Redis, a stall) had
+            # its finished calls recorded as node_lost, and counted twice with its own end (review, session 28).
+            log.info("call status %s for a call streaming on node %s: its node (or, if it is gone, the lost-call "
+                     "sweep) records its end", status, record.node)  # fmt: skip
     return web.Response(status=204)
 
 
