@@ -130,7 +130,12 @@ def resolve_local(directory: Path) -> CheckpointFiles:
     )
 
 
-def resolve_hf(repo_id: str, revision: str | None = None) -> CheckpointFiles:
+# Where a fetched copy goes: KAME's own checkpoint (a tiny random one stands in for tests); the Kyutai STT's
+# resolves with its own line (knowledge/stt_kyutai.py), or the advice pointed its operator at the wrong flag.
+_USE_COPY = "pass --checkpoint DIR (or `kame-phone make-tiny-checkpoint DIR` for a random-weight test model)"
+
+
+def resolve_hf(repo_id: str, revision: str | None = None, use_copy: str = _USE_COPY) -> CheckpointFiles:
     # Imported here: huggingface_hub reads its environment (HF_HUB_OFFLINE, HF_HOME) at import time.
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
@@ -142,9 +147,7 @@ def resolve_hf(repo_id: str, revision: str | None = None) -> CheckpointFiles:
             raise CheckpointError(
                 f"cannot fetch {name} from the Hugging Face repo {repo_id} (no network?) and no local copy "
                 f"is cached. On a machine with internet run `huggingface-cli download {repo_id} "
-                f"--local-dir DIR`, copy DIR here and pass --checkpoint DIR "
-                f"(or `kame-phone make-tiny-checkpoint DIR` for a random-weight test model). "
-                f"[{type(e).__name__}]"
+                f"--local-dir DIR`, copy DIR here and {use_copy}. [{type(e).__name__}]"
             ) from None
         except HfHubHTTPError as e:
             raise CheckpointError(f"Hugging Face refused {repo_id}/{name}: {e}") from None
@@ -161,14 +164,15 @@ def resolve_hf(repo_id: str, revision: str | None = None) -> CheckpointFiles:
     )
 
 
-def resolve_checkpoint(source: str, revision: str | None = None) -> CheckpointFiles:
-    """A local directory if `source` is one, else a Hugging Face repo id."""
+def resolve_checkpoint(source: str, revision: str | None = None, use_copy: str = _USE_COPY) -> CheckpointFiles:
+    """A local directory if `source` is one, else a Hugging Face repo id (`use_copy`: what to do with a copy
+    downloaded elsewhere, said when it cannot be fetched)."""
     path = Path(source).expanduser()
     if path.is_dir():
         return resolve_local(path)
     if path.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
         raise CheckpointError(f"{source!r} is neither a checkpoint directory nor a Hugging Face repo id")
-    return resolve_hf(source, revision)
+    return resolve_hf(source, revision, use_copy)
 
 
 def clean_lm_kwargs(lm_kwargs: dict[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 from urllib.parse import urlsplit
 
 from engine.compiled_step import COMPILE_MODES
@@ -129,7 +130,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def device_problem(device: str | None) -> str | None:
     """What is wrong with `--device` on this machine (a CUDA device it does not have), else None. Said at
     start-up in one line: found at the model's load it was a traceback from the engine process."""
-    if not device or not device.startswith("cuda"):
+    if not device:
+        return None
+    if device != "cpu" and not re.fullmatch(r"cuda(:[0-9]+)?", device):
+        # ("gpu", "CPU", "cuda0": torch's own error came from the engine process, as a traceback and exit 1,
+        # which an orchestrator restarts for ever.)
+        return f"--device {device}: not a device this engine runs on: cpu, cuda, or cuda:N"
+    if not device.startswith("cuda"):
         return None
     import torch
 

@@ -617,12 +617,10 @@ def _load_info(source: str, revision: str | None) -> loaders.CheckpointInfo:
     if source.startswith(RANDOM_PREFIX):
         return random_stt_info(source)
     try:
-        files = resolve_checkpoint(source, revision)
+        files = resolve_checkpoint(source, revision, use_copy="point KAME_STT_CHECKPOINT at DIR (or use "
+                                   "--stt pocketsphinx, which needs no download)")
     except CheckpointError as e:
-        raise CheckpointError(
-            f"Kyutai STT checkpoint (KAME_STT_CHECKPOINT={source}): {e}. For the STT, point "
-            f"KAME_STT_CHECKPOINT at the downloaded directory."
-        ) from None
+        raise CheckpointError(f"Kyutai STT checkpoint (KAME_STT_CHECKPOINT={source}): {e}") from None
     config = files.config
     model_type = config.get("model_type", "moshi")
     if model_type != "stt":

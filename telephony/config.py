@@ -194,8 +194,10 @@ class ServiceConfig:
             raise ConfigError(f"KAME_METRICS_PORT must be 0-65535 (0: any free port), got {self.metrics_port}")
         if not 0 < self.heartbeat_s < self.node_ttl_s:
             raise ConfigError(f"need 0 < heartbeat_s < node_ttl_s, got {self.heartbeat_s} and {self.node_ttl_s}")
-        if not self.node_id:
-            raise ConfigError("KAME_NODE_ID must not be empty")
+        if not self.node_id.strip() or self.node_id != self.node_id.strip() or not self.node_id.isprintable():
+            # (" " was taken: a node named by a blank in every log line, Redis key and dashboard.)
+            raise ConfigError(f"KAME_NODE_ID must be a name without blanks at its ends or control characters, "
+                              f"got {self.node_id!r}")
         # Each of these at 0 (or below) refuses every call, or closes every stream before its start.
         positive = {"--start-timeout (KAME_START_TIMEOUT)": self.start_timeout_s,
                     "--retention-hours (KAME_RETENTION_HOURS)": self.retention_s / 3600,

@@ -140,6 +140,11 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
                      id="no-cuda", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")),
         pytest.param({"KAME_DEVICE": "cuda:x"}, ["--insecure-dev"], "--device cuda:x: ", id="bad-cuda",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")),
+        # A typo (review, session 28): torch's own error from the engine process, a traceback and exit 1.
+        pytest.param({"KAME_DEVICE": "gpu"}, ["--insecure-dev"], "--device gpu: not a device this engine runs on",
+                     id="typo-device"),  # fmt: skip
+        pytest.param({}, ["--insecure-dev", "--device", "CPU"], "--device CPU: not a device", id="upper-device"),
+        pytest.param({"KAME_NODE_ID": " "}, ["--insecure-dev"], "KAME_NODE_ID", id="blank-node-id"),
         pytest.param({"KAME_MAX_CALLS": "0"}, ["--insecure-dev"], "KAME_MAX_CALLS='0' is refused: must be 1 or more",
                      id="max-calls-0"),  # fmt: skip
         pytest.param({"KAME_FORCED_DELAY_MS": "-500"}, ["--insecure-dev"], "must be 0 to 10000", id="forced-delay"),

@@ -673,3 +673,20 @@ def test_catch_up_of_zero_steps_a_tick_is_refused() -> None:
 
     with pytest.raises(ValueError, match="max_steps_per_tick"):
         KyutaiSttOptions(max_steps_per_tick=0)
+
+
+def test_an_stt_checkpoint_that_cannot_be_fetched_says_where_its_copy_goes(tmp_path: Path) -> None:
+    """Offline, the STT's error carried the KAME checkpoint's advice ("pass --checkpoint DIR, or make a tiny
+    KAME checkpoint"): followed, it swapped out the KAME model and left the STT as it was (review, session
+    28). The STT's line names its own variable."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}  # nothing cached
+    code = ("from knowledge.stt_kyutai import _load_info\n"
+            "try:\n    _load_info('kyutai/stt-2.6b-en', None)\nexcept Exception as e:\n    print(e)\n")
+    said = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1]).stdout  # fmt: skip
+    assert "KAME_STT_CHECKPOINT=kyutai/stt-2.6b-en" in said and "point KAME_STT_CHECKPOINT at DIR" in said, said
+    assert "--checkpoint DIR" not in said and "make-tiny-checkpoint" not in said, said
