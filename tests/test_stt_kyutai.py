@@ -530,6 +530,11 @@ async def test_the_stt_steps_right_after_each_engine_tick(
     finally:
         await engine.stop()  # closes the back-end, and the STT with it
     mine = [s for s in steps if s > began + 0.2]
+    gaps = sorted(b - a for a, b in zip(ticked.times, ticked.times[1:], strict=False))
+    if gaps and (median := gaps[len(gaps) // 2]) > 0.1:
+        # A machine this slow (a tick and a step over 80 ms) has the STT step on its own clock by design (the
+        # ticks are late): what this checks, following an engine that keeps time, cannot be seen here.
+        pytest.skip(f"the engine does not keep its 80 ms on this machine (median tick gap {median:.3f} s)")
     after_a_tick = [s for s in mine if any(0 <= s - t < 0.03 for t in ticked.times)]
     # On its own clock a step would land in the 30 ms after a tick about 3 times in 8.
     assert len(mine) >= 15 and len(after_a_tick) >= 0.8 * len(mine), (len(mine), len(after_a_tick))
