@@ -158,8 +158,8 @@ class LoopStats:
         """How many calls are seated now (from join and leave)."""
         now = time.monotonic() if now is None else now
         if calls == 0:
-            if self.busy_since is not None and self.stalled_s(now) > STALLED_S:
-                self.stall_from = now - self.stalled_s(now)
+            if self.busy_since is not None and (stalled := self.stalled_s(now)) > STALLED_S:
+                self.stall_from = now - stalled
             self.busy_since = None
         elif self.busy_since is None:
             self.busy_since = self.stall_from if self.stall_from is not None else now

@@ -4,6 +4,7 @@ resets cross the pipe, the parent's metrics see the child's ticks, and a dead en
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import re
@@ -11,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -333,12 +335,11 @@ async def test_sigterm_while_the_engine_process_loads_gives_up_the_load(tiny_che
     assert re.search(r"^kame_engine_slots 0\.0$", scraped, re.M), scraped[:2000]
 
 
-async def test_a_hung_tick_turns_the_engine_not_ready_then_fails_liveness(
+@contextlib.asynccontextmanager
+async def _hung_tick(
     tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A tick that never returns (a GPU hang, a deadlock) records no deadline miss: the engine looked healthy
-    and went on seating calls onto a dead loop. With calls seated and no tick for 2 s it is not ready; after
-    HUNG_S its liveness fails, so the orchestrator restarts it."""
+) -> AsyncIterator[tuple[LocalEngine, Any]]:
+    """An in-process engine with one call whose tick hangs (until the end), yielded once it is not ready."""
     monkeypatch.setattr("engine.service.HUNG_S", 4.0)  # 30 s in production
     config = EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", max_calls=2, warmup_ticks=2,
                           sampling=SamplingOverrides(greedy=True))  # fmt: skip
@@ -353,14 +354,24 @@ async def test_a_hung_tick_turns_the_engine_not_ready_then_fails_liveness(
         assert engine.bundle is not None
         hook = engine.bundle.lm.text_emb.register_forward_pre_hook(lambda *_: gate.wait(30))  # the next tick hangs
         await until(lambda: not engine.ready, "not ready once the loop is stalled", within=6)
-        assert not engine.failed and engine.free_slots == 0  # no new calls; not restarted for a short stall
-        await until(lambda: engine.failed, "liveness failing once it is hung", within=8)
-        call.push_audio(np.zeros(FRAME_SAMPLES, np.float32))
+        yield engine, call
     finally:
         gate.set()
         if hook is not None:
             hook.remove()
         await engine.stop()
+
+
+async def test_a_hung_tick_turns_the_engine_not_ready_then_fails_liveness(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tick that never returns (a GPU hang, a deadlock) records no deadline miss: the engine looked healthy
+    and went on seating calls onto a dead loop. With calls seated and no tick for 2 s it is not ready; after
+    HUNG_S its liveness fails, so the orchestrator restarts it."""
+    async with _hung_tick(tiny_checkpoint, monkeypatch) as (engine, call):
+        assert not engine.failed and engine.free_slots == 0  # no new calls; not restarted for a short stall
+        await until(lambda: engine.failed, "liveness failing once it is hung", within=8)
+        call.push_audio(np.zeros(FRAME_SAMPLES, np.float32))
 
 
 async def test_a_hung_tick_stays_hung_when_its_callers_hang_up(
@@ -369,28 +380,11 @@ async def test_a_hung_tick_stays_hung_when_its_callers_hang_up(
     """Callers hang up on the dead air of a hung tick: the stall was measured only while calls were seated, so
     the emptied engine was ready again, seated the next callers onto the dead loop, and never failed liveness
     on a quiet node (review, session 28). The stall outlives its calls until the loop shows it is alive."""
-    monkeypatch.setattr("engine.service.HUNG_S", 4.0)  # 30 s in production
-    config = EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", max_calls=2, warmup_ticks=2,
-                          sampling=SamplingOverrides(greedy=True))  # fmt: skip
-    engine = await LocalEngine.load(config)
-    await engine.start()
-    gate = threading.Event()
-    hook = None
-    try:
-        call = await engine.open_call("CA-hung")
-        await until(lambda: engine.frame_loop.stats.ticks > 5, "the call's first ticks")
-        assert engine.bundle is not None
-        hook = engine.bundle.lm.text_emb.register_forward_pre_hook(lambda *_: gate.wait(30))  # the next tick hangs
-        await until(lambda: not engine.ready, "not ready once the loop is stalled", within=6)
+    async with _hung_tick(tiny_checkpoint, monkeypatch) as (engine, call):
         await call.close()  # the caller hangs up on the silence
         await asyncio.sleep(0.5)
         assert not engine.ready and engine.free_slots == 0  # no new caller onto the dead loop
         await until(lambda: engine.failed, "liveness failing once it is hung, with nobody seated", within=8)
-    finally:
-        gate.set()
-        if hook is not None:
-            hook.remove()
-        await engine.stop()
 
 
 def test_a_stall_left_by_its_calls_clears_once_the_loop_shows_it_is_alive() -> None:
