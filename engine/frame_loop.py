@@ -66,7 +66,9 @@ class SlotOutput:
 
 
 SlotSink = Callable[[SlotOutput], None]
-TickSink = Callable[[list[tuple[str, SlotOutput]]], None]  # (call id, output) of every slot in one tick
+# (call id, output) of every slot in one tick, and when it ended (time.monotonic(): one clock for the whole
+# machine, so an engine in a process of its own stamps it there, before the pipe to its parent)
+TickSink = Callable[[list[tuple[str, SlotOutput]], float], None]
 ResetHook = Callable[[], None]  # told that the slot's model state was reset (its audio queued downstream is stale)
 
 
@@ -466,7 +468,7 @@ class FrameLoop:
             delivered.append((slot, out))
         if self.on_tick is not None and delivered:
             try:
-                self.on_tick([(slot.call_id, out) for slot, out in delivered])
+                self.on_tick([(slot.call_id, out) for slot, out in delivered], time.monotonic())
             except Exception:
                 log.exception("tick sink failed")
         return delivered

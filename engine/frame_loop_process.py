@@ -316,13 +316,13 @@ class FrameLoopProcess:
         if kind == "broken":  # the child exits next: its death is handled when the pipe closes
             log.critical("the engine process is broken: %s", body[0])
         elif kind == "tick":
-            delivered, fed, counters = body
+            delivered, fed, counters, ended_at = body
             self.oracle_fed.extend(fed)
             for item in fed:
                 item.observe()  # in this process's metrics: the child's registry is nobody's to scrape
             self._count(counters)
             if self.on_tick is not None and delivered:
-                self.on_tick(delivered)
+                self.on_tick(delivered, ended_at)
         elif kind == "timing":
             self.stats.record_tick(*body)
         elif kind == "beat":
@@ -473,14 +473,15 @@ class _ChildFrameLoop(FrameLoop):
             self._slots[row] = Slot(row, call_id, None, oracle, reset_hook,
                                     forced_delay_frames=self._delay_frames(forced_delay_ms))
 
-    def _forward_tick(self, delivered: list[tuple[str, SlotOutput]]) -> None:
+    def _forward_tick(self, delivered: list[tuple[str, SlotOutput]], ended_at: float) -> None:
         if self.tick_signal is not None:
             self.tick_signal.set()
         fed = []
         while self.oracle_fed:
             fed.append(self.oracle_fed.popleft())
         stats = self.stats
-        self.send(("tick", delivered, fed, (stats.underruns, stats.overruns, stats.catchups, stats.input_backlog)))
+        counters = (stats.underruns, stats.overruns, stats.catchups, stats.input_backlog)
+        self.send(("tick", delivered, fed, counters, ended_at))
 
     def safe_tick(self) -> bool:
         ok = super().safe_tick()

@@ -302,7 +302,7 @@ class LocalEngine:
 
     # ---- audio, one batch per tick ----
 
-    def _on_tick(self, delivered: list[tuple[str, SlotOutput]]) -> None:  # frame-loop thread
+    def _on_tick(self, delivered: list[tuple[str, SlotOutput]], ended_at: float) -> None:  # frame-loop thread
         self._ticked.set()  # first: the GPU is free now, and the STT's step should start at once
         if self._process_signal is not None:
             self._process_signal.set()
@@ -317,7 +317,7 @@ class LocalEngine:
             voiced=tuple(out.voiced for out in outs),
             indices=tuple(out.index for out in outs),
             fresh=tuple(out.fresh for out in outs),
-            produced_at=time.monotonic(),
+            produced_at=ended_at,  # in the engine's process: the hop from there is part of the way out
         )
         loop.call_soon_threadsafe(self._deliver_frames, frames)
 

@@ -12,7 +12,7 @@ import subprocess
 import textwrap
 import wave
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -31,6 +31,7 @@ from telephony.cluster import stream_url_for
 from telephony.config import ServiceConfig
 from telephony.logs import setup_logging
 from telephony.server import MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
+from telephony.sim_playout import PACKET_SECONDS, RATE, Playout, voiced_flags
 from telephony.twilio_rest import TwilioRest
 from telephony.twiml import parse_connect_stream
 
@@ -74,6 +75,42 @@ def flite_wav(text: str, out: Path) -> Path:
         raise RuntimeError("flite is not installed: run ./scripts/setup.sh")
     subprocess.run(["flite", "-voice", "rms", "-t", text, "-o", str(out)], check=True)
     return out
+
+
+@dataclass(eq=False)
+class TalksUntil:
+    """A caller (a `CallerScript`) who says `packets` over and over until `done` is set, then goes on for `tail_s`
+    and hangs up; `bot_after_s`: the bot audio received in that tail, `longest_bot_gap_s`: the longest stretch
+    without new bot audio after the first. For a test that waits for something to happen during a call, however
+    long this machine takes, rather than guessing how much to say."""
+
+    done: asyncio.Event
+    packets: tuple[bytes, ...]
+    tail_s: float = 1.5
+    limit_s: float = 60.0  # a guard against a hang, not a timing assertion
+    done_at: tuple[float, int] | None = None  # (t, bot samples received) once `done` was seen
+    bot_after_s: float = 0.0
+    longest_bot_gap_s: float = 0.0
+    _voiced: list[bool] = field(init=False)
+    _bot_grew: tuple[float, int] | None = None  # (t, bot samples received) when bot audio last arrived
+
+    def __post_init__(self) -> None:
+        self._voiced = voiced_flags(list(self.packets))
+
+    def next_packet(self, t: float, playout: Playout) -> tuple[bytes, bool] | None:
+        if playout.received_samples and (self._bot_grew is None or playout.received_samples > self._bot_grew[1]):
+            if self._bot_grew is not None:
+                self.longest_bot_gap_s = max(self.longest_bot_gap_s, t - self._bot_grew[0])
+            self._bot_grew = (t, playout.received_samples)
+        if self.done.is_set() and self.done_at is None:
+            self.done_at = (t, playout.received_samples)
+        if self.done_at is not None and t >= self.done_at[0] + self.tail_s:
+            self.bot_after_s = (playout.received_samples - self.done_at[1]) / RATE
+            return None
+        if t > self.limit_s:
+            return None
+        k = round(t / PACKET_SECONDS) % len(self.packets)
+        return self.packets[k], self._voiced[k]
 
 
 @dataclass

@@ -465,12 +465,20 @@ def test_a_failing_tick_leaves_a_call_that_joined_during_it_alone(tiny_bundle, m
 
 def test_the_tick_sink_gets_every_slot_at_once_and_fresh_marks_restarts(tiny_bundle) -> None:
     ticks: list[list[tuple[str, SlotOutput]]] = []
-    loop = _loop(tiny_bundle, on_tick=ticks.append)
+    ended: list[float] = []
+
+    def on_tick(delivered: list[tuple[str, SlotOutput]], ended_at: float) -> None:
+        ticks.append(delivered)
+        ended.append(ended_at)
+
+    loop = _loop(tiny_bundle, on_tick=on_tick)
     row_a = loop.join("A", None)  # no per-slot sink: the tick sink takes it
+    before = time.monotonic()
     loop.tick()
     loop.join("B", None)
     loop.tick()
     assert [[(c, o.fresh) for c, o in t] for t in ticks] == [[("A", True)], [("A", False), ("B", True)]]
+    assert before < ended[0] < ended[1] <= time.monotonic()  # each tick's end, on the machine's one clock
     loop._slots[row_a].oracle.set_candidate(99, DraftTokens([10**6], settled=1))  # as above: the step fails on it
     assert loop.safe_tick()
     assert not loop.safe_tick()

@@ -30,7 +30,7 @@ from knowledge.stt_process import STEP_FAILURES_TO_EXIT, STEPS_FAILED_EXIT, SttC
 from knowledge.tiny_stt_checkpoint import make_tiny_stt_checkpoint
 
 from .phone_fixtures import json_logging, metric
-from .polling import RecordedEvent, until
+from .polling import until
 from .stt_faults import FAULT_FLAG_ENV, failing_steps_child_main
 
 PACKET = 480  # 20 ms at 24 kHz: what the phone edge hands the back-end
@@ -271,7 +271,18 @@ async def test_the_stt_process_steps_right_after_each_engine_tick(
     engine = await LocalEngine.load(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", max_calls=2,
                                                  warmup_ticks=1, engine_process=engine_process), services)  # fmt: skip
 
-    ticked = engine._ticked = RecordedEvent()  # when this process hears of each tick (from the child: a little later)
+    # When each tick ended, as the engine stamped it in its own process: what the STT's process steps after.
+    # (When this process hears of a tick is later by a pipe hop and this process's load, and on a busy 2-core
+    # machine that hop alone was over 15 ms.)
+    ticks: list[float] = []
+    on_tick = engine.frame_loop.on_tick
+    assert on_tick is not None
+
+    def stamped(delivered: list, ended_at: float) -> None:  # type: ignore[type-arg]
+        ticks.append(ended_at)
+        on_tick(delivered, ended_at)
+
+    engine.frame_loop.on_tick = stamped
     try:
         await engine.start()
         call = await engine.open_call("CA-paced")
@@ -284,9 +295,14 @@ async def test_the_stt_process_steps_right_after_each_engine_tick(
         await engine.stop()  # closes the back-end, and the STT process with it
     assert not stt.alive
     mine = [s for s, _ in stt.recent_steps if s > began + 0.2]
-    near_a_tick = [s for s in mine if any(-0.015 <= s - t < 0.015 for t in ticked.times)]
-    # On its own clock a step would fall within 15 ms of a tick about 3 times in 8.
-    assert len(mine) >= 15 and len(near_a_tick) >= 0.8 * len(mine), (len(mine), len(near_a_tick))
+    gaps = sorted(b - a for a, b in zip(ticks, ticks[1:], strict=False))
+    if gaps and (median := gaps[len(gaps) // 2]) > 0.1:
+        # As in test_stt_kyutai: a machine this slow has the STT step on its own clock by design (the ticks are
+        # late), so following an engine that keeps time cannot be seen here.
+        pytest.skip(f"the engine does not keep its 80 ms on this machine (median tick gap {median:.3f} s)")
+    after_a_tick = [s for s in mine if any(0 <= s - t < 0.03 for t in ticks)]
+    # On its own clock a step would land in the 30 ms after a tick about 3 times in 8.
+    assert len(mine) >= 15 and len(after_a_tick) >= 0.8 * len(mine), (len(mine), len(after_a_tick))
 
 
 async def test_serve_runs_the_kyutai_stt_in_its_own_process_unless_told_not_to(
@@ -331,10 +347,11 @@ async def test_a_live_call_rides_out_its_stt_process_dying(
 ) -> None:
     """The STT's process is killed while a call speaks (the engine setting its pace all the while): the call keeps
     its line and its bot audio, the failure is counted and logged with the call's id, once, and as soon as the
-    process is back the same call is heard again (its words reach the LLM)."""
+    process is back the same call is heard again (its words reach the LLM), and the node is ready again."""
     from telephony.sim_caller import simulate_call
+    from telephony.sim_playout import caller_packets
 
-    from .phone_fixtures import running_phone
+    from .phone_fixtures import TalksUntil, running_phone
 
     monkeypatch.setenv("KAME_STT_CHECKPOINT", str(stt_checkpoint))
     monkeypatch.setenv("KAME_STT_DEVICE", "cpu")
@@ -347,35 +364,37 @@ async def test_a_live_call_rides_out_its_stt_process_dying(
     stt._next_restart_s = 0.2
     with wave.open(str(question_wav)) as w:
         rate, pcm = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), "<i2")
-    question = pcm.astype(np.float32) / 32768.0
-    gap = np.zeros(rate, np.float32)
-    said = np.concatenate([question, gap] * 5)  # ~18 s of a caller asking again and again
+    asking = np.concatenate([pcm.astype(np.float32) / 32768.0, np.zeros(rate, np.float32)])
+    # A caller asking again and again until the test has seen what it waits for: a restarted child (an
+    # interpreter, torch, the model) takes seconds on an idle machine and many more on a busy one.
+    caller = TalksUntil(asyncio.Event(), tuple(caller_packets(asking, rate)), tail_s=1.0, limit_s=120.0)
     errors = metric("kame_stt_errors_total")
-    async with running_phone(tiny_checkpoint, backend=services) as phone:
-        call = asyncio.create_task(simulate_call(phone.ws_url, said, sample_rate=rate, auth_token=phone.token,
-                                                 public_url=phone.base, hold_after=1.0))  # fmt: skip
-        await asyncio.to_thread(wait_for, lambda: len(llm_server.requests) >= 1, 30)  # heard: words reached the LLM
+    async with running_phone(tiny_checkpoint, backend=services) as phone, aiohttp.ClientSession() as http:
+
+        async def ready() -> bool:
+            async with http.get(phone.base + "/readyz") as resp:
+                return resp.status == 200
+
+        call = asyncio.create_task(simulate_call(phone.ws_url, caller, auth_token=phone.token, public_url=phone.base))
+        await until(lambda: len(llm_server.requests) >= 1, "heard: words reached the LLM", within=30)
         first_pid = stt.pid
         assert first_pid is not None
         os.kill(first_pid, signal.SIGKILL)
-        await asyncio.to_thread(wait_for, lambda: not stt.alive, 10)
-        async with aiohttp.ClientSession() as http:  # deaf for now: new calls go elsewhere, or hear busy
-            async with http.get(phone.base + "/readyz") as resp:
-                assert resp.status == 503 and phone.ctx.free_slots() == 0
-            await asyncio.to_thread(wait_for, lambda: stt.restarts == 1 and stt.alive, 60)
-
-            async def ready() -> bool:
-                async with http.get(phone.base + "/readyz") as resp:
-                    return resp.status == 200
-
-            # Ready again once back. Polled: on 2 cores the child's start (an interpreter, torch, the model) can
-            # make the engine miss frames, and it is out of rotation until it keeps time for 2 s again.
-            await until(ready, "ready again", within=15)
+        await until(lambda: not stt.alive, "the STT process seen dead", within=10)
+        assert not await ready() and phone.ctx.free_slots() == 0  # deaf for now: new calls go elsewhere, or busy
+        await until(lambda: stt.restarts == 1 and stt.alive and services.ready, "the STT process back", within=60)
         back = len(llm_server.requests)
+        await until(lambda: len(llm_server.requests) > back, "heard again, on a row of the new process", within=60)
+        caller.done.set()
         report = await call
-        assert len(llm_server.requests) > back  # heard again, on a row of the new process
-    assert report.outcome == "completed", report.errors
-    assert report.bot_seconds_received >= 0.9 * report.call_seconds  # the bot's audio never stopped
+        assert report.outcome == "completed", report.errors
+        assert caller.done_at is not None, "the caller hung up at its guard, before the test was done"
+        # Ready again: back, and keeping time once the call is over (on 2 busy cores the child's start can make
+        # the engine miss frames, and it is out of rotation until it keeps time for 2 s again).
+        await until(ready, "ready again", within=15)
+    # The bot's audio never stopped (a share of the call's length would measure this machine's speed: on 2 busy
+    # cores the tiny engine makes ~80 % of real time, outage or not).
+    assert report.bot_seconds_received > 0 and caller.longest_bot_gap_s < 1.0, caller.longest_bot_gap_s
     assert metric("kame_stt_errors_total") == errors + 2  # its row's death, then its wait for the new process
     sid = report.call_sid
     said_down = [r for r in caplog.records if sid in r.getMessage() and "STT" in r.getMessage()]

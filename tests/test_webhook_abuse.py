@@ -11,7 +11,6 @@ import json
 import logging
 import secrets
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
@@ -29,11 +28,11 @@ from telephony.config import ServiceConfig
 from telephony.server import CALL_STATUS_PATH, MAX_ROUTED_TEXT, MEDIA_PATH, VOICE_PATH, ServerContext, ServiceHandle
 from telephony.signatures import SIGNATURE_HEADER
 from telephony.sim_caller import simulate_call
-from telephony.sim_playout import PACKET_SECONDS, RATE, Playout, caller_packets
+from telephony.sim_playout import caller_packets
 from telephony.twiml import parse_connect_stream
 
 from .link_fixtures import tone
-from .phone_fixtures import metric, write_agents
+from .phone_fixtures import TalksUntil, metric, write_agents
 from .polling import until
 
 TOKEN = "auth-" + secrets.token_hex(8)
@@ -402,28 +401,6 @@ CRAFTED_TOS: dict[str, tuple[bytes, str | int]] = {
 }
 
 
-@dataclass(eq=False)
-class _TalksUntil:
-    """A caller who talks until `done` is set, and `tail_s` after; `bot_after_s`: the bot audio received in
-    that tail."""
-
-    done: asyncio.Event
-    tail_s: float = 1.5
-    packets: tuple[bytes, ...] = tuple(caller_packets(tone(440.0, 1.0)))
-    done_at: tuple[float, int] | None = None  # (t, bot samples received) once `done` was seen
-    bot_after_s: float = 0.0
-
-    def next_packet(self, t: float, playout: Playout) -> tuple[bytes, bool] | None:
-        if self.done.is_set() and self.done_at is None:
-            self.done_at = (t, playout.received_samples)
-        if self.done_at is not None and t >= self.done_at[0] + self.tail_s:
-            self.bot_after_s = (playout.received_samples - self.done_at[1]) / RATE
-            return None
-        if t > 60:  # a guard against a hang, not a timing assertion
-            return None
-        return self.packets[round(t / PACKET_SECONDS) % len(self.packets)], True
-
-
 async def test_crafted_sip_tos_get_clean_answers_while_a_good_call_streams(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -433,7 +410,7 @@ async def test_crafted_sip_tos_get_clean_answers_while_a_good_call_streams(
     address, to the sales agent; bytes that are not UTF-8 are refused 400), never a 500 nor a traceback, and
     the call goes on hearing the bot, then ends normally with its record whole."""
     caplog.set_level(logging.INFO)
-    caller, good_sid = _TalksUntil(asyncio.Event()), _sid()
+    caller, good_sid = TalksUntil(asyncio.Event(), tuple(caller_packets(tone(440.0, 1.0)))), _sid()
     async with _service(max_calls=len(CRAFTED_TOS) + 1, agents=_routed_agents(tmp_path)) as h, \
             aiohttp.ClientSession() as http:  # fmt: skip
         ws_url = h.http_url.replace("http://", "ws://") + MEDIA_PATH
