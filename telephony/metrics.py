@@ -164,14 +164,16 @@ MEDIA_INBOUND_SECONDS = Histogram(
 )
 MEDIA_OUTBOUND_SECONDS = Histogram(
     "kame_media_outbound_seconds",
-    "From engine output to the outbound media message being sent.",
+    "From engine output (the tick's end, in the engine's own process when it has one) to the outbound media"
+    " message being sent.",
     buckets=[b / 1000 for b in _MEDIA_BUCKETS_MS],
 )
 FANOUT_PHASES = ("wait", "resample", "encode", "send")
 MEDIA_FANOUT_SECONDS = zero_series(
     Histogram(
         "kame_media_fanout_seconds",
-        "One engine tick on its way out of this edge, by phase: wait (engine output to the fan-out running),"
+        "One engine tick on its way out of this edge, by phase: wait (engine output to the fan-out running: the"
+        " engine process's pipe, when it has one, and this event loop),"
         " resample (24 to 8 kHz, every call), encode (mu-law and levels), send (every call's message, back to"
         " back). The last call of a tick waits for all four.",
         ["phase"],
