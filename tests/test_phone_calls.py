@@ -12,6 +12,7 @@ from urllib.parse import urlencode
 import aiohttp
 import pytest
 
+from engine.frame_loop import BEHIND_LATE_SHARE
 from engine.oracle_buffer import DraftTokens
 from telephony import twilio_messages as tm
 from telephony.call_leg import BOT_TURN_FLUSH_WORDS
@@ -22,6 +23,7 @@ from telephony.twilio_rest import TwilioCredentials, TwilioRest
 from telephony.twiml import parse_connect_stream
 
 from .phone_fixtures import flite_wav, metric, new_call_sid, running_phone
+from .polling import until
 from .twilio_rest_server import serve_twilio_rest
 
 
@@ -426,12 +428,18 @@ async def test_an_engine_falling_behind_takes_no_calls_until_it_keeps_time(
         busy = await simulate_call(phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base)
         assert busy.outcome == "busy" and busy.stream_sid is None
         # Its own ticks keep time: within the 2 s window the node is ready again.
-        async with asyncio.timeout(6):
-            while True:
-                async with http.get(phone.base + "/readyz") as r:
-                    if r.status == 200:
-                        break
-                await asyncio.sleep(0.1)
+        async def ready() -> bool:
+            async with http.get(phone.base + "/readyz") as r:
+                return r.status == 200
+
+        try:
+            await until(ready, "ready again once its own ticks keep time", within=6)
+        except AssertionError:
+            own = [late for at, late in stats.recent if at > now]  # the engine's real ticks since
+            if own and sum(own) > BEHIND_LATE_SHARE * len(own):
+                pytest.skip(f"this machine cannot keep the tiny engine's 80 ms ({sum(own)} of {len(own)} ticks "
+                            "late): recovering cannot be seen here")  # fmt: skip
+            raise
         assert metric("kame_engine_falling_behind") == 0
         _, params = await phone.answer(http)
         assert "token" in params
