@@ -454,13 +454,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_dotenv_file() -> None:
     """`.env` in the working directory (KEY=VALUE lines), read by every command; the environment wins.
-    KAME_ENV_FILE names another file; set empty, none is read (the tests do, so a developer's own .env
-    never reaches the commands they run)."""
+    KAME_ENV_FILE names another file, which must then exist (EnvError); set empty, none is read (the tests do,
+    so a developer's own .env never reaches the commands they run)."""
     from dotenv import dotenv_values
 
     name = os.environ.get("KAME_ENV_FILE", ".env")
     path = Path(name) if name else None
     if path is None or not path.is_file():
+        if path is not None and "KAME_ENV_FILE" in os.environ:
+            # Named and not there (a typo, a volume not mounted): going on would run without its settings.
+            raise EnvError(f"KAME_ENV_FILE names {name}, which is not a file (set it empty to read none)")
         return
     for key, value in dotenv_values(path).items():
         if value is not None:
@@ -481,7 +484,11 @@ def main(argv: list[str] | None = None) -> int:
     command = (sys.argv[1:] if argv is None else argv)[:1]
     if command and command[0] in _LONG_RUNNING and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_at_once)
-    load_dotenv_file()
+    try:
+        load_dotenv_file()
+    except EnvError as e:
+        print(f"kame-phone: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         resolve_env_defaults(args)
