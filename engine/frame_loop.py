@@ -65,6 +65,21 @@ class SlotOutput:
     fresh: bool = False  # the slot's model state was (re)started at this step
 
 
+def checked_frame(pcm: np.ndarray) -> np.ndarray:
+    """One 80 ms frame of a caller's audio as the engine and its back-end take it: float32, FRAME_SAMPLES samples
+    in [-1, 1]. The wrong shape, or integer samples (int16 would be 32767x too loud), are a ValueError; NaN, inf
+    and samples out of range are silenced and clipped: they reach the Mimi encoder's attention cache, which a
+    row's reset does not clear (it rewinds the offset), and the next call on the row was not heard for up to
+    10 s; and the STT's state the same way."""
+    if pcm.shape != (FRAME_SAMPLES,):
+        raise ValueError(f"expected {FRAME_SAMPLES} samples, got {pcm.shape}")
+    if not np.issubdtype(pcm.dtype, np.floating):
+        raise ValueError(f"expected float samples in [-1, 1], got {pcm.dtype}")
+    if not np.abs(pcm).max() <= 1.0:  # (False for a NaN too)
+        pcm = np.clip(np.nan_to_num(pcm, nan=0.0), -1.0, 1.0)
+    return pcm.astype(np.float32, copy=False)
+
+
 SlotSink = Callable[[SlotOutput], None]
 # (call id, output) of every slot in one tick, and when it ended (time.monotonic(): one clock for the whole
 # machine, so an engine in a process of its own stamps it there, before the pipe to its parent)
@@ -289,20 +304,13 @@ class FrameLoop:
             self.stats.seated(busy)
 
     def push_audio(self, row: int, call_id: str, pcm: np.ndarray) -> None:
-        if pcm.shape != (FRAME_SAMPLES,):
-            raise ValueError(f"expected {FRAME_SAMPLES} samples, got {pcm.shape}")
-        if not np.issubdtype(pcm.dtype, np.floating):
-            raise ValueError(f"expected float samples in [-1, 1], got {pcm.dtype}")  # int16 would be 32767x loud
-        if not np.abs(pcm).max() <= 1.0:  # (False for a NaN too)
-            # A NaN, an inf or a huge sample reaches the Mimi encoder's attention cache, which a row's reset does
-            # not clear (it rewinds the offset): the next call on the row was not heard for up to 10 s.
-            pcm = np.clip(np.nan_to_num(pcm, nan=0.0), -1.0, 1.0)
+        pcm = checked_frame(pcm)
         with self._lock:
             slot = self._slots[row]
             if slot is None or slot.call_id != call_id:
                 return
             slot.got_audio = True
-            slot.inbox.append(pcm.astype(np.float32, copy=False))
+            slot.inbox.append(pcm)
             if len(slot.inbox) > self.max_queued_frames:
                 # Audio faster than real time: drop the oldest frame so latency stays bounded.
                 slot.inbox.popleft()

@@ -43,9 +43,10 @@ from .frame_loop import (
     SlotOutput,
     SlotSink,
     TickSink,
+    checked_frame,
     publish_memory,
 )
-from .interface import FRAME_SAMPLES, EngineClosed, EngineError, EngineFull
+from .interface import EngineClosed, EngineError, EngineFull
 from .memory_check import NotEnoughMemory
 from .oracle_buffer import OracleBuffer
 from .pipe_sender import ParentSender, PipeSender, commands
@@ -257,9 +258,7 @@ class FrameLoopProcess:
                 metrics.ENGINE_INPUT_BACKLOG.set(0)
 
     def push_audio(self, row: int, call_id: str, pcm: np.ndarray) -> None:
-        if pcm.shape != (FRAME_SAMPLES,):
-            raise ValueError(f"expected {FRAME_SAMPLES} samples, got {pcm.shape}")
-        self._send(("audio", row, call_id, pcm.astype(np.float32, copy=False)))
+        self._send(("audio", row, call_id, checked_frame(pcm)))  # checked here: an error is the caller's, at once
 
     def set_oracle(
         self,

@@ -106,6 +106,24 @@ async def test_an_oracle_crosses_into_the_engine_process(tiny_checkpoint: Path) 
         await engine.stop()
 
 
+async def test_the_engine_process_refuses_bad_caller_audio_here_as_a_thread_does(tiny_checkpoint: Path) -> None:
+    """Integer samples are refused at once, in this process, as by an engine in a thread: they were cast to float
+    and sent, 32767x too loud, and the child clipped them to a square wave (the thread raised)."""
+    engine = await _engine(tiny_checkpoint)
+    try:
+        call = await engine.open_call("CA-int16")
+        with pytest.raises(ValueError, match="expected float samples"):
+            call.push_audio((np.ones(FRAME_SAMPLES) * 1000).astype(np.int16))
+        with pytest.raises(ValueError, match=f"expected {FRAME_SAMPLES} samples"):
+            call.push_audio(np.zeros(FRAME_SAMPLES // 2, np.float32))
+        call.push_audio(np.full(FRAME_SAMPLES, np.nan, np.float32))  # silenced, not refused
+        call.push_audio(np.zeros(FRAME_SAMPLES, np.float32))
+        await call.close()
+        assert engine.frame_loop.alive and engine.free_slots == 2
+    finally:
+        await engine.stop()
+
+
 async def test_one_calls_bad_oracle_never_ends_the_engine_process(tiny_checkpoint: Path) -> None:
     """Every call on the GPU shares the child: text no tokenizer takes (lone UTF-16 surrogates, which JSON
     from an LLM or an engine-link peer can carry) or a command that fails must cost at most that command."""
