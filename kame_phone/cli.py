@@ -280,10 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="answer Twilio calls with KAME")
     env_flag(serve, "--host", "KAME_HOST", default="127.0.0.1", help="the public listener's address")
-    env_flag(serve, "--port", "KAME_PORT", default=8080, parse=parse_int, help="the public listener's port")
+    env_flag(serve, "--port", "KAME_PORT", default=8080, parse=within(0, 65535), help="the public listener's port")
     env_flag(serve, "--metrics-host", "KAME_METRICS_HOST", default="127.0.0.1",
              help="GET /metrics listens here, never on the public port (0.0.0.0 in a container or pod)")
-    env_flag(serve, "--metrics-port", "KAME_METRICS_PORT", default=DEFAULT_METRICS_PORT, parse=parse_int,
+    env_flag(serve, "--metrics-port", "KAME_METRICS_PORT", default=DEFAULT_METRICS_PORT, parse=within(0, 65535),
              help=f"the metrics listener's port (default {DEFAULT_METRICS_PORT}; 0: any free one)")
     serve.add_argument("--public-url", default=None, help="how Twilio reaches this service (default: $PUBLIC_URL)")
     serve.add_argument("--insecure-dev", action="store_true",

@@ -115,7 +115,9 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
         pytest.param({"REDIS_URL": "redis://:Xk9+Qz/7aB@redis:6379/0"}, ["--insecure-dev"],
                      "REDIS_URL does not parse", id="redis-url"),  # fmt: skip
         # Review, session 22: each was a traceback, a 500 on every webhook, or every signature failing (403).
-        pytest.param({"KAME_PORT": "70000"}, ["--insecure-dev"], "KAME_PORT must be 0-65535", id="port"),
+        pytest.param({"KAME_PORT": "70000"}, ["--insecure-dev"], "KAME_PORT='70000' is refused: must be 0 to 65535",
+                     id="port"),  # fmt: skip
+
         pytest.param({"REDIS_URL": "redis://:p[1]w@redis:6379/0"}, ["--insecure-dev"], "REDIS_URL does not parse",
                      id="redis-url-bracket"),  # fmt: skip
         pytest.param({"TWILIO_AUTH_TOKEN": "t", "PUBLIC_URL": "https://voice.example.com/?a=1"}, [],
@@ -167,6 +169,20 @@ def test_serve_refuses_a_configuration_that_cannot_work_in_one_line(
     assert names in err and "\n" not in err, err
     assert err.startswith("kame-phone serve: ")
     assert "Xk9" not in err  # no part of a password
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_a_port_flag_out_of_range_is_refused_by_its_name(
+    clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    """The refusal named KAME_PORT (or KAME_METRICS_PORT), which the operator had not set."""
+    from kame_phone.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--insecure-dev", flag, "70000"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and f"argument {flag}: invalid integer in 0..65535 value: '70000'" in err, err
+    assert "KAME_" not in err
 
 
 def test_what_can_work_still_starts() -> None:
