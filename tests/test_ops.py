@@ -12,6 +12,7 @@ otherwise; YAML checks need PyYAML and are skipped without it; rendering the Kub
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -853,6 +854,27 @@ def test_compose_file() -> None:
     assert "./prometheus:" in mounts
     mounts = " ".join(services["grafana"]["volumes"])
     assert "./grafana/provisioning:" in mounts and "./grafana/dashboards:" in mounts
+
+
+@needs_yaml
+def test_grafana_refuses_the_example_password(tmp_path: Path) -> None:
+    """Compose's `:?` refuses only an empty GRAFANA_ADMIN_PASSWORD; ops/.env.example's placeholder, copied and
+    left, was the dashboard's admin password. The entrypoint, run as the image would (with /run.sh standing in
+    for Grafana), refuses it and starts Grafana with anything else."""
+    (compose,) = load_yaml_docs(COMPOSE)
+    entrypoint = compose["services"]["grafana"]["entrypoint"]
+    assert entrypoint[:2] == ["/bin/sh", "-c"]
+    run = tmp_path / "run.sh"
+    run.write_text('#!/bin/sh\necho "grafana started with $#"\n')
+    run.chmod(0o755)
+    script = entrypoint[2].replace("$$", "$").replace("/run.sh", str(run))  # compose's escape, then the stand-in
+    example = dict(line.split("=", 1) for line in (OPS / ".env.example").read_text().splitlines()
+                   if line.startswith("GRAFANA_ADMIN_PASSWORD="))  # fmt: skip
+    for password, code, says in [(example["GRAFANA_ADMIN_PASSWORD"], 1, "still holds the placeholder"),
+                                 ("a-real-one-Xk9", 0, "grafana started with 0")]:  # fmt: skip
+        done = subprocess.run(["/bin/sh", "-c", script, *entrypoint[3:]], capture_output=True, text=True,
+                              env={"PATH": os.environ["PATH"], "GF_SECURITY_ADMIN_PASSWORD": password}, timeout=10)
+        assert done.returncode == code and says in done.stdout + done.stderr, (password, done)
 
 
 @needs_yaml
