@@ -303,12 +303,13 @@ class FrameLoop:
             metrics.ENGINE_SLOTS_BUSY.set(busy)
             self.stats.seated(busy)
 
-    def push_audio(self, row: int, call_id: str, pcm: np.ndarray) -> None:
+    def push_audio(self, row: int, call_id: str, pcm: np.ndarray) -> np.ndarray:
+        """Queue one frame of the call's audio for its next tick; returns the frame as taken (`checked_frame`)."""
         pcm = checked_frame(pcm)
         with self._lock:
             slot = self._slots[row]
             if slot is None or slot.call_id != call_id:
-                return
+                return pcm
             slot.got_audio = True
             slot.inbox.append(pcm)
             if len(slot.inbox) > self.max_queued_frames:
@@ -317,6 +318,7 @@ class FrameLoop:
                 slot.overruns += 1
                 self.stats.overruns += 1
                 metrics.ENGINE_OVERRUNS.inc()
+        return pcm
 
     def set_oracle(
         self,

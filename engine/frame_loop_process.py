@@ -257,8 +257,10 @@ class FrameLoopProcess:
             if not busy:  # the child's idle ticks send nothing: no call, no backlog
                 metrics.ENGINE_INPUT_BACKLOG.set(0)
 
-    def push_audio(self, row: int, call_id: str, pcm: np.ndarray) -> None:
-        self._send(("audio", row, call_id, checked_frame(pcm)))  # checked here: an error is the caller's, at once
+    def push_audio(self, row: int, call_id: str, pcm: np.ndarray) -> np.ndarray:
+        pcm = checked_frame(pcm)  # here: an error is the caller's, at once
+        self._send(("audio", row, call_id, pcm))
+        return pcm
 
     def set_oracle(
         self,

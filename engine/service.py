@@ -21,7 +21,7 @@ import torch
 from . import metrics
 from .batch import KameBatch
 from .checkpoint import KameBundle, load_kame
-from .frame_loop import BEHIND_LATE_SHARE, BEHIND_WINDOW_S, HUNG_S, STALLED_S, FrameLoop, SlotOutput, checked_frame
+from .frame_loop import BEHIND_LATE_SHARE, BEHIND_WINDOW_S, HUNG_S, STALLED_S, FrameLoop, SlotOutput
 from .frame_loop_process import ChildSpec, FrameLoopProcess
 from .interface import (
     BotFrames,
@@ -159,8 +159,8 @@ class LocalCallSession:
     def push_audio(self, pcm: np.ndarray) -> None:
         if self._closed:
             return
-        pcm = checked_frame(pcm)  # once, for the engine and the back-end's STT alike
-        self._engine.frame_loop.push_audio(self.row, self.call_id, pcm)
+        # The frame as the engine took it (checked_frame: NaN and inf silenced, clipped) is what the STT hears too.
+        pcm = self._engine.frame_loop.push_audio(self.row, self.call_id, pcm)
         if self.backend is not None:
             self.backend.feed_audio(pcm)
 

@@ -10,6 +10,7 @@ import secrets
 import shutil
 import subprocess
 import textwrap
+import time
 import wave
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -81,8 +82,8 @@ def flite_wav(text: str, out: Path) -> Path:
 class TalksUntil:
     """A caller (a `CallerScript`) who says `packets` over and over until `done` is set, then goes on for `tail_s`
     and hangs up; `bot_after_s`: the bot audio received in that tail, `longest_bot_gap_s`: the longest stretch
-    without new bot audio after the first. For a test that waits for something to happen during a call, however
-    long this machine takes, rather than guessing how much to say."""
+    of real time without new bot audio, from the first to the hang-up. For a test that waits for something to
+    happen during a call, however long this machine takes, rather than guessing how much to say."""
 
     done: asyncio.Event
     packets: tuple[bytes, ...]
@@ -92,16 +93,18 @@ class TalksUntil:
     bot_after_s: float = 0.0
     longest_bot_gap_s: float = 0.0
     _voiced: list[bool] = field(init=False)
-    _bot_grew: tuple[float, int] | None = None  # (t, bot samples received) when bot audio last arrived
+    _bot_grew: tuple[float, int] | None = None  # (time.monotonic(), bot samples received) when bot audio last came
 
     def __post_init__(self) -> None:
         self._voiced = voiced_flags(list(self.packets))
 
     def next_packet(self, t: float, playout: Playout) -> tuple[bytes, bool] | None:
+        # The real clock, not `t` (the packet's slot): after a stall the caller catches up in a burst.
+        now = time.monotonic()
+        if self._bot_grew is not None:
+            self.longest_bot_gap_s = max(self.longest_bot_gap_s, now - self._bot_grew[0])
         if playout.received_samples and (self._bot_grew is None or playout.received_samples > self._bot_grew[1]):
-            if self._bot_grew is not None:
-                self.longest_bot_gap_s = max(self.longest_bot_gap_s, t - self._bot_grew[0])
-            self._bot_grew = (t, playout.received_samples)
+            self._bot_grew = (now, playout.received_samples)
         if self.done.is_set() and self.done_at is None:
             self.done_at = (t, playout.received_samples)
         if self.done_at is not None and t >= self.done_at[0] + self.tail_s:

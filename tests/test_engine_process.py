@@ -112,8 +112,11 @@ async def test_the_engine_process_refuses_bad_caller_audio_here_as_a_thread_does
     engine = await _engine(tiny_checkpoint)
     try:
         call = await engine.open_call("CA-int16")
+        loud = (np.ones(FRAME_SAMPLES) * 1000).astype(np.int16)
         with pytest.raises(ValueError, match="expected float samples"):
-            call.push_audio((np.ones(FRAME_SAMPLES) * 1000).astype(np.int16))
+            call.push_audio(loud)
+        with pytest.raises(ValueError, match="expected float samples"):  # the pipe's own end, as the link's might
+            engine.frame_loop.push_audio(call.row, "CA-int16", loud)
         with pytest.raises(ValueError, match=f"expected {FRAME_SAMPLES} samples"):
             call.push_audio(np.zeros(FRAME_SAMPLES // 2, np.float32))
         call.push_audio(np.full(FRAME_SAMPLES, np.nan, np.float32))  # silenced, not refused

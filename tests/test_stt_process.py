@@ -392,9 +392,9 @@ async def test_a_live_call_rides_out_its_stt_process_dying(
         # Ready again: back, and keeping time once the call is over (on 2 busy cores the child's start can make
         # the engine miss frames, and it is out of rotation until it keeps time for 2 s again).
         await until(ready, "ready again", within=15)
-    # The bot's audio never stopped (a share of the call's length would measure this machine's speed: on 2 busy
-    # cores the tiny engine makes ~80 % of real time, outage or not).
-    assert report.bot_seconds_received > 0 and caller.longest_bot_gap_s < 1.0, caller.longest_bot_gap_s
+    # The bot's audio never stopped, to the end (a share of the call's length would measure this machine's speed:
+    # on 2 busy cores the tiny engine makes ~80 % of real time, outage or not; a restart takes seconds).
+    assert caller.bot_after_s > 0 and caller.longest_bot_gap_s < 2.0, (caller.bot_after_s, caller.longest_bot_gap_s)
     assert metric("kame_stt_errors_total") == errors + 2  # its row's death, then its wait for the new process
     sid = report.call_sid
     said_down = [r for r in caplog.records if sid in r.getMessage() and "STT" in r.getMessage()]
