@@ -201,6 +201,10 @@ def _httpx_error(exc: BaseException) -> str | None:
     return "transport" if "TransportError" in names else None
 
 
+class StreamCutError(ValueError):
+    """The response body ended before the answer did: a broken stream ("malformed"), never a whole answer."""
+
+
 class LlmStreamError(Exception):
     """The server sent an error inside an otherwise healthy stream: it gave up mid-answer."""
 
@@ -448,6 +452,9 @@ class LlmClient:
         streaming = False
         text = ""
         finish: str | None = None  # the stream's finish_reason, for the log of an empty reply
+        ended = False  # [DONE], or the reply cut at its cap: the stream's own end, not a body that just stopped
+        graced = False  # the finish's grace is given: nothing after it (chatter) moves the deadline on again
+        unfinished_pieces = False  # pieces came without a finish_reason: one that comes now ends the answer
         loop = asyncio.get_running_loop()
         cap_at = loop.time() + cfg.max_request_s
         try:
@@ -480,11 +487,12 @@ class LlmClient:
                         async with contextlib.aclosing(_sse_data(_lines(response.iter_bytes()))) as events:
                             async for data in events:
                                 if data == "[DONE]":
+                                    ended = True
                                     break
                                 chunk = json.loads(data)
                                 delta = _delta(chunk)
-                                finished_before = finish is not None
-                                finish = _finish_reason(chunk) or finish
+                                chunk_finish = _finish_reason(chunk)
+                                finish = chunk_finish or finish
                                 # The first token, text or a function call's first piece (an answer too), is timed
                                 # once (`not text and not calls` before it).
                                 first = not text and not calls
@@ -509,16 +517,26 @@ class LlmClient:
                                     deadline.reschedule(None)
                                     yield well_formed(text)  # a surrogate pair split across two chunks
                                     if too_long:
+                                        ended = True
                                         break  # closes the stream; the draft ends here
                                     progressed()
-                                if finish is not None and (not finished_before or piece or tool_pieces):
+                                moved = bool(piece or tool_pieces)
+                                if chunk_finish is not None and not graced and (not moved or unfinished_pieces):
                                     # The answer is whole (only [DONE], or a usage chunk, should follow): a server
                                     # that kept the stream open after it made the draft complete only at the idle
-                                    # timeout, counted as a failure, with its tool calls thrown away. Not cut at
-                                    # once: some gateways put a finish_reason on every chunk. Only the answer's
-                                    # own pieces move it on: empty chunks every half second held the tool calls
-                                    # to max_request_s.
+                                    # timeout, counted as a failure, with its tool calls thrown away. Once: empty
+                                    # chunks every half second after it held the tool calls to max_request_s. Not
+                                    # on a gateway that puts a finish_reason on every chunk (every piece so far
+                                    # came with one): its pieces keep the idle timeout, or a pause of a second
+                                    # between two cut the answer there, as a whole one (review, session 29).
+                                    graced = True
                                     deadline.reschedule(min(loop.time() + FINISH_GRACE_S, cap_at))
+                                if moved and chunk_finish is None:
+                                    unfinished_pieces = True
+                if not ended and finish is None:
+                    # The body just stopped (a proxy's clean close, HTTP/1.0): half an answer, and tool calls
+                    # whose arguments never came, were taken for whole ones and run.
+                    raise StreamCutError("the stream ended before its answer did (no finish_reason, no [DONE])")
             except TimeoutError:
                 if finish is None:
                     raise
@@ -540,11 +558,14 @@ class LlmClient:
             raise
         except Exception as exc:
             refused = None if streaming else refused_param(exc)
-            if refused is not None and refused in params and refused not in refused_here:
-                refused_here.add(refused)
-                instead = _PARAM_FALLBACKS[refused]
-                log.warning("the LLM (%s) does not take %r: %s from now on", model, refused,
-                            f"sending {instead!r} instead" if instead else "not sent")  # fmt: skip
+            if refused is not None and refused in extra:
+                # Judged on this request as sent: requests made at once all carried it, and the first refusal
+                # back marks it for the model; the others were failed (review, session 29).
+                if refused not in refused_here:
+                    refused_here.add(refused)
+                    instead = _PARAM_FALLBACKS[refused]
+                    log.warning("the LLM (%s) does not take %r: %s from now on", model, refused,
+                                f"sending {instead!r} instead" if instead else "not sent")  # fmt: skip
                 retry = True
             elif "tools" in extra and not streaming and _refuses_tools(exc, messages):
                 self.tools_refused[tool_set] = time.monotonic()

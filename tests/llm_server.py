@@ -87,6 +87,9 @@ class FakeLlm:
     chatter_after_finish: bool = False  # while held: a chunk with no choices every half second
     chatter_delta: dict[str, Any] | None = None  # ... or, if set, a chunk with this (empty) delta
     finish_every_chunk: bool = False  # finish_reason "stop" on every chunk (some gateways in front of Gemini)
+    # The body ends cleanly after the answer's pieces, with no finish_reason and no [DONE] (a proxy's clean close,
+    # HTTP/1.0): a cut stream, not a whole answer.
+    end_without_done: bool = False
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -198,7 +201,8 @@ class FakeLlm:
             if self.hold_after_finish:
                 await self._finish_and_hold(resp, body["model"], "stop")
                 return resp
-            await resp.write(b"data: [DONE]\n\n")
+            if not self.end_without_done:
+                await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionError:
             self.disconnects += 1
@@ -249,7 +253,8 @@ class FakeLlm:
             if self.hold_after_finish:
                 await self._finish_and_hold(resp, model, "tool_calls")
                 return
-            await resp.write(chunk({}, finish="tool_calls") + b"data: [DONE]\n\n")
+            if not self.end_without_done:
+                await resp.write(chunk({}, finish="tool_calls") + b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionError:
             self.disconnects += 1

@@ -656,6 +656,53 @@ async def test_a_gateway_that_puts_a_finish_reason_on_every_chunk_is_read_to_the
     assert text[-1] == "Sure, about hi, let me help you with that right away."
 
 
+async def test_a_gateway_with_a_finish_reason_on_every_chunk_may_pause_between_its_pieces(
+    llm_server: FakeLlm,
+) -> None:
+    """Each piece that came with its finish_reason gave the stream only the finish's 1 s grace: a pause of 1.5 s
+    cut the answer there, and it was taken for whole, a tool call's arguments with it (review, session 29)."""
+    llm_server.finish_every_chunk = True
+    llm_server.stall_at_chunk, llm_server.stall_s = 2, 1.5
+    errors = metric("kame_llm_errors_total", kind="timeout")
+    async with _llm(llm_server) as llm:
+        text = await _drafts(llm, "hi", [])
+    assert text[-1] == "Sure, about hi, let me help you with that right away."
+    assert metric("kame_llm_errors_total", kind="timeout") == errors
+
+
+@pytest.mark.parametrize("asked", ["hi", "my order"], ids=["text", "tool-call"])
+async def test_a_stream_that_just_stops_is_a_broken_answer_not_a_whole_one(llm_server: FakeLlm, asked: str) -> None:
+    """A body that ends cleanly with no finish_reason and no [DONE]: its half-said text was made complete and its
+    tool call, arguments unfinished, was run (review, session 29). It is a broken stream, counted as such."""
+    llm_server.end_without_done = True
+    llm_server.tool_triggers = {"order": ("order_status", {"order_id": "4217"})}
+    malformed = metric("kame_llm_errors_total", kind="malformed")
+    drafts: list[str | ToolCallRequest] = []
+    async with _llm(llm_server) as llm:
+        with pytest.raises(LlmError) as failed:
+            async for draft in llm.stream_draft([{"role": "user", "content": asked}], tools=_offer("order_status")):
+                drafts.append(draft)
+    assert failed.value.kind == "malformed" and "ended before its answer did" in str(failed.value)
+    assert not any(isinstance(d, ToolCallRequest) for d in drafts)
+    assert metric("kame_llm_errors_total", kind="malformed") == malformed + 1
+
+
+async def test_requests_made_at_once_to_a_model_refusing_max_tokens_all_answer(llm_server: FakeLlm) -> None:
+    """Four calls asking at once, before the first refusal came back: the first marked the parameter and asked
+    again; the three others failed, each an error, a warning and a call silent through its back-off."""
+    llm_server.refuse_params = ("max_tokens",)
+    llm_server.delay_s = 0.2  # the four are all sent before any refusal is back
+    llm = LlmClient(LlmConfig(model="o4-mini", base_url=llm_server.base_url, api_key="k"))
+    errors = metric("kame_llm_errors_total", kind="other")
+    try:
+        answers = await asyncio.gather(*(_drafts(llm, f"hi {i}", []) for i in range(4)))
+    finally:
+        await llm.aclose()
+    assert all(a and a[-1].startswith("Sure, about hi") for a in answers), answers
+    assert metric("kame_llm_errors_total", kind="other") == errors
+    assert sum("max_completion_tokens" in r for r in llm_server.requests) == 4
+
+
 async def test_tool_calls_in_the_record_mask_digits_as_dtmf_is() -> None:
     store = MemoryCallStore(store_transcripts=False)
     await store.create(CallRecord("CA" + "3" * 32))
