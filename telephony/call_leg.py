@@ -31,6 +31,7 @@ from knowledge.agents import Agent
 
 from . import metrics
 from .framing import InboundFramer
+from .logs import call_id_var
 from .playout_clock import BARGE_IN_AFTER_S, CLEAR_ON_BARGE_IN_ABOVE_S
 from .stream_limits import RealTimeAllowance
 from .turns import SILENCE_DBFS, TurnTracker, Unanswered
@@ -203,6 +204,10 @@ class CallLeg:
         limit, start_limit = self.ctx.config.silent_socket_s, self.ctx.config.start_timeout_s
         while not self.closed:
             await asyncio.sleep(min(WATCHDOG_PERIOD_S, limit / 2, start_limit / 2))
+            if self.state.call_sid is not None and call_id_var.get() is None:
+                # This task began before the call had an id (AudioSocket's comes in its first message): its own
+                # lines (silent socket, maximum length) carried none.
+                call_id_var.set(self.state.call_sid)
             # Not once its start is read: a start in time whose claim waits on a slow Redis was closed as
             # no_start after its token was spent and its seat opened.
             started = self.state.start_received_at is not None

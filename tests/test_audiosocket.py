@@ -195,6 +195,24 @@ async def test_a_pbx_call_over_audiosocket_end_to_end(tiny_checkpoint: Path, que
     assert metric("kame_calls_total", outcome="completed", agent="default") == before + 1
 
 
+async def test_a_call_ended_at_its_maximum_length_says_so_under_its_own_id(
+    tiny_checkpoint: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The watchdog's lines (maximum length, silent socket) carried no call id over AudioSocket: its task began
+    before the call's first message gave the id (review, session 29)."""
+    from .phone_fixtures import json_logging
+
+    with json_logging(capfd) as json_lines:
+        async with running_phone(tiny_checkpoint, audiosocket=LOOPBACK, max_call_s=1.0) as phone:
+            report = await audiosocket_call("127.0.0.1", _port(phone), [bytes(320)] * 200, hold_s=0.5)
+            await phone.settled()
+        lines = json_lines()
+    sid = call_id_for(report.call_uuid)
+    assert report.hung_up_by_service
+    ended = [r for r in lines if "past its maximum length" in r["msg"]]
+    assert ended and all(r["call_id"] == sid for r in ended), ended
+
+
 async def test_audiosocket_listeners_pick_their_agent(tiny_checkpoint: Path, tmp_path: Path) -> None:
     from knowledge.agents import AgentDirectory
 
