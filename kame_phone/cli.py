@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -471,6 +472,7 @@ def load_dotenv_file() -> None:
 
 
 _LONG_RUNNING = ("serve", "engine-serve")
+_CANNOT_LISTEN = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
 
 
 def _exit_at_once(signum: int, _frame: object) -> None:
@@ -510,8 +512,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, (CheckpointError, LinkRefused, NotEnoughMemory, NodeIdInUse)):
             print(f"kame-phone: {e}", file=sys.stderr)
             return 2
-        if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:  # another process holds the port
-            print(f"kame-phone {args.command}: cannot listen: {e.strerror}", file=sys.stderr)
+        # Another process holds the port, an address not on this host, a port below 1024, a host name that does
+        # not resolve: asyncio's message names the address.
+        if isinstance(e, OSError) and (e.errno in _CANNOT_LISTEN or isinstance(e, socket.gaierror)):
+            print(f"kame-phone {args.command}: cannot listen: {e.strerror or e}", file=sys.stderr)
             return 2
         logging.getLogger("kame-phone").exception("failed")
         return 1

@@ -251,6 +251,14 @@ def test_a_port_in_use_and_a_missing_listen_address_end_in_one_line() -> None:
         code, err = _run("engine-serve", "--listen", "unix:/tmp/kame-unused.sock", "--http-port", str(port))
         assert code == 2 and "Traceback" not in err, err
         assert err.strip().splitlines()[-1].startswith("kame-phone engine-serve: cannot listen:"), err
+    # An address not on this host (a copied config, an AudioSocket listener on a PBX's address): it was a
+    # traceback and exit 1, restarted for ever (review, session 29). 192.0.2.1 is TEST-NET-1, on no host.
+    code, err = _run("serve", "--insecure-dev", "--port", str(free_port()), "--metrics-port", str(free_port()),
+                     "--engine", "tcp://127.0.0.1:9", "--audiosocket", "192.0.2.1:9019", "--audiosocket-allow",
+                     "192.0.2.0/24")  # fmt: skip
+    assert code == 2 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("kame-phone serve: cannot listen:") and "192.0.2.1" in last, err
     code, err = _run("engine-serve", env={"KAME_ENGINE_LISTEN": ""})
     assert code == 2 and err.strip() == "kame-phone engine-serve: --listen (or KAME_ENGINE_LISTEN) is required"
     code, err = _run("engine-serve", env={"KAME_ENGINE_LISTEN": "nowhere"})  # the variable is read
