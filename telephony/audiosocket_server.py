@@ -20,6 +20,7 @@ from .audiosocket_config import allowed
 from .audiosocket_session import AudioSocketSession
 from .audiosocket_wire import PACKET_S
 from .bot_audio import cancel_and_wait
+from .config import is_loopback
 
 if TYPE_CHECKING:
     from .server import ServerContext
@@ -82,8 +83,15 @@ class AudioSocketServer:
                 lambda r, w, agent=listen.agent: self._connected(r, w, agent), listen.host, listen.port,
             )  # fmt: skip
             self.servers.append(server)
-            log.info("AudioSocket listening on %s:%d (agent %s)", listen.host, server.sockets[0].getsockname()[1],
-                     listen.agent or "default")  # fmt: skip
+            log.info("AudioSocket listening on %s:%d (agent %s), callers from %s", listen.host,
+                     server.sockets[0].getsockname()[1], listen.agent or "default",
+                     ", ".join(map(str, self.ctx.config.audiosocket_allow)) or "loopback only")  # fmt: skip
+            if any(net.prefixlen == 0 for net in self.ctx.config.audiosocket_allow) and not is_loopback(listen.host):
+                # AudioSocket has no credentials: whoever reaches the port places calls on this node's seats and
+                # LLM, and nothing else would say so.
+                log.warning("AudioSocket on %s:%d is open to every address (--audiosocket-allow any): anyone who "
+                            "reaches it places calls here; allow your PBX's networks only", listen.host,
+                            server.sockets[0].getsockname()[1])  # fmt: skip
         if self.servers:
             self.pacer.start()
         return self

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import socket
 import time
 import uuid
@@ -143,6 +144,23 @@ def test_a_listener_beyond_loopback_needs_its_allowlist_said_and_ports_do_not_cl
                               "--audiosocket 127.0.0.1:9019")):  # fmt: skip
         with pytest.raises(ConfigError, match=f"is {clash}'s too"):
             ServiceConfig(host="127.0.0.1", port=8080, audiosocket=listeners).check()
+
+
+async def test_a_listener_open_to_every_address_is_warned_of(
+    tiny_checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--audiosocket-allow any` on a listener off loopback: anyone who reaches the port places calls (no
+    credentials), and no line said so (review, session 29). Each listener's line says who may call it."""
+    caplog.set_level(logging.INFO)
+    for allow, callers, warned in (("any", "0.0.0.0/0, ::/0", True), ("10.20.0.0/16", "10.20.0.0/16", False)):
+        caplog.clear()
+        async with running_phone(tiny_checkpoint, audiosocket=(AudioSocketListen("0.0.0.0", 0),),
+                                 audiosocket_allow=parse_networks(allow)):  # fmt: skip
+            pass
+        said = [r.getMessage() for r in caplog.records if r.name == "telephony.audiosocket_server"]
+        assert any("AudioSocket listening on 0.0.0.0:" in m and m.endswith(f"callers from {callers}")
+                   for m in said), said  # fmt: skip
+        assert any("open to every address" in m for m in said) is warned, said
 
 
 async def test_a_node_without_twilio_credentials_answers_audiosocket_and_refuses_twilio(
