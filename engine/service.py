@@ -135,6 +135,10 @@ class LocalCallSession:
             if final and text and not self._ended:
                 put_dropping_oldest(self._queue, CallerTranscript(text=text, final=True, at=at))
             return
+        if final and text:
+            # A final with no partial before it (pocketsphinx gives one when a burst holds the words and the
+            # silence after them) is a whole turn too: without its start, the forced delay was skipped after it.
+            self._engine.frame_loop.caller_turn(self.row, self.call_id, speaking=True)
         self._engine.frame_loop.caller_turn(self.row, self.call_id, speaking=not final)
         self._put(CallerTranscript(text=text, final=final, at=at))
 

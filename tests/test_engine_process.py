@@ -127,6 +127,38 @@ async def test_the_engine_process_refuses_bad_caller_audio_here_as_a_thread_does
         await engine.stop()
 
 
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
+async def test_a_turn_heard_only_as_its_final_is_held_by_the_forced_delay(
+    tiny_checkpoint: Path, engine_process: bool
+) -> None:
+    """A final transcript with no partial before it (pocketsphinx, when one burst holds the words and the silence
+    after them) ended no turn: the forced response delay was skipped, the reply began at the next tick (review,
+    session 29)."""
+    config = EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", max_calls=1, warmup_ticks=1,
+                          engine_process=engine_process, forced_delay_ms=240.0)  # fmt: skip
+    engine = await LocalEngine.load(config)
+    await engine.start()
+    try:
+        call = await engine.open_call("CA-final")
+        frames = engine.bot_frames()
+        async with asyncio.timeout(10):
+            await anext(frames)  # seated and ticking
+            while not engine._frames.empty():  # (what was made before the turn)
+                await anext(frames)
+        call._on_transcript("what time do you open", True, time.monotonic())
+        call._on_oracle("We open at nine.", time.monotonic(), 1, True)
+        voiced: list[bool] = []
+        async with asyncio.timeout(10):
+            while len(voiced) < 8:
+                got = await anext(frames)
+                voiced += [v for cid, v in zip(got.call_ids, got.voiced, strict=True) if cid == "CA-final"]
+        # 240 ms: three ticks held silent after the turn (one made as it came may still speak), then the reply.
+        assert voiced.count(False) >= 2, voiced
+        await call.close()
+    finally:
+        await engine.stop()
+
+
 async def test_one_calls_bad_oracle_never_ends_the_engine_process(tiny_checkpoint: Path) -> None:
     """Every call on the GPU shares the child: text no tokenizer takes (lone UTF-16 surrogates, which JSON
     from an LLM or an engine-link peer can carry) or a command that fails must cost at most that command."""
