@@ -17,12 +17,13 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import numpy as np
 from tqdm import tqdm
 
 from telephony import sim_playout as sp
+from telephony.config import hide_password
 from telephony.sim_caller import CallReport, simulate_call
 
 from .judge import Judge
@@ -56,12 +57,7 @@ class Target:
         """What the report says of the target: never a password the URL carries (https://user:pass@host)."""
         if self.checkpoint:
             return {"checkpoint": self.checkpoint}
-        parts = urlsplit(self.url or "")
-        if parts.password is not None or parts.username is not None:
-            host = parts.hostname or ""
-            netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-            return {"url": urlunsplit(parts._replace(netloc=netloc))}
-        return {"url": self.url}
+        return {"url": hide_password(self.url)}
 
 
 @dataclass

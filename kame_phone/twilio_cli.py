@@ -18,7 +18,14 @@ from urllib.parse import quote, urlsplit
 import aiohttp
 
 from knowledge.agents import E164, Agents, AgentsError, is_sip_uri
-from telephony.config import ConfigError, check_public_url, is_loopback, unfilled_message, unfilled_placeholders
+from telephony.config import (
+    ConfigError,
+    check_public_url,
+    hide_password,
+    is_loopback,
+    unfilled_message,
+    unfilled_placeholders,
+)
 from telephony.server import CALL_STATUS_PATH, VOICE_PATH
 from telephony.twilio_rest import TwilioRest, TwilioRestError
 
@@ -79,9 +86,11 @@ async def twilio_setup(args: argparse.Namespace) -> None:
     try:
         before = await rest.find_number(number) if number else await rest.find_sip_domain(domain or "")
         print(f"{before.name} ({before.sid}):")
-        print(f"  voice URL:       {before.voice_url or '(none)'} [{before.voice_method or '-'}] -> {voice_url} [POST]")
-        print(f"  status callback: {before.status_callback or '(none)'} [{before.status_callback_method or '-'}]"
-              f" -> {status_url} [POST]")  # fmt: skip
+        # Their URLs as printed: a webhook with basic auth carries its password (stdout ends up in CI logs).
+        print(f"  voice URL:       {hide_password(before.voice_url) or '(none)'} [{before.voice_method or '-'}] -> "
+              f"{voice_url} [POST]")  # fmt: skip
+        print(f"  status callback: {hide_password(before.status_callback) or '(none)'} "
+              f"[{before.status_callback_method or '-'}] -> {status_url} [POST]")  # fmt: skip
         if before.routed_elsewhere:
             # Changing the URL would change nothing a caller hears: said "done", it was a silent failure.
             raise CliError(f"{before.name}'s calls go to {before.routed_elsewhere}, and Twilio ignores its voice URL "
@@ -93,9 +102,9 @@ async def twilio_setup(args: argparse.Namespace) -> None:
         if theirs and not args.replace_status_callback:
             # Another system (a CRM, a call log) reads this number's call statuses: taking them over silently
             # would break it. The service needs them to close calls that never streamed.
-            message = (f"{before.name} sends its call statuses to {theirs}; this service needs them (to close calls "
-                       "that never streamed). Pass --replace-status-callback to send them here instead (that URL "
-                       "then gets none)")  # fmt: skip
+            message = (f"{before.name} sends its call statuses to {hide_password(theirs)}; this service needs them "
+                       "(to close calls that never streamed). Pass --replace-status-callback to send them here "
+                       "instead (that URL then gets none)")  # fmt: skip
             if not args.dry_run:
                 raise CliError(message + "; nothing changed", code=1)
             print(f"note: {message}")

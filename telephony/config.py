@@ -8,7 +8,7 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from .audiosocket_config import AudioSocketListen, Network
 
@@ -54,6 +54,18 @@ def unfilled_placeholders(env: Mapping[str, str]) -> list[str]:
 def unfilled_message(names: list[str]) -> str:
     return (f"{', '.join(names)} still hold{'s' if len(names) == 1 else ''} the placeholder from ops/.env.example "
             "(replace-with-...): fill in the real value, or unset it")
+
+
+def hide_password(url: str | None) -> str | None:
+    """`url` as it may be printed or logged: a password it carries (https://user:pass@host, as webhooks with basic
+    auth are often set on a Twilio number) is ***; anything else comes back as it was."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    userinfo, _, host = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{host}"))
 
 
 def check_public_url(name: str, url: str) -> None:

@@ -65,12 +65,15 @@ async def test_twilio_setup_never_takes_over_another_systems_status_callback_una
     """A number whose call statuses go to another system (a CRM): setup refuses and changes nothing, unless
     told to take them over; a callback already ours is no reason to stop (running setup twice is fine)."""
     async with serve_twilio_rest(ACCOUNT, ACCOUNT, SECRET) as twilio:
-        twilio.add_number(NUMBER, status_callback="https://crm.example.com/status")
+        # With basic auth in it, as such webhooks often are: printed without its password (review, session 29).
+        twilio.add_number(NUMBER, status_callback="https://crm:s3cretpw@crm.example.com/status")
         env = {**_rest_env(twilio), "PUBLIC_URL": "https://voice.example.com"}
         rc, out, err = await _kame(["twilio", "setup", "--number", NUMBER, "--dry-run"], env)
         assert rc == 0 and "note: " in out and "--replace-status-callback" in out
+        assert "https://crm:***@crm.example.com/status" in out and "s3cretpw" not in out + err
         rc, _, err = await _kame(["twilio", "setup", "--number", NUMBER], env)
-        assert rc == 1 and "sends its call statuses to https://crm.example.com/status" in err
+        assert rc == 1 and "sends its call statuses to https://crm:***@crm.example.com/status" in err
+        assert "s3cretpw" not in err
         assert "nothing changed" in err and not twilio.number_updates
         rc, _, err = await _kame(["twilio", "setup", "--number", NUMBER, "--replace-status-callback"], env)
         assert rc == 0, err
