@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from .line_caller import Listening
 from .questions import SUITES, QuestionError, load_file, load_suite, narrow
@@ -231,7 +232,18 @@ def run_from_args(args: argparse.Namespace) -> int:
     for note in report["notes"]:
         print(f"note: {note}")
     print(f"report: {plan.out / 'report.md'}  ({plan.out / 'report.json'})")
+    return exit_code(report)
+
+
+def exit_code(report: dict[str, Any]) -> int:
+    """1, each said on stderr, when a question call or a barge-in probe call did not complete: a run whose calls
+    partly failed is no pass, its figures being of the calls that did (failed probes exited 0; review, session
+    29); else 0."""
     failed = sum(r["outcome"] != "completed" for r in report["results"])
-    if failed:  # a run whose calls partly failed is no pass: its figures are of the calls that completed
+    failed_probes = sum(p["outcome"] != "completed" for p in report["probes"])
+    if failed:
         print(f"kame-phone eval: {failed} of {len(report['results'])} calls did not complete", file=sys.stderr)
-    return 1 if failed else 0
+    if failed_probes:
+        print(f"kame-phone eval: {failed_probes} of {len(report['probes'])} barge-in probe calls did not complete",
+              file=sys.stderr)  # fmt: skip
+    return 1 if failed or failed_probes else 0

@@ -10,11 +10,13 @@ from typing import Any
 
 from scipy import stats
 
-from .report import TOO_FEW, delay_label, load_report
+from .report import RANDOM_WEIGHTS_NOTE, TOO_FEW, delay_label, load_report
 
 # Settings that change the figures whatever the service does: two runs that differ in one are not comparable as is.
+# (How long a reply is listened to cuts replies, and so scores; calls at once change latency.)
 MEASURED_BY = (("source", "questions"), ("questions", "question count"), ("judge_model", "judge"), ("asr", "ASR"),
-               ("tts", "caller voice"))  # fmt: skip
+               ("tts", "caller voice"), ("listening", "listening"), ("concurrency", "calls at once"),
+               ("probes", "barge-in probes"), ("pause_s", "pause between calls"))  # fmt: skip
 
 
 def _values(report: dict[str, Any], delay: float, category: str | None, key: str) -> list[float]:
@@ -72,6 +74,8 @@ def compare(a_path: Path, b_path: Path) -> str:
                                   f"B: {', '.join(delay_label(d) for d in sorted(db))})"])
     if a.get("random_weights") or b.get("random_weights"):
         lines.append("note: a run used random weights; its scores mean nothing")
+    for name, report in (("A", a), ("B", b)):  # a run stopped early, say: fewer calls, not worse ones
+        lines += [f"note: {name}: {note}" for note in report.get("notes") or () if note != RANDOM_WEIGHTS_NOTE]
     sa, sb = a.get("settings") or {}, b.get("settings") or {}
     for key, what in MEASURED_BY:
         if sa.get(key) != sb.get(key):
@@ -80,7 +84,8 @@ def compare(a_path: Path, b_path: Path) -> str:
     for d_a, d_b in pairs:
         lines.append(f"\nforced delay {delay_label(d_a)}" + (f" vs {delay_label(d_b)}" if d_a != d_b else ""))
         (done_a, n_a), (done_b, n_b) = _completed(a, d_a), _completed(b, d_b)
-        fewer = n_a and n_b and abs(done_a / n_a - done_b / n_b) > 0.1
+        # Fewer calls made (a run stopped early: 5/5 read as comparable with 10/10), or far fewer completed.
+        fewer = n_a != n_b or (n_a and n_b and abs(done_a / n_a - done_b / n_b) > 0.1)
         # Scores and latencies are of completed calls only: a run that failed most of its calls otherwise read
         # as better (its slow or unanswered calls dropped out of the median).
         lines.append(f"  calls completed {done_a}/{n_a} -> {done_b}/{n_b}"

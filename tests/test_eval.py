@@ -384,6 +384,11 @@ def test_compare_says_when_the_runs_were_measured_differently(tmp_path: Path) ->
     differs = compare(write("c"), write("d", judge_model="gpt-4o-mini", asr="openai"))
     assert "note: the runs differ in judge (A: gpt-4.1; B: gpt-4o-mini)" in differs
     assert "note: the runs differ in ASR (A: pocketsphinx; B: openai)" in differs and "caller voice" not in differs
+    # How long a reply is listened to cuts replies (and scores); calls at once change latency (review, session 29).
+    cut = compare(write("e", listening={"max_reply_s": 60.0}, concurrency=1),
+                  write("f", listening={"max_reply_s": 5.0}, concurrency=16))  # fmt: skip
+    assert "note: the runs differ in listening (A: {'max_reply_s': 60.0}; B: {'max_reply_s': 5.0})" in cut
+    assert "note: the runs differ in calls at once (A: 1; B: 16)" in cut
 
 
 def test_compare_says_when_a_change_is_real(tmp_path: Path) -> None:
@@ -404,6 +409,28 @@ def test_compare_says_when_a_change_is_real(tmp_path: Path) -> None:
         r.outcome, r.score, r.latency_s = "error", None, None
     text = compare(a, write("f", failing))
     assert "calls completed 6/6 -> 2/6: the figures below are of completed calls only, and not comparable" in text
+    # B stopped after 5 of its 6 questions: 5/5 read as comparable, and better (review, session 29).
+    stopped = tmp_path / "stopped.json"
+    stopped.write_text(json.dumps(build_report(_results(0.0, [9, 9, 8, 9, 8], 0.2), [], target={"url": "x"},
+                                               settings={}, random_weights=False,
+                                               notes=["The run stopped early (TimeoutError: x)"])))  # fmt: skip
+    text = compare(a, stopped)
+    assert "calls completed 6/6 -> 5/5: the figures below are of completed calls only, and not comparable" in text
+    assert "note: B: The run stopped early (TimeoutError: x)" in text
+
+
+def test_eval_fails_when_a_barge_in_probe_call_failed(capsys: pytest.CaptureFixture[str]) -> None:
+    """Failed probe calls exited 0, unsaid: the barge-in figures were of the probes that completed."""
+    from evaluation.command import exit_code
+    from evaluation.report import Probe
+
+    good = build_report(_results(0.0, [5, 6], 0.3), [Probe("0", 0.0, outcome="completed")], target={"url": "x"},
+                        settings={}, random_weights=False)  # fmt: skip
+    assert exit_code(good) == 0
+    bad = build_report(_results(0.0, [5, 6], 0.3), [Probe("0", 0.0, outcome="completed"), Probe("1", 0.0)],
+                       target={"url": "x"}, settings={}, random_weights=False)  # fmt: skip
+    assert exit_code(bad) == 1
+    assert "1 of 2 barge-in probe calls did not complete" in capsys.readouterr().err
 
 
 def test_a_password_in_the_target_url_stays_out_of_the_report() -> None:
