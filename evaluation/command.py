@@ -186,6 +186,12 @@ def build_plan(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         target = Target(url=args.url, auth_token=token, public_url=os.environ.get("PUBLIC_URL") or None)
     judge = Judge(args.judge_model, args.judge_base_url or env_base, key, attempts=max(1, args.judge_retries))
     listening = Listening(args.lead_in_s, args.quiet_s, args.no_answer_s, args.max_reply_s)
+    try:  # now: a file there, or a directory it may not write, was a traceback after every question was spoken
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write-check").touch()
+        (out / ".write-check").unlink()
+    except OSError as exc:
+        raise UsageError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
     return EvalPlan(
         questions=questions, source=str(args.questions or f"suite {args.suite}"), out=out, voice=voice,
         transcriber=asr, judge=judge, target=target, delays=_delays(args.forced_delay_ms, bool(args.checkpoint)),

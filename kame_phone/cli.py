@@ -433,7 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(dial, "--agents", "KAME_AGENTS", help="the service's agents file, to check --agent against")
     env_flag(dial, "--public-url", "PUBLIC_URL", help="the https:// URL Twilio reaches this service at")
     dial.add_argument("--wait", action="store_true", help="follow the call to its end, then print its figures")
-    dial.add_argument("--wait-timeout", type=float, default=900.0, help="seconds --wait waits at most")
+    # Checked before dialling: nan or a negative placed a real, billed call, then failed at once (review, session 29).
+    dial.add_argument("--wait-timeout", type=within(1, parse=parse_float), default=900.0,
+                      help="seconds --wait waits at most")
     env_flag(dial, "--admin-token", "ADMIN_TOKEN", help="the service's admin token (--wait reads /calls/SID)")
     dial.set_defaults(func=_dial)
 

@@ -223,6 +223,9 @@ async def test_usage_errors_are_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question_id": 1, "category": "x", "turns": ["ok?"]}\n{"question_id": 2, "turns": []}\n')
     cases.append((["--checkpoint", "x", "--questions", str(bad)], "line 2: 'turns' must be a list"))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")  # --out at a file: a traceback once every question was spoken (review, session 29)
+    cases.append((["--url", url, "--questions", str(questions), "--out", str(a_file)], "cannot write there"))
     for args, message in cases:
         rc, out, err = await _kame(["eval", *args], {})
         assert rc == 2 and message in err and "Traceback" not in err, (args, err)

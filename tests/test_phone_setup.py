@@ -191,6 +191,17 @@ async def test_bad_numbers_and_refused_credentials_end_in_one_line(
     assert not twilio.number_updates and not twilio.created
 
 
+async def test_dial_refuses_a_wait_it_cannot_keep_before_dialling() -> None:
+    """`--wait-timeout nan` (or -5) placed a real, billed call, then gave up on it at once (review, session 29)."""
+    async with serve_twilio_rest(ACCOUNT, ACCOUNT, SECRET) as twilio:
+        twilio.add_number(NUMBER)
+        for bad in ("nan", "-5"):
+            rc, _, err = await _kame(["dial", "+15557654321", "--from", NUMBER, "--wait", "--wait-timeout", bad],
+                                     {**_rest_env(twilio), "PUBLIC_URL": "https://voice.example.com"})  # fmt: skip
+            assert rc == 2 and f"argument --wait-timeout: invalid number >= 1 value: '{bad}'" in err, err
+        assert not twilio.created
+
+
 async def test_dial_places_a_call_that_takes_the_inbound_path_and_reports_its_figures(
     tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
