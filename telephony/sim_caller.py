@@ -451,6 +451,11 @@ async def run_call_from_args(args: argparse.Namespace) -> int:
     except (OSError, ValueError, EOFError, wave.Error) as exc:
         print(f"cannot read {args.wav}: {exc}")
         return EXIT_CODES["error"]
+    for flag, path in (("--out", args.out), ("--json", args.json_path)):
+        # Before the call: a path it could not write was a traceback once the call had run.
+        if path is not None and (path.is_dir() or not path.parent.is_dir() or not os.access(path.parent, os.W_OK)):
+            print(f"{flag} {path}: cannot write there (a directory, or its folder is missing or not writable)")
+            return EXIT_CODES["error"]
     report = await simulate_call(
         args.url,
         audio,

@@ -388,6 +388,14 @@ async def test_cli_call(
     assert set(saved) == set(CallReport.__dataclass_fields__) and saved["outcome"] == "completed"
     assert saved["first_audio_latency_s"] > ECHO_DELAY and out.exists()
     assert [m.dtmf.digit for _, m in server.caller_messages(tm.DtmfMessage)] == ["1", "#"]
+    # A report or recording it could not write is said before the call (a traceback after it; review, session 29).
+    calls = len(server.caller_messages(tm.StartMessage))
+    for flag, where in (("--json", tmp_path / "missing" / "r.json"), ("--out", tmp_path)):
+        args = parser.parse_args(["--url", server.ws_url, "--wav", str(flite_wav), "--auth-token", TOKEN, flag,
+                                  str(where)])  # fmt: skip
+        assert await run_call_from_args(args) == 1
+        assert f"{flag} {where}: cannot write there" in capsys.readouterr().out
+    assert len(server.caller_messages(tm.StartMessage)) == calls  # no call made
 
 
 # ---------------------------------------------------------------------------------------------------------
