@@ -67,8 +67,9 @@ def _sip_domain(value: str) -> str:
     return value
 
 
-def _rest() -> TwilioRest:
-    if placeholders := unfilled_placeholders(os.environ):
+def _rest(public_url: str) -> TwilioRest:
+    # PUBLIC_URL as used: --public-url over the environment's (a .env still holding the example's was refused).
+    if placeholders := unfilled_placeholders({**os.environ, "PUBLIC_URL": public_url}):
         raise CliError(unfilled_message(placeholders))
     rest = TwilioRest.from_env()
     if rest is None:
@@ -82,7 +83,7 @@ async def twilio_setup(args: argparse.Namespace) -> None:
     domain = _sip_domain(args.sip_domain) if args.sip_domain is not None else None
     public = _public_url(args)
     voice_url, status_url = public + VOICE_PATH, public + CALL_STATUS_PATH
-    rest = _rest()
+    rest = _rest(public)
     try:
         before = await rest.find_number(number) if number else await rest.find_sip_domain(domain or "")
         print(f"{before.name} ({before.sid}):")
@@ -139,7 +140,7 @@ async def dial(args: argparse.Namespace) -> None:
         voice_url += "?agent=" + quote(args.agent)  # signed by Twilio with the rest of the URL
     if args.wait and not args.admin_token:
         raise CliError("--wait reads the call's record from the service: set ADMIN_TOKEN")
-    rest = _rest()
+    rest = _rest(public)
     try:
         try:
             call_sid = await rest.dial(to, from_, voice_url, public + CALL_STATUS_PATH)

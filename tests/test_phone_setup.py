@@ -52,6 +52,11 @@ async def test_twilio_setup_points_the_number_at_the_service(tmp_path: Path) -> 
         assert rc == 0, err
         assert "https://demo.twilio.com/welcome/voice/ [POST] -> https://voice.example.com/twilio/voice [POST]" in out
         assert "nothing changed" in out and not twilio.number_updates
+        # --public-url over a .env still holding the example's PUBLIC_URL: that one is not used, so not refused.
+        example = {**env, "PUBLIC_URL": "https://replace-with-your-public-host"}
+        rc, out, err = await _kame(["twilio", "setup", "--number", NUMBER, "--dry-run", "--public-url",
+                                    "https://voice.example.com"], example)  # fmt: skip
+        assert rc == 0 and "-> https://voice.example.com/twilio/voice [POST]" in out, err
         rc, out, err = await _kame(["twilio", "setup", "--number", NUMBER], env)
         assert rc == 0, err
         assert twilio.number_updates == [{
