@@ -84,7 +84,10 @@ def test_a_call_alone_and_in_a_busy_batch_gives_identical_tokens_and_codes(
     torch.manual_seed(0)
     x_oracle = _oracle(256, [40, 41, 42, 43, 44, 45, 46, 47])
     x_ticks = 80  # past the KV ring buffer's wrap (context 64)
-    alone = _run(tiny_checkpoint, 1, {"X": Call(0, 0, x_ticks, seed=7, oracle=x_oracle)}, kv_dtype, weights_dtype)["X"]
+    # Alone in a batch of the same size, in the same row: a matrix product's rounding depends on its shape (an
+    # AVX2-only CPU's kernels for 1 row and for 4 differ in the last bit, and greedy codes parted at tick 44),
+    # never on what the other rows hold. What this checks is that neighbours leave no trace, not that shape.
+    alone = _run(tiny_checkpoint, 4, {"X": Call(2, 0, x_ticks, seed=7, oracle=x_oracle)}, kv_dtype, weights_dtype)["X"]
     busy = _run(tiny_checkpoint, 4, {
         "A": Call(0, 0, 50, seed=1, oracle=_oracle(256, [60, 61, 62])),
         "B": Call(1, 9, 30, seed=2, oracle=_oracle(256, [70, 71])),  # joins and leaves while X talks
@@ -104,6 +107,6 @@ def test_a_call_alone_and_in_a_busy_batch_gives_identical_tokens_and_codes(
     assert busy["A"].codes[1:40] != x.codes[1:40] and busy["C"].codes[1:30] != x.codes[36:65]
     # A call seated in a row another call used (C takes B's old row, after B ran and left) is as it would be
     # alone: nothing of the earlier caller (KV rows and 8-bit scales, codec state, delayed tokens, oracle).
-    c_alone = _run(tiny_checkpoint, 1, {"C": Call(0, 0, 45, seed=3, oracle=_oracle(256, [80, 81, 82, 83]))},
+    c_alone = _run(tiny_checkpoint, 4, {"C": Call(1, 0, 45, seed=3, oracle=_oracle(256, [80, 81, 82, 83]))},
                    kv_dtype, weights_dtype)["C"]  # fmt: skip
     assert busy["C"].text == c_alone.text and busy["C"].codes == c_alone.codes
