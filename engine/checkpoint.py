@@ -170,9 +170,18 @@ def resolve_checkpoint(source: str, revision: str | None = None, use_copy: str =
     path = Path(source).expanduser()
     if path.is_dir():
         return resolve_local(path)
-    if path.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
-        raise CheckpointError(f"{source!r} is neither a checkpoint directory nor a Hugging Face repo id")
+    check_source(source)
     return resolve_hf(source, revision, use_copy)
+
+
+def check_source(source: str) -> None:
+    """CheckpointError, at once, when `source` is neither a local checkpoint directory whose files are there nor
+    shaped as a Hugging Face repo id (owner/name): what `resolve_checkpoint` refuses before any download."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        resolve_local(path)
+    elif path.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise CheckpointError(f"{source!r} is neither a checkpoint directory nor a Hugging Face repo id")
 
 
 def clean_lm_kwargs(lm_kwargs: dict[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:

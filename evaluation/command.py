@@ -124,6 +124,13 @@ def _no_agent_delay(path: str | None, to_number: str) -> None:
 
 def _checkpoint(value: str) -> str:
     if value != "tiny":
+        from engine.checkpoint import RANDOM_PREFIX, CheckpointError, check_source
+
+        if not value.startswith(RANDOM_PREFIX):
+            try:  # now: it was found out after every question was spoken and a service started (~25 s)
+                check_source(value)
+            except CheckpointError as exc:
+                raise UsageError(f"--checkpoint: {exc}") from None
         return value
     from engine.tiny_checkpoint import make_tiny_checkpoint
 

@@ -204,25 +204,29 @@ async def test_eval_over_url_signs_like_twilio_and_a_wrong_token_is_refused(
 async def test_usage_errors_are_one_line(tmp_path: Path) -> None:
     questions = _write_questions(tmp_path / "q.jsonl")
     url = "https://a.example"
+    ckpt = "acme/kame"  # shaped as a Hugging Face repo id: never fetched, every case is refused before
     cases = [
-        (["--checkpoint", "x", "--url", url, "--questions", str(questions)], "one of --checkpoint"),
+        (["--checkpoint", ckpt, "--url", url, "--questions", str(questions)], "one of --checkpoint"),
         (["--url", url, "--questions", str(questions), "--forced-delay-ms", "0,500"], "need --checkpoint"),
-        (["--checkpoint", "x", "--questions", str(questions), "--forced-delay-ms", "fast"], "comma-separated"),
-        (["--checkpoint", "x"], "--questions FILE or --suite"),
-        (["--checkpoint", "x", "--questions", str(questions), "--categories", "math"], "no question in categories"),
-        (["--checkpoint", "x", "--questions", str(questions), "--busy-redials", "-1"], "--busy-redials at least 0"),
+        (["--checkpoint", ckpt, "--questions", str(questions), "--forced-delay-ms", "fast"], "comma-separated"),
+        (["--checkpoint", ckpt], "--questions FILE or --suite"),
+        (["--checkpoint", ckpt, "--questions", str(questions), "--categories", "math"], "no question in categories"),
+        (["--checkpoint", ckpt, "--questions", str(questions), "--busy-redials", "-1"], "--busy-redials at least 0"),
     ]
     agents = tmp_path / "agents.toml"
     agents.write_text('[agents.sales]\ninstructions = "Sell."\nnumbers = ["+15005550001"]\nforced_delay_ms = 300\n')
-    cases.append((["--checkpoint", "x", "--questions", str(questions), "--agents", str(agents)],
+    cases.append((["--checkpoint", ckpt, "--questions", str(questions), "--agents", str(agents)],
                   "agent 'sales' (answering +15005550001) sets forced_delay_ms = 300"))  # fmt: skip
-    cases.append((["--checkpoint", "x", "--questions", str(questions), f"--serve-arg=--agents={agents}"],
+    cases.append((["--checkpoint", ckpt, "--questions", str(questions), f"--serve-arg=--agents={agents}"],
                   "it would override every delay of the sweep"))  # fmt: skip
-    cases.append((["--checkpoint", "x", "--questions", str(questions), "--serve-arg=--forced-delay-ms=2000"],
+    cases.append((["--checkpoint", ckpt, "--questions", str(questions), "--serve-arg=--forced-delay-ms=2000"],
                   "--serve-arg=--forced-delay-ms would override every delay of the sweep"))  # fmt: skip
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question_id": 1, "category": "x", "turns": ["ok?"]}\n{"question_id": 2, "turns": []}\n')
-    cases.append((["--checkpoint", "x", "--questions", str(bad)], "line 2: 'turns' must be a list"))
+    cases.append((["--checkpoint", ckpt, "--questions", str(bad)], "line 2: 'turns' must be a list"))
+    # A path that is not there: said at once, not after every question was spoken (review, session 29).
+    cases.append((["--checkpoint", str(tmp_path / "no-such-ckpt"), "--questions", str(questions)],
+                  "is neither a checkpoint directory nor a Hugging Face repo id"))  # fmt: skip
     a_file = tmp_path / "a-file"
     a_file.write_text("")  # --out at a file: a traceback once every question was spoken (review, session 29)
     cases.append((["--url", url, "--questions", str(questions), "--out", str(a_file)], "cannot write there"))
