@@ -144,6 +144,11 @@ class Phone:
     def sign(self, url: str, params: dict[str, str]) -> str:
         return RequestValidator(self.token).compute_signature(url, params)
 
+    async def ready(self, http: aiohttp.ClientSession) -> bool:
+        """GET /readyz as a load balancer would: in rotation (200) or not."""
+        async with http.get(self.base + "/readyz") as resp:
+            return resp.status == 200
+
     async def keeping_time(self, timeout_s: float = 30.0) -> None:
         """Until the engine keeps its 80 ms frames again. After a burst (a call's start, an attack) the tiny
         engine on a slow 2-core day misses frames for a few seconds, and the node answers new calls busy

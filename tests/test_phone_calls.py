@@ -427,12 +427,8 @@ async def test_an_engine_falling_behind_takes_no_calls_until_it_keeps_time(
         busy = await simulate_call(phone.ws_url, question_wav, auth_token=phone.token, public_url=phone.base)
         assert busy.outcome == "busy" and busy.stream_sid is None
         # Its own ticks keep time: within the 2 s window the node is ready again.
-        async def ready() -> bool:
-            async with http.get(phone.base + "/readyz") as r:
-                return r.status == 200
-
         try:
-            await until(ready, "ready again once its own ticks keep time", within=6)
+            await until(lambda: phone.ready(http), "ready again once its own ticks keep time", within=6)
         except AssertionError:
             if stats.falling_behind():  # on the engine's own ticks by now: the injected ones are out of its window
                 own = [late for at, late in stats.recent if at > now]

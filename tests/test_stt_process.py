@@ -370,18 +370,13 @@ async def test_a_live_call_rides_out_its_stt_process_dying(
     caller = TalksUntil(asyncio.Event(), tuple(caller_packets(asking, rate)), tail_s=1.0, limit_s=120.0)
     errors = metric("kame_stt_errors_total")
     async with running_phone(tiny_checkpoint, backend=services) as phone, aiohttp.ClientSession() as http:
-
-        async def ready() -> bool:
-            async with http.get(phone.base + "/readyz") as resp:
-                return resp.status == 200
-
         call = asyncio.create_task(simulate_call(phone.ws_url, caller, auth_token=phone.token, public_url=phone.base))
         await until(lambda: len(llm_server.requests) >= 1, "heard: words reached the LLM", within=30)
         first_pid = stt.pid
         assert first_pid is not None
         os.kill(first_pid, signal.SIGKILL)
         await until(lambda: not stt.alive, "the STT process seen dead", within=10)
-        assert not await ready() and phone.ctx.free_slots() == 0  # deaf for now: new calls go elsewhere, or busy
+        assert not await phone.ready(http) and phone.ctx.free_slots() == 0  # deaf: new calls go elsewhere, or busy
         await until(lambda: stt.restarts == 1 and stt.alive and services.ready, "the STT process back", within=60)
         back = len(llm_server.requests)
         await until(lambda: len(llm_server.requests) > back, "heard again, on a row of the new process", within=60)
@@ -391,7 +386,7 @@ async def test_a_live_call_rides_out_its_stt_process_dying(
         assert caller.done_at is not None, "the caller hung up at its guard, before the test was done"
         # Ready again: back, and keeping time once the call is over (on 2 busy cores the child's start can make
         # the engine miss frames, and it is out of rotation until it keeps time for 2 s again).
-        await until(ready, "ready again", within=15)
+        await until(lambda: phone.ready(http), "ready again", within=15)
     # The bot's audio never stopped, to the end (a share of the call's length would measure this machine's speed:
     # on 2 busy cores the tiny engine makes ~80 % of real time, outage or not; a restart takes seconds).
     assert caller.bot_after_s > 0 and caller.longest_bot_gap_s < 2.0, (caller.bot_after_s, caller.longest_bot_gap_s)
