@@ -91,6 +91,7 @@ class _Edge:
     queued: set[str] = field(default_factory=set)  # calls whose open waits for an earlier open or close
     frames_dropped: int = 0
     fresh_carry: FreshCarry = field(default_factory=FreshCarry)  # restarts of its calls in ticks it missed
+    dropped: asyncio.Event = field(default_factory=asyncio.Event)  # gone, and its engine seats all free
 
     def engine_id(self, call_id: str) -> str:
         """The call's id on the engine: the edge's own id can clash with (or be chosen as) another edge's."""
@@ -115,6 +116,9 @@ class EngineServer:
         self.backlog_bytes = backlog_bytes  # unsent bytes to one edge beyond which its ticks are dropped
         self.socket_buffer_bytes = socket_buffer_bytes
         self._edges: set[_Edge] = set()
+        # Edges gone whose calls are still being seated or closed: their seats still count as granted until the
+        # engine has them back. Freed at once, they went to a new edge whose opens the engine then refused.
+        self._leaving: set[_Edge] = set()
         self._owner: dict[str, tuple[_Edge, str]] = {}  # engine call id -> (its edge, the edge's call id)
         self._edge_numbers = itertools.count(1)
         # Connections accepted and not yet welcomed, oldest first (a dict's insertion order).
@@ -141,7 +145,7 @@ class EngineServer:
 
     @property
     def seats_granted(self) -> int:
-        return sum(edge.seats for edge in self._edges)
+        return sum(edge.seats for edge in self._edges | self._leaving)
 
     async def listen(self, address: Address) -> Address:
         """Start serving; returns the bound address (the real port when `address.port` is 0)."""
@@ -180,8 +184,17 @@ class EngineServer:
             if not edge.writer.transport.is_closing():
                 edge.writer.write(json_message(b"S", {"draining": True}))
         log.info("draining: %d calls on %d edges", self.calls, len(self._edges))
+        # Opens past their draining check are seated: waited for too, or the drain ended at "0 calls" while one
+        # was still being seated, and the restart cut it. Any open from now on is refused.
+        opening = {task for edge in self._edges | self._leaving for task in edge.opening.values()}
+
+        async def settled() -> None:
+            if opening:
+                await asyncio.wait(opening)
+            await self._no_calls.wait()
+
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._no_calls.wait(), timeout_s)
+            await asyncio.wait_for(settled(), timeout_s)
         return self.calls
 
     def remove_socket(self) -> None:
@@ -205,7 +218,7 @@ class EngineServer:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        for edge in list(self._edges):
+        for edge in list(self._edges | self._leaving):  # those leaving already too: the engine stops after this
             await self._drop_edge(edge)
 
     async def _send_status(self) -> None:
@@ -548,14 +561,24 @@ class EngineServer:
             edge.writer.write(event_message(call_id, None, time.monotonic()))  # nothing more will come
 
     async def _drop_edge(self, edge: _Edge) -> None:
+        """The edge is gone: its calls end. Returns once the engine has every one of its seats back (a second
+        caller, aclose, waits for the first's drop)."""
+        if edge in self._leaving:
+            await edge.dropped.wait()
+            return
         if edge not in self._edges:
             return
         self._edges.discard(edge)
+        self._leaving.add(edge)  # its seats stay granted until its calls are off the engine
         metrics.ENGINE_LINK_EDGES.set(len(self._edges))
-        if edge.opening:  # let seatings under way finish, then free those seats with the rest
-            await asyncio.wait(set(edge.opening.values()))
-        for call_id in list(edge.calls):
-            await self._close_call(edge, call_id)
+        try:
+            if edge.opening:  # let seatings under way finish, then free those seats with the rest
+                await asyncio.wait(set(edge.opening.values()))
+            for call_id in list(edge.calls):
+                await self._close_call(edge, call_id)
+        finally:
+            self._leaving.discard(edge)
+            edge.dropped.set()
         log.info("edge %s left; its %d seats are free", edge.name, edge.seats)
         self._offer_free_seats()
 

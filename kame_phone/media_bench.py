@@ -126,6 +126,7 @@ class LoopbackEngine:
         self.backlog_max = 0  # deepest the tick queue got (1 = the fan-out keeps up)
         self._frames: asyncio.Queue[BotFrames | None] = asyncio.Queue()
         self.open_delay_s = 0.0  # seating a call takes this long (a remote engine across a slow link)
+        self.start_delay_s = 0.0  # then, its seat taken, this long again (a model engine's back-end starting)
         self.behind = False  # as a model's engine missing its 80 ms frames says (not ready; calls still seat)
 
     @property
@@ -156,6 +157,8 @@ class LoopbackEngine:
         self._count_changed()
         if self._ticker is None:
             self._ticker = asyncio.create_task(self._tick_forever(), name="loopback-ticker")
+        if self.start_delay_s:
+            await asyncio.sleep(self.start_delay_s)
         return session
 
     def _forget(self, call_id: str) -> None:

@@ -554,6 +554,50 @@ async def test_a_draining_engine_keeps_its_calls_and_takes_no_new_ones(tmp_path:
         await edge.stop()
 
 
+async def test_a_drain_waits_for_a_call_being_seated_as_it_began(engine_server) -> None:
+    """A call past the draining check when the drain began is seated: the drain waited only for seated calls,
+    ended at "0 calls" while its back-end was starting, and the restart that followed cut it."""
+    server, address = await engine_server(2)
+    server.engine.start_delay_s = 1.0  # its seat taken, its back-end starts (an STT, an LLM client)
+    edge = await RemoteEngine.connect(address, token=None, seats=2)
+    try:
+        opening = asyncio.create_task(edge.open_call("CA-seating"))
+        await until(lambda: server.engine.free_slots == 1, "the seat taken", within=5)
+        draining = asyncio.create_task(server.drain(timeout_s=30))
+        call = await asyncio.wait_for(opening, 10)  # seated, though the drain began meanwhile
+        await asyncio.sleep(0.3)
+        assert not draining.done()  # it waits for this call as for any seated one
+        await call.close()
+        assert await asyncio.wait_for(draining, 5) == 0
+    finally:
+        await edge.stop()
+
+
+async def test_an_edge_gone_mid_seating_keeps_its_seats_until_the_engine_has_them_back(engine_server) -> None:
+    """An edge dropped while a call of its was being seated: its seats went to the next edge at once, while
+    the engine still held that call, and every open of the new edge was refused "full" meanwhile."""
+    server, address = await engine_server(2)
+    server.engine.start_delay_s = 1.5
+    old = await RemoteEngine.connect(address, token=None, seats=2, name="old")
+    new: RemoteEngine | None = None
+    try:
+        opening = asyncio.create_task(old.open_call("CA-seating"))
+        await until(lambda: server.engine.free_slots == 1, "the seat taken", within=5)
+        opening.cancel()
+        await old.stop()  # the edge goes while the engine seats its call
+        with pytest.raises(LinkError, match="no seats left"):  # the engine still holds that call's seat
+            await RemoteEngine.connect(address, token=None, seats=2, name="new")
+        await until(lambda: server.engine.free_slots == 2, "the engine's seats back", within=10)
+        new = await RemoteEngine.connect(address, token=None, seats=2, name="new")
+        server.engine.start_delay_s = 0.0
+        calls = [await new.open_call(f"CA-{i}") for i in range(2)]  # every seat it was granted is a seat
+        assert new.max_calls == 2 and len(calls) == 2
+    finally:
+        await old.stop()
+        if new is not None:
+            await new.stop()
+
+
 async def test_a_tcp_link_notices_a_peer_gone_without_a_word(engine_server) -> None:
     """A partition or a dead host: nothing arrives, nothing fails. The engine read a welcomed edge without a
     deadline and TCP retried its writes for many minutes, keeping the edge's seats and refusing its reconnect
