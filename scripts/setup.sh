@@ -9,7 +9,8 @@ need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v flite >/dev/null || need+=(flite)
 command -v sox >/dev/null || need+=(sox)
-command -v promtool >/dev/null || need+=(prometheus)  # promtool checks ops/prometheus in the tests
+promtool=()
+command -v promtool >/dev/null || promtool=(prometheus)  # promtool checks ops/prometheus in the tests
 # Debian's python3 makes no venv without it ("ensurepip is not available"): the package of PYTHON's own version
 # (python3-venv is the default python3's only: PYTHON=python3.12 needs python3.12-venv).
 "${PYTHON:-python3}" -c "import ensurepip" 2>/dev/null || need+=("$("${PYTHON:-python3}" -c \
@@ -18,6 +19,17 @@ if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing system packages: ${need[*]}"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+if [ ${#promtool[@]} -gt 0 ]; then
+  # Debian ships promtool only in its prometheus package, whose server systemd starts on :9090 (all
+  # interfaces, no auth), where ops/docker-compose.yml's Prometheus then cannot bind: installed without the
+  # node exporter it recommends, and the server stopped and disabled. Only promtool is wanted.
+  echo "setup: installing promtool (Debian's prometheus package; its server left stopped)"
+  [ ${#need[@]} -gt 0 ] || $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  if [ -d /run/systemd/system ]; then
+    $SUDO systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+  fi
 fi
 
 # Redis on 127.0.0.1:6379 (the tests talk to a real one).

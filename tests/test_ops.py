@@ -1341,3 +1341,22 @@ def test_dockerignore_lets_every_package_in() -> None:
     for include in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
         package = include.rstrip("*").rstrip(".")
         assert f"!{package}/" in patterns, f".dockerignore must allow {package}/ (built by pip install .)"
+
+
+@needs_yaml
+@pytest.mark.parametrize("layout", [(COMPOSE,), (COMPOSE, COMPOSE_SPLIT)], ids=["all-in-one", "split"])
+def test_compose_mounts_the_agents_files_folder_so_an_edit_is_seen_on_sighup(layout: tuple[Path, ...]) -> None:
+    """A file bind-mounted alone is pinned to its inode: editors, `sed -i` and `git pull` write a new file, and
+    the container went on reading the old one; SIGHUP then "reloaded" stale agents without a word."""
+    from knowledge.agents import Agents
+
+    services = load_compose(*layout)["services"]
+    for name in ("kame", "engine") if len(layout) > 1 else ("kame",):
+        command = services[name]["command"]
+        (agents,) = [a.split("=", 1)[1] for a in command if str(a).startswith("--agents=")]
+        mounts = [v.split(":") for v in services[name]["volumes"] if str(v).startswith("./")]
+        (host, target) = next((h, t) for h, t, *_ in mounts if agents.startswith(t.rstrip("/") + "/"))
+        folder = OPS / host
+        assert folder.is_dir(), f"{name}: {host} is mounted as a file"
+        example = folder / Path(agents).relative_to(target)
+        assert example.is_file() and len(Agents.load(example).describe()) > 1  # the example the README points at
