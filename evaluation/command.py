@@ -169,7 +169,8 @@ def build_plan(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     key = args.judge_api_key or env_key
     voice = (FliteVoice() if args.tts == "flite" else
              OpenAIVoice(args.tts_base_url or env_base, key, args.tts_model, args.tts_voice))
-    asr = (PocketsphinxTranscriber() if args.asr == "pocketsphinx" else
+    # A worker per call at once, up to the cores: replies are transcribed as their calls end.
+    asr = (PocketsphinxTranscriber(min(args.concurrency, os.cpu_count() or 1)) if args.asr == "pocketsphinx" else
            OpenAITranscriber(args.asr_base_url or env_base, key, args.asr_model))
     if args.checkpoint:
         ckpt = _checkpoint(args.checkpoint)

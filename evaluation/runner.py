@@ -233,6 +233,7 @@ async def run_eval(plan: EvalPlan, progress: bool = True) -> dict[str, Any]:
         spoken, barge = await _speak_all(plan, audio_dir)
     except BaseException:
         await plan.judge.aclose()
+        await asyncio.to_thread(plan.transcriber.close)
         raise
     probes_per_delay = sum(s.first_half is not None for s in spoken)
     total = len(plan.delays) * (len(spoken) + probes_per_delay)
@@ -262,6 +263,7 @@ async def run_eval(plan: EvalPlan, progress: bool = True) -> dict[str, Any]:
     finally:
         bar.close()
         await plan.judge.aclose()
+        await asyncio.to_thread(plan.transcriber.close)
     report = await _write_report(plan, got, probes_per_delay, stopped)
     if stopped is not None:
         raise stopped

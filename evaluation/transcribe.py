@@ -7,8 +7,11 @@
 from __future__ import annotations
 
 import io
+import multiprocessing
 import re
 import threading
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -47,6 +50,10 @@ class Transcriber(Protocol):
         """What heard the replies, as the report records it (the model too: two models are two measurements)."""
         ...
 
+    def close(self) -> None:
+        """Frees what it started (worker processes); called once, when the run ends."""
+        ...
+
 
 _FILLER = re.compile(r"^(<.*>|\[.*\])$")  # <s>, </s>, <sil>, [NOISE]: not words
 _VARIANT = re.compile(r"\(\d+\)$")  # the(2): a pronunciation variant of "the"
@@ -54,45 +61,76 @@ _VARIANT = re.compile(r"\(\d+\)$")  # the(2): a pronunciation variant of "the"
 
 class PocketsphinxTranscriber:
     """pocketsphinx's US English model at 16 kHz (the reply is upsampled), with its second pass on:
-    slower than the service's streaming settings, a little more accurate."""
+    slower than the service's streaming settings, a little more accurate.
+
+    It decodes in worker processes. pocketsphinx holds the GIL while it decodes, and its second pass runs
+    over the whole reply at once (0.6 s for 25 s of speech on a fast core, several seconds on a slow box).
+    In eval's own process that froze the calls still in flight: they missed their 20 ms packets, and one
+    caller took 10.9 s from the TwiML to the socket, past the service's reservation (refused as replayed)."""
 
     name = "pocketsphinx"
-    FRAMES_PER_S = 100
-    PIECE_BYTES = 16000 * 2 // 5  # 0.2 s of 16 kHz 16-bit audio
 
-    def __init__(self) -> None:
-        self._local = threading.local()  # a decoder per thread: they are not thread-safe
-
-    def _decoder(self):  # type: ignore[no-untyped-def]
-        d = getattr(self._local, "decoder", None)
-        if d is None:
-            import pocketsphinx
-
-            d = self._local.decoder = pocketsphinx.Decoder(samprate=16000, loglevel="ERROR")
-        return d
+    def __init__(self, workers: int = 1) -> None:
+        self.workers = max(1, workers)
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()  # transcribe() is called from several threads at once
 
     def describe(self) -> str:
         return self.name
 
     def transcribe(self, pcm8k: np.ndarray) -> Transcript:
+        """Blocks the calling thread (not the GIL) until a worker has decoded `pcm8k`."""
         if len(pcm8k) == 0:
             return Transcript("")
-        x = resample_poly(np.asarray(pcm8k, dtype=np.float32) / 32768.0, 2, 1)
-        raw = (np.clip(x, -1.0, 1.0) * 32767).astype("<i2").tobytes()
-        d = self._decoder()
-        d.start_utt()
-        # In short pieces: pocketsphinx holds the GIL for a whole call, and one call over a 30 s reply took
-        # 20-30 s on 2 cores, during which the calls still in flight stopped sending (the service ended them
-        # as silent sockets). Pieces of 0.2 s bound that to the last pass (under 1 s seen).
-        for i in range(0, len(raw), self.PIECE_BYTES):
-            d.process_raw(raw[i : i + self.PIECE_BYTES], full_utt=False)
-        d.end_utt()
-        words = [
-            Word(_VARIANT.sub("", s.word), s.start_frame / self.FRAMES_PER_S)
-            for s in d.seg()
-            if not _FILLER.match(s.word)
-        ]
-        return Transcript(" ".join(w.text for w in words), words)
+        pool = self._workers()
+        try:
+            return pool.submit(_decode_here, np.asarray(pcm8k, dtype=np.int16)).result()
+        except BrokenProcessPool:
+            with self._lock:  # the next reply gets new workers; this one is the question's error
+                if self._pool is pool:
+                    self._pool = None
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise AsrError("the pocketsphinx worker process died while transcribing") from None
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _workers(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                # spawn: the parent runs threads (the caller's loop, other transcriptions); a fork could copy a
+                # lock held mid-operation.
+                self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            return self._pool
+
+
+_PIECE_BYTES = 16000 * 2 // 5  # 0.2 s of 16 kHz 16-bit audio: fed as the reports so far were decoded
+_FRAMES_PER_S = 100
+_decoder: Any = None  # a worker process's own decoder (one per process: they are not thread-safe)
+
+
+def _decode_here(pcm8k: np.ndarray) -> Transcript:
+    """In a worker process: one reply, decoded."""
+    global _decoder
+    if _decoder is None:
+        import pocketsphinx
+
+        _decoder = pocketsphinx.Decoder(samprate=16000, loglevel="ERROR")
+    x = resample_poly(np.asarray(pcm8k, dtype=np.float32) / 32768.0, 2, 1)
+    raw = (np.clip(x, -1.0, 1.0) * 32767).astype("<i2").tobytes()
+    _decoder.start_utt()
+    for i in range(0, len(raw), _PIECE_BYTES):
+        _decoder.process_raw(raw[i : i + _PIECE_BYTES], full_utt=False)
+    _decoder.end_utt()
+    words = [
+        Word(_VARIANT.sub("", s.word), s.start_frame / _FRAMES_PER_S)
+        for s in _decoder.seg()
+        if not _FILLER.match(s.word)
+    ]
+    return Transcript(" ".join(w.text for w in words), words)
 
 
 # OpenAI's gpt-4o transcription models answer `json` or `text` only: asked for `verbose_json` (word timings, which
@@ -110,6 +148,9 @@ class OpenAITranscriber:
 
     def describe(self) -> str:
         return f"{self.name}:{self.model}"
+
+    def close(self) -> None:
+        pass  # a client per reply: nothing kept
 
     def transcribe(self, pcm8k: np.ndarray) -> Transcript:
         import openai

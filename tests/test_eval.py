@@ -34,7 +34,7 @@ from evaluation.line_caller import (
 from evaluation.questions import Question, QuestionError, load_file, load_suite, narrow
 from evaluation.report import Result, build_report
 from evaluation.runner import EvalPlan, Target, file_stems, run_eval
-from evaluation.transcribe import OpenAITranscriber, PocketsphinxTranscriber
+from evaluation.transcribe import AsrError, OpenAITranscriber, PocketsphinxTranscriber
 from evaluation.voices import FliteVoice, OpenAIVoice, VoiceError
 from kame_phone.throwaway_env import DEPLOYMENT_VARIABLES, throwaway_env
 from telephony import sim_playout as sp
@@ -314,14 +314,20 @@ def test_pocketsphinx_transcribes_a_reply_with_word_times(question_wav: Path) ->
     audio, rate = read_wav(question_wav)
     pcm = (to_line_rate(audio, rate) * 32767).astype(np.int16)
     silent = np.concatenate([np.zeros(8000, dtype=np.int16), pcm])  # a second of silence first
-    t = PocketsphinxTranscriber().transcribe(silent)
+    transcriber = PocketsphinxTranscriber()
+    try:
+        t = transcriber.transcribe(silent)
+    finally:
+        transcriber.close()
     assert len(t.text.split()) >= 3 and t.first_word_s is not None and 0.8 < t.first_word_s < 2.0
 
 
 async def test_transcribing_a_long_reply_leaves_the_calls_in_flight_running(question_wav: Path) -> None:
     """eval transcribes a finished call while others still stream from the same event loop: pocketsphinx holds
     the GIL for each of its calls, so one call over a whole reply froze the loop for as long as it decoded
-    (20-30 s for a 30 s reply on 2 cores) and the service ended the calls in flight as silent sockets."""
+    (20-30 s for a 30 s reply on 2 cores) and the service ended the calls in flight as silent sockets. Fed in
+    0.2 s pieces, its second pass still held it 0.6 s here (several seconds on a slow box, where one caller
+    reached the socket 10.9 s after its TwiML, refused): it decodes in another process now."""
     from telephony.sim_playout import read_wav, to_line_rate
 
     audio, rate = read_wav(question_wav)
@@ -340,13 +346,52 @@ async def test_transcribing_a_long_reply_leaves_the_calls_in_flight_running(ques
             last = loop.time()
 
     beat = asyncio.create_task(heartbeat())
-    started = asyncio.get_running_loop().time()
-    t = await asyncio.to_thread(transcriber.transcribe, reply)
-    took = asyncio.get_running_loop().time() - started
-    beat.cancel()
+    try:
+        t = await asyncio.to_thread(transcriber.transcribe, reply)
+    finally:
+        beat.cancel()
+        transcriber.close()
     assert len(t.text.split()) >= 20  # it did transcribe the reply
-    # A caller stalled this long misses its 20 ms packets but is not cut off (the service allows 10 s).
-    assert max(gaps) < min(2.5, 0.5 * took), (max(gaps), took)
+    # Another process decodes: the loop only waits for its share of the cores (0.64 s held in-process here).
+    assert max(gaps) < 0.25, max(gaps)
+
+
+def _children_named(word: str) -> list[int]:
+    """This process's children whose command line holds `word` (Linux /proc: no psutil here)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if ppid == os.getpid() and word.encode() in cmdline:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+async def test_a_transcription_worker_that_dies_fails_its_reply_alone(question_wav: Path) -> None:
+    """A worker killed mid-decode (the OOM killer) is that reply's ASR error; the next reply gets new workers."""
+    from telephony.sim_playout import read_wav, to_line_rate
+
+    audio, rate = read_wav(question_wav)
+    pcm = (to_line_rate(audio, rate) * 32767).astype(np.int16)
+    transcriber = PocketsphinxTranscriber()
+    try:
+        await asyncio.to_thread(transcriber.transcribe, pcm[:8000])  # the worker up
+        workers = _children_named("spawn_main")
+        assert workers, "no worker process"
+        decoding = asyncio.create_task(asyncio.to_thread(transcriber.transcribe, np.tile(pcm, 20)))
+        await asyncio.sleep(0.5)
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(AsrError, match="worker process died"):
+            await asyncio.wait_for(decoding, 60)
+        t = await asyncio.to_thread(transcriber.transcribe, pcm)
+        assert len(t.text.split()) >= 3
+    finally:
+        transcriber.close()
+    assert not _children_named("spawn_main")  # closed: no worker left behind
 
 
 async def test_openai_speech_and_transcription_clients() -> None:
