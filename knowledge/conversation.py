@@ -44,6 +44,18 @@ class ToolExchange:
     # Made while the caller was still talking: their final, when it comes, goes before it (the words that
     # asked for the call come first, and the request after its result ends with that result).
     mid_utterance: bool = False
+    _calls_chars: int = -1  # its calls rendered, counted once (results are filled in later; calls are not)
+
+    def size(self) -> int:
+        """Characters as a request charges it (`_size` of its `group`), without rendering its calls again."""
+        if self._calls_chars < 0:
+            self._calls_chars = len(str(self.calls or ""))
+        return self._calls_chars + sum(len(str(content or "")) for _, content in self.results)
+
+    def group(self) -> list[dict[str, Any]]:
+        """As chat messages: the assistant's `tool_calls`, then one `tool` message per result."""
+        group: list[dict[str, Any]] = [{"role": "assistant", "content": None, "tool_calls": self.calls}]
+        return group + [{"role": "tool", "tool_call_id": cid, "content": content} for cid, content in self.results]
 
 
 # The transcript sent with each request, newest first, up to this many characters (~4k tokens; the system
@@ -51,6 +63,9 @@ class ToolExchange:
 # second while the caller talks: without a bound a long call's requests grow without end, and past a small
 # self-hosted model's context every one fails and the call runs front-end only for the rest of its life.
 MAX_HISTORY_CHARS = 16_000
+# A tool exchange rendered is over this many characters (its `tool_calls` entry's keys alone are), so no request
+# sends more than max_history_chars // this of them (and the newest): pruning keeps no more.
+MIN_EXCHANGE_CHARS = 64
 # No one turn takes more than this share of it: a caller who talks on with no reply (a recorded message, a
 # dictation) or a bot that talks on alone grows one turn without end, and sent whole it would either be the
 # whole prompt or crowd every earlier turn out. Its newest words are kept (a quarter is ~700 words, minutes
@@ -144,12 +159,17 @@ class Conversation:
         """Close the caller's utterance. An empty final only drops the partial."""
         text = _clean(text)
         self.partial = ""
-        # The calls made during this utterance (the newest turns): its words go before them; an utterance that
-        # came to nothing leaves them where they are. Either way the utterance is over for them.
+        # The calls made during this utterance: its words go before the first of them, whatever the bot said
+        # since (full duplex: it talks on while the caller does); an utterance that came to nothing leaves them
+        # where they are. Either way the utterance is over for them. They all follow the caller's last final.
         at = len(self.turns)
-        while at and isinstance(self.turns[at - 1], ToolExchange) and self.turns[at - 1].mid_utterance:
-            at -= 1
-            self.turns[at].mid_utterance = False  # type: ignore[union-attr]
+        for i in range(len(self.turns) - 1, -1, -1):
+            turn = self.turns[i]
+            if isinstance(turn, ToolExchange):
+                if turn.mid_utterance:
+                    turn.mid_utterance, at = False, i
+            elif turn.role == "user":
+                break
         if not text:
             return
         self._greeting_spoken = False
@@ -242,9 +262,22 @@ class Conversation:
         """Drop the turns older than KEEP_HISTORY_FACTOR times what a request sends of the words (each turn
         counted as `messages` would send of it), but the newest tool exchange, which every request sends whole.
         Exchanges are not counted: `messages` leaves out an older one that does not fit and goes on to older
-        words, so only the words' share bounds how far back a request reaches."""
+        words, so only the words' share bounds how far back a request reaches. Of the exchanges, those no
+        request can send go: one bigger than the budget (but the newest), and any past the newest
+        max_history_chars // MIN_EXCHANGE_CHARS. An LLM calling tools on every request kept them all (32 KB
+        each, 70 MB and 36 ms of every request's rendering after 13 minutes, in the review)."""
         keep = KEEP_HISTORY_FACTOR * self.max_history_chars
         newest_exchange = next((t for t in reversed(self.turns) if isinstance(t, ToolExchange)), None)
+        room = self.max_history_chars // MIN_EXCHANGE_CHARS
+        kept_turns: list[Turn | ToolExchange] = []
+        for turn in reversed(self.turns):
+            if isinstance(turn, ToolExchange) and turn is not newest_exchange:
+                if turn.size() > self.max_history_chars or room <= 0:
+                    continue
+                room -= 1
+            kept_turns.append(turn)
+        kept_turns.reverse()
+        self.turns = kept_turns
         total, cut = 0, 0
         for i in range(len(self.turns) - 1, -1, -1):
             turn = self.turns[i]
@@ -267,15 +300,16 @@ class Conversation:
         must see the result it asked for; its size is bounded by the tools' own caps, and it is charged at most
         half the budget, so the words before it still go)."""
         groups: list[list[dict[str, Any]]] = []
+        sizes: list[int] = []  # an exchange's size, counted once (its arguments and results do not change)
         for turn in self.turns:
             if isinstance(turn, ToolExchange):
-                group = [{"role": "assistant", "content": None, "tool_calls": turn.calls}]
-                groups.append(group + [{"role": "tool", "tool_call_id": cid, "content": content}
-                                       for cid, content in turn.results])  # fmt: skip
+                groups.append(turn.group())
+                sizes.append(turn.size())
                 continue
             text = _clean(turn.text)
             if text:
                 groups.append([{"role": turn.role, "content": text}])
+                sizes.append(len(text))
         budget, per_turn = self.max_history_chars, max(1, self.max_history_chars // TURN_SHARE)
         exchanges = [i for i, group in enumerate(groups) if group[0].get("tool_calls") is not None]
         newest_exchange = exchanges[-1] if exchanges else -1
@@ -289,16 +323,16 @@ class Conversation:
                 # budget: four answers at the tools' cap spent it all, and the words that asked for them (the
                 # caller's question) were left out of the request about their results.
                 chosen.append(group)
-                budget -= min(_size(group), self.max_history_chars // 2)
+                budget -= min(sizes[i], self.max_history_chars // 2)
                 continue
             if full or budget <= 0:
                 if i > newest_exchange:
                     continue  # on to the newest exchange, still to be sent
                 break
             if group[0].get("tool_calls") is not None:
-                if _size(group) <= budget:
+                if sizes[i] <= budget:
                     chosen.append(group)
-                    budget -= _size(group)
+                    budget -= sizes[i]
                 continue  # an older exchange that does not fit is left out; older words may still fit
             limit = min(per_turn, budget)
             if len(group[0]["content"]) > limit and limit < MIN_CLIPPED_CHARS and chosen:

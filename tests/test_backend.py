@@ -1339,6 +1339,26 @@ def test_a_tool_call_made_during_an_utterance_the_stt_retracted_stays_before_the
     assert [m["role"] for m in conv.messages()] == ["system", "assistant", "tool", "user"]
 
 
+def test_a_tool_call_made_mid_utterance_follows_the_callers_words_though_the_bot_spoke_since() -> None:
+    """Full duplex: the bot talks on while the caller does. The caller's final went after the exchange when the
+    bot had said anything since it, so the next request read: the call, its result, then the words that asked
+    for it (a model calls it again: a booking made twice)."""
+    conv = Conversation()
+    conv.caller_final("hi")
+    conv.bot_piece("▁Hello")
+    conv.caller_partial("book a table for")
+    conv.tool_exchange(ToolExchange(calls=[{"id": "c1", "type": "function",
+                                            "function": {"name": "book", "arguments": "{}"}}],
+                                    results=[("c1", "ok: booked")]))  # fmt: skip
+    conv.bot_piece("▁Sure")
+    conv.caller_final("book a table for two")
+    said = [(m["role"], m.get("content")) for m in conv.messages()[1:]]
+    assert said == [("user", "hi"), ("assistant", "Hello"), ("user", "book a table for two"), ("assistant", None),
+                    ("tool", "ok: booked"), ("assistant", "Sure")]  # fmt: skip
+    conv.caller_final("thanks")  # the utterance is over for that call: the next words come after it all
+    assert [m.get("content") for m in conv.messages()][-2:] == ["Sure", "thanks"]
+
+
 def test_a_key_the_server_cut_short_is_still_scrubbed() -> None:
     """A server echoing the request's headers cut to its own length: the key's first part was logged in clear
     (a 22-character key cut to 15, in the review)."""

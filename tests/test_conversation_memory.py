@@ -116,3 +116,16 @@ def test_turns_cut_to_a_few_words_are_charged_as_sent() -> None:
     charged at a quarter of the budget, it pushed turns that requests still send out of memory."""
     steps = [step for n in range(200) for step in (_caller("x" * 5000 + f" ok{n}"), _bot(f"fine {n}"))]
     _same_requests(steps, every=13)
+
+
+def test_an_llm_calling_tools_on_every_request_keeps_a_bounded_history() -> None:
+    """A hostile or broken LLM answering every request with tool calls (the caller saying "yes" now and then):
+    words stay few, so no exchange was ever pruned: 70 MB held and 36 ms of rendering a request after 13
+    minutes, in the review. Those too big to send and those past what a request can hold go."""
+    steps: list[Step] = []
+    for n in range(1_500):
+        steps.append(_caller("yes") if n % 3 == 0 else _tools(n, results=4, size=(8_000 if n % 2 else 30)))
+    pruned = _same_requests(steps, budget=4_000, every=13)
+    exchanges = [t for t in pruned.turns if isinstance(t, ToolExchange)]
+    assert len(exchanges) <= 4_000 // 64 + 64 + 1  # what a request can hold, a prune's worth, the newest
+    assert sum(t.size() for t in exchanges) < 4 * 4_000 * 64  # not every 32 KB answer since the call began
