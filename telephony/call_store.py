@@ -174,7 +174,9 @@ class CallStore(Protocol):
     async def list_recent(self, limit: int = 50) -> list[CallRecord]: ...
     async def streaming_nodes(self) -> set[str]: ...
     async def streaming_on(self, node: str) -> dict[str, CallBrief]: ...
-    async def end_lost(self, call_sid: str, node: str, reason: str, alive_keys: Sequence[str] = ()) -> bool: ...
+    async def end_lost(
+        self, call_sid: str, node: str, reason: str, alive_keys: Sequence[str] = (), *, own_node: bool = False
+    ) -> bool: ...
     def adopt(self, call_sid: str) -> None: ...
     async def ping(self) -> bool: ...
     async def flush(self) -> None: ...
@@ -410,7 +412,9 @@ class MemoryCallStore(_OpStore):
         return {sid: CallBrief(r.state, r.node, r.agent) for sid, (r, _) in self._records.items()
                 if r.state == "streaming" and r.node == node}  # fmt: skip
 
-    async def end_lost(self, call_sid: str, node: str, reason: str, alive_keys: Sequence[str] = ()) -> bool:
+    async def end_lost(
+        self, call_sid: str, node: str, reason: str, alive_keys: Sequence[str] = (), *, own_node: bool = False
+    ) -> bool:
         """End a call still streaming on `node`, which left it behind; False if it is not (any more). (One
         process: no other node's calls, so no rule about this store's own, as RedisCallStore has, and no
         heartbeat keys to check.)"""
@@ -532,15 +536,16 @@ if #out == 0 then redis.call('SREM', KEYS[1], ARGV[2]) end
 return out
 """
 
-# Ends a call its node left streaming, in one step: the check (still streaming, on that node, and never
-# written by this store: a call of this run that just hung up is ended by its own `end`, still queued), the
-# fields `end` writes and the set. Not through the write-behind queue: a call taken off its node's set must
-# not wait there for its end (a sweeping node that crashed next would leave it streaming, and in no set).
+# Ends a call its node left streaming, in one step: the check (still streaming, on that node, and, when ARGV 4
+# is not empty, never written by this store: a call of this run that just hung up is ended by its own `end`,
+# still queued), the fields `end` writes and the set. Not through the write-behind queue: a call taken off its
+# node's set must not wait there for its end (a sweeping node that crashed next would leave it streaming, and in
+# no set).
 # The keys' expiry is left as the call's last write set it (its lists and index entry with it).
 # KEYS 1 hash, 2 the nodes set; ARGV 1 node, 2 reason, 3 ended at (epoch s), 4 this store's seq field, 5 sid.
 _END_LOST_LUA = """
 local r = redis.call('HMGET', KEYS[1], 'state', 'node', ARGV[4])
-if r[1] ~= 'streaming' or r[2] ~= ARGV[1] or r[3] then return 0 end
+if r[1] ~= 'streaming' or r[2] ~= ARGV[1] or (ARGV[4] ~= '' and r[3]) then return 0 end
 for i = 3, #KEYS do  -- the node's heartbeat keys: back (restarted under its id) since it was found gone
   if redis.call('EXISTS', KEYS[i]) == 1 then return 0 end
 end
@@ -581,13 +586,18 @@ def _transient(error: ResponseError) -> bool:
 
 
 def _safe_url(url: str) -> str:
-    """The URL without user or password, for logs."""
-    parts = urllib.parse.urlsplit(url)
+    """The URL without user or password, for logs. Everything up to the last '@' goes first: a password with an
+    unencoded '/' (or '@' then '/') ended the URL's host part early, and parsed, the rest of it was the path,
+    logged in clear (a password starting with '/', or digits then '/', in the review)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "(unparsable address)"
+    parts = urllib.parse.urlsplit(f"{scheme}://{rest.rpartition('@')[2]}")
     try:
         port = parts.port or 6379
-    except ValueError:  # an unencoded '/' in a password reads as a port: say nothing of it
-        return f"{parts.scheme}://(unparsable address)"
-    return f"{parts.scheme}://{parts.hostname}:{port}{parts.path}"
+    except ValueError:
+        return f"{scheme}://(unparsable address)"
+    return f"{scheme}://{parts.hostname}:{port}{parts.path}"
 
 
 def _log_writer_death(task: asyncio.Task[None]) -> None:
@@ -1040,12 +1050,19 @@ class RedisCallStore(_OpStore):
                                                     args=[self._call_prefix, node]))  # fmt: skip
         return {sid: CallBrief("streaming", node, agent or None) for sid, agent in rows}
 
-    async def end_lost(self, call_sid: str, node: str, reason: str, alive_keys: Sequence[str] = ()) -> bool:
+    async def end_lost(
+        self, call_sid: str, node: str, reason: str, alive_keys: Sequence[str] = (), *, own_node: bool = False
+    ) -> bool:
         """End a call that `node`, gone, left streaming: once however many nodes find it (True: the one that
-        ended it, to count it), written at once. False if it is not streaming on `node` (any more), if this
-        store has written to it (a call of this run is ended by this run), or if any of `alive_keys` (the
-        node's heartbeat keys) exists: the node is back, and its calls of the new run are its own."""
-        args = [node, reason, repr(time.time()), self._seq_field, call_sid]
+        ended it, to count it), written at once. False if it is not streaming on `node` (any more), if any of
+        `alive_keys` (the node's heartbeat keys) exists (the node is back, and its calls of the new run are its
+        own), or if it is this run's: `own_node` (this node's previous run's calls), one this store has written
+        to; another node's, one with writes of this store still queued. A webhook this node answered wrote the
+        call's record: by the first rule a node never ended a call whose stream another node had, in a
+        cluster of two no node did."""
+        if not own_node and any(op.call_sid == call_sid for op in self._pending):
+            return False  # this run's writes to it are on their way (a stream taken over here): they decide
+        args = [node, reason, repr(time.time()), self._seq_field if own_node else "", call_sid]
         keys = [self._call_keys(call_sid)[0], self._streaming_key, *alive_keys]
         return bool(await self._guard(self._end_lost(keys=keys, args=args)))
 

@@ -90,7 +90,7 @@ class LostCallSweep:
             return 0  # counted by the store; tried again next sweep
         live = set(self.live())
         ended, complete = await self._end(self.node_id, [(sid, c) for sid, c in calls.items() if sid not in live],
-                                          "was streaming on this node's last run")  # fmt: skip
+                                          "was streaming on this node's last run", own_node=True)  # fmt: skip
         self._leftovers_done = complete
         return ended
 
@@ -121,21 +121,22 @@ class LostCallSweep:
                 calls = await self.store.streaming_on(node)
             except CallStoreUnavailable:
                 break
-            n, complete = await self._end(node, list(calls.items()), "was streaming on a node that is gone",
-                                          self.cluster.heartbeat_keys(node))  # fmt: skip
+            live = set(self.live())  # a stream taken over here since: this run's
+            n, complete = await self._end(node, [(sid, c) for sid, c in calls.items() if sid not in live],
+                                          "was streaming on a node that is gone", self.cluster.heartbeat_keys(node))
             ended += n
             if not complete:
                 break
         return ended
 
     async def _end(self, node: str, calls: list[tuple[str, CallBrief]], why: str,
-                   alive_keys: tuple[str, ...] = ()) -> tuple[int, bool]:  # fmt: skip
+                   alive_keys: tuple[str, ...] = (), *, own_node: bool = False) -> tuple[int, bool]:  # fmt: skip
         """End `calls` (streaming on `node`) as node_lost, each once across the nodes and the status callbacks,
         none once one of `alive_keys` is back; (how many this node ended, whether it went through them all)."""
         ended = 0
         for sid, call in calls:
             try:
-                if not await self.store.end_lost(sid, node, "node_lost", alive_keys):
+                if not await self.store.end_lost(sid, node, "node_lost", alive_keys, own_node=own_node):
                     continue  # another node's sweep took it: each call is ended, and counted, once
             except CallStoreUnavailable:
                 return ended, False

@@ -27,6 +27,7 @@ from telephony.call_store import (
     OracleNote,
     RedisCallStore,
     Turn,
+    _safe_url,
     open_call_store,
 )
 
@@ -197,7 +198,8 @@ async def test_each_nodes_streaming_calls_are_read_alone_and_end_lost_ends_each_
         assert await sweeper.streaming_on("node-1") == {"AS-a": CallBrief("streaming", "node-1", "sales"),
                                                         "AS-c": CallBrief("streaming", "node-1", "sales")}  # fmt: skip
         if kind == "redis":
-            assert not await store.end_lost("AS-a", "node-1", "node_lost")  # the writer's own: left to it
+            # A sweep of its own node's last run: a call this store wrote is this run's, left to its own end.
+            assert not await store.end_lost("AS-a", "node-1", "node_lost", own_node=True)
         await store.update("AS-c", node="node-3")  # its stream moved (a node behind a shared URL took it)
         await store.end("AS-b", "completed")
         await flushed(store)
@@ -212,6 +214,16 @@ async def test_each_nodes_streaming_calls_are_read_alone_and_end_lost_ends_each_
         assert await sweeper.streaming_on("node-1") == {}
         got = {sid: (r.state, r.end_reason) for sid in ("AS-a", "AS-b", "AS-c") if (r := await store.get(sid))}
         assert got == {"AS-a": ("ended", "node_lost"), "AS-b": ("ended", "completed"), "AS-c": ("streaming", None)}
+        if kind == "redis":
+            # Another node's call whose record this store wrote (its webhook was answered here): ended, once its
+            # writes are out. With them still queued (a stream taken over here), it is left to them.
+            await store.create(CallRecord(call_sid="AS-d", node="node-4", agent="sales"))
+            await store.update("AS-d", state="streaming")
+            await flushed(store)
+            await store.append_turn("AS-d", "caller", "still queued")
+            assert not await store.end_lost("AS-d", "node-4", "node_lost")
+            await flushed(store)
+            assert await store.end_lost("AS-d", "node-4", "node_lost")
     finally:
         await store.aclose()
         if sweeper is not store:
@@ -390,6 +402,17 @@ async def test_open_call_store_without_url_is_memory(caplog: pytest.LogCaptureFi
     store = open_call_store(None)
     assert isinstance(store, MemoryCallStore)
     assert "no REDIS_URL" in caplog.text
+
+
+def test_a_redis_url_is_logged_without_its_password_whatever_it_holds() -> None:
+    """Unencoded '/' or '@' in a password (as a generated one has, now and then) cut the host part short: the
+    rest of the password was logged as the URL's path."""
+    for url, shown in (("redis://:/Zk3pQ9sEcReT@redis:6379/0", "redis://redis:6379/0"),
+                       ("redis://default:4821/xYzSecret@redis:6379/0", "redis://redis:6379/0"),
+                       ("rediss://u:a@b/c@cache.example.com:6380/2", "rediss://cache.example.com:6380/2"),
+                       ("redis://:plain@127.0.0.1/0", "redis://127.0.0.1:6379/0"),
+                       ("redis://10.0.0.5:6379", "redis://10.0.0.5:6379")):  # fmt: skip
+        assert _safe_url(url) == shown, url
 
 
 async def test_password_never_logged(caplog: pytest.LogCaptureFixture) -> None:

@@ -1026,6 +1026,45 @@ async def test_a_node_is_gone_only_after_confirm_s_of_sweeps_and_keeps_calls_it_
     assert record is not None and (record.state, record.end_reason) == ("ended", "node_lost")
 
 
+async def test_the_node_that_answered_a_calls_webhook_ends_it_when_the_node_streaming_it_is_gone(prefix: str) -> None:
+    """Node A answered the webhook (its store wrote the record) and sent the stream to B, which crashed. A's
+    sweep refused every call its store had written, as if they were its own: in a cluster of two, such calls
+    stayed "streaming" for a day, never counted (review, session 30)."""
+    store_a = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")
+    store_b = open_call_store(REDIS_URL, key_prefix=prefix + "calls:")
+
+    def node(name: str) -> RedisCluster:
+        return RedisCluster(client(), name, f"ws://127.0.0.1/{name}{MEDIA_PATH}", lambda: 1, key_prefix=prefix,
+                            heartbeat_s=0.1, node_ttl_s=0.6, routable=False)  # fmt: skip
+
+    a, b = node("A"), node("B")
+    call = call_id_for(uuid.uuid4())
+    sweep = LostCallSweep(store_a, a, "A", confirm_s=0.0)
+    try:
+        await a.start()
+        await b.start()
+        await store_a.create(CallRecord(call_sid=call, node="B", agent="default"))  # the webhook, on A
+        await store_a.flush()
+        store_b.adopt(call)  # the stream, on B
+        await store_b.update(call, state="streaming", node="B", stream_sid="MZ" + "1" * 32)
+        await store_b.flush()
+        assert b._task is not None
+        b._task.cancel()  # B crashes
+        await until(lambda: _is_gone(a, "B"), "B's heartbeat expires")
+        ended = [await sweep.sweep() for _ in range(2)]
+        record = await store_a.get(call)
+    finally:
+        await a.aclose()
+        await b._redis.aclose()
+        await store_a.aclose()
+        await store_b.aclose()
+    assert sum(ended) == 1 and record is not None and (record.state, record.end_reason) == ("ended", "node_lost")
+
+
+async def _is_gone(cluster: RedisCluster, node: str) -> bool:
+    return await cluster.node_alive(node) is False
+
+
 async def test_a_sweep_whose_cluster_cannot_reach_redis_ends_nothing(prefix: str) -> None:
     """Whether a node is gone is unknown while this node's cluster client fails (node_alive None): its calls are
     left alone however many sweeps run, not taken for gone (the store, on another client, still answers)."""
