@@ -263,7 +263,7 @@ class SttProcess:
             answer: Future[Any] = Future()
             self._requests[request_id] = answer
         self._send(link, ("open", request_id))
-        row, lease, error = self._answer(request_id, answer, "seat a call")
+        row, lease, error = self._answer(link, request_id, answer, "seat a call")
         if error is not None:
             raise SttCapacityError(error) if row == -1 else RuntimeError(error)
         return KyutaiStreamingSTT(self, row, lease, generation=link.generation)
@@ -284,11 +284,15 @@ class SttProcess:
             link.unstepped_since = now
         link.pushed_at = now
         stalled_s = now - link.unstepped_since
-        if stalled_s < STALL_S or link.killed_stalled:
+        if stalled_s < STALL_S:
+            return
+        self._kill_wedged(link, f"has not stepped for {stalled_s:.0f} s while calls send it audio")
+
+    def _kill_wedged(self, link: _Link, why: str) -> None:
+        if link.killed_stalled:
             return
         link.killed_stalled = True
-        log.error("the Kyutai STT process %d has not stepped for %.0f s while calls send it audio: killing it, to "
-                  "start it afresh", link.process.pid, stalled_s)  # fmt: skip
+        log.error("the Kyutai STT process %d %s: killing it, to start it afresh", link.process.pid, why)
         link.process.kill()  # its pipe's end closes: the reader fails its calls and restarts it
 
     def _drain(self, generation: int, row: int, lease: int) -> list[SttResult]:
@@ -306,18 +310,22 @@ class SttProcess:
         self._send(link, ("flush", request_id, row, lease))
         # With the inbox's results ahead of the final (the reader joins them as the answer comes: results the child
         # makes after the flush must not come before it).
-        results, error = self._answer(request_id, answer, "flush")
+        results, error = self._answer(link, request_id, answer, "flush")
         if error is not None:
             raise RuntimeError(error)
         return results
 
-    def _answer(self, request_id: int, answer: Future[Any], what: str) -> Any:
+    def _answer(self, link: _Link, request_id: int, answer: Future[Any], what: str) -> Any:
         try:
             return answer.result(timeout=ANSWER_TIMEOUT_S)
         except FutureTimeout:
             with self._lock:
                 waiting = self._requests.pop(request_id, None) is not None
             if waiting:  # else the reader took it just now: its answer is being set, and is ours (a seated row)
+                # Its commands have a thread of their own, answered in milliseconds: the whole process is frozen.
+                # Only audio going out was judged before: frozen on an idle node, it was never killed, every new
+                # call went unheard and the node stayed ready (review, session 30).
+                self._kill_wedged(link, f"did not {what} in {ANSWER_TIMEOUT_S:.0f} s")
                 raise RuntimeError(f"the Kyutai STT process did not {what} in {ANSWER_TIMEOUT_S:.0f} s") from None
             return answer.result()
 

@@ -253,6 +253,26 @@ def test_a_wedged_stt_process_is_killed_and_a_crash_loop_backs_off(
     assert process._next_restart_s == 0.8
 
 
+def test_an_stt_process_frozen_on_an_idle_node_is_killed_when_it_answers_no_command(
+    make_process, speech, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Frozen with no call sending audio, the child was never found out: every new call's open timed out, and
+    the process stayed alive (the node ready). A command unanswered for ANSWER_TIMEOUT_S kills it now."""
+    monkeypatch.setattr(stt_process, "ANSWER_TIMEOUT_S", 1.0)
+    process = make_process(restart_backoff_s=(0.2, 1.0))
+    assert process._link is not None
+    first = process._link.process
+    assert first.pid is not None
+    os.kill(first.pid, signal.SIGSTOP)  # frozen whole, idle: no audio goes to it
+    with pytest.raises(RuntimeError, match="did not seat a call in 1 s"):
+        process.open_stream()
+    wait_for(lambda: first.exitcode == -signal.SIGKILL, 10)
+    wait_for(lambda: process.alive and process.restarts == 1, 60)
+    again = process.open_stream()  # a new process, hearing calls again
+    assert hear(again, speech[:24_000])
+    again.close()
+
+
 @pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
 async def test_the_stt_process_steps_right_after_each_engine_tick(
     stt_checkpoint: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, engine_process: bool
