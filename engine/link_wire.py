@@ -254,6 +254,8 @@ class Address:
         host, sep, port = hostport.rpartition(":")
         if not sep or not port.isdigit():
             raise ValueError(f"engine address {text!r}: want unix:/path, tcp://host:port or tls://host:port")
+        if int(port) > 65535:  # a bind or connect refused it only after the model had loaded, with a traceback
+            raise ValueError(f"engine address {text!r}: the port must be 0-65535")
         return cls(host=host.strip("[]") or "127.0.0.1", port=int(port), tls=tls)
 
     @property

@@ -74,10 +74,19 @@ def _serve(args: argparse.Namespace) -> int:
         from engine.link_wire import Address
 
         try:
-            Address.parse(args.engine)
+            address = Address.parse(args.engine)
         except ValueError as e:
             print(f"kame-phone serve: --engine: {e}", file=sys.stderr)
             return 2
+        if address.tls and (ca := os.environ.get("KAME_ENGINE_CA")):
+            from engine.link_wire import edge_tls
+
+            try:
+                edge_tls(ca)  # now: an unmounted CA volume was a traceback at the first connect
+            except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+                print(f"kame-phone serve: KAME_ENGINE_CA {ca}: cannot load it as PEM certificates ({e})",
+                      file=sys.stderr)  # fmt: skip
+                return 2
     elif (problem := device_problem(args.device) or backend_problem(args)) is not None:
         print(f"kame-phone serve: {problem}", file=sys.stderr)
         return 2
@@ -468,7 +477,11 @@ def load_dotenv_file() -> None:
             # Named and not there (a typo, a volume not mounted): going on would run without its settings.
             raise EnvError(f"KAME_ENV_FILE names {name}, which is not a file (set it empty to read none)")
         return
-    for key, value in dotenv_values(path).items():
+    try:
+        values = dotenv_values(path)
+    except (UnicodeDecodeError, OSError) as e:  # PowerShell's `echo K=V > .env` writes UTF-16; a directory
+        raise EnvError(f"{path}: cannot read it as UTF-8 KEY=VALUE lines ({type(e).__name__})") from None
+    for key, value in values.items():
         if value is not None:
             os.environ.setdefault(key, value)
 

@@ -57,6 +57,10 @@ def _http_app(state: dict[str, object]) -> web.Application:
     return app
 
 
+def _folder_exists(path: str) -> bool:
+    return os.path.isdir(os.path.dirname(os.path.abspath(path)))
+
+
 async def run_engine_server(args: argparse.Namespace) -> int:
     if not args.listen:
         print("kame-phone engine-serve: --listen (or KAME_ENGINE_LISTEN) is required", file=sys.stderr)
@@ -65,6 +69,10 @@ async def run_engine_server(args: argparse.Namespace) -> int:
         address = Address.parse(args.listen)
     except ValueError as e:
         print(f"kame-phone engine-serve: {e}", file=sys.stderr)
+        return 2
+    if address.unix_path is not None and not _folder_exists(address.unix_path):
+        # Found out at the bind, after the model had loaded (minutes at full size), with a traceback.
+        print(f"kame-phone engine-serve: --listen {args.listen}: its folder does not exist", file=sys.stderr)
         return 2
     try:
         agents = agents_from_args(args)  # the back-end's prompts and greetings

@@ -150,6 +150,8 @@ class Agents:
             raise AgentsError(f"agents file {path}: cannot read it ({e})") from None
         except tomllib.TOMLDecodeError as e:
             raise AgentsError(f"agents file {path}: not TOML ({e})") from None
+        except RecursionError:  # arrays nested thousands deep: refused here, at start as on a reload
+            raise AgentsError(f"agents file {path}: nested too deep") from None
         unknown = set(data) - {"agents"}
         if unknown or not isinstance(data.get("agents"), dict) or not data["agents"]:
             raise AgentsError(f"agents file {path}: wants [agents.NAME] tables only, got {sorted(data) or 'none'}")

@@ -56,6 +56,10 @@ def unfilled_message(names: list[str]) -> str:
             "(replace-with-...): fill in the real value, or unset it")
 
 
+MIN_RETENTION_S = 60.0  # a call's record must outlive the call's last writes and its status callback
+MAX_RETENTION_S = 10 * 366 * 24 * 3600.0  # ten years
+
+
 def hide_password(url: str | None) -> str | None:
     """`url` as it may be printed or logged: a password it carries (https://user:pass@host, as webhooks with basic
     auth are often set on a Twilio number) is ***; anything else comes back as it was."""
@@ -71,17 +75,21 @@ def hide_password(url: str | None) -> str | None:
 def check_public_url(name: str, url: str) -> None:
     """A base URL the webhooks and stream URLs are built on (PUBLIC_URL, KAME_NODE_URL): https://host[:port]
     [/path], http:// only for a loopback host. Else ConfigError, in one line."""
+    shown = hide_password(url)  # a basic-auth webhook URL's password is not repeated
+    if any(ch.isspace() or not ch.isprintable() for ch in url):
+        # urlsplit drops tabs and newlines: it passed, and every webhook, stream URL and signature was built on it.
+        raise ConfigError(f"{name} holds a blank or a control character (a newline at its end?), got {shown!r}")
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - parsing it is the check (99999, "abc": every signature would fail)
     except ValueError:
-        raise ConfigError(f"{name} must look like https://host[:port], got {url!r}") from None
+        raise ConfigError(f"{name} must look like https://host[:port], got {shown!r}") from None
     if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
         # (A query or fragment: the webhook URLs are built on it, and every webhook failed with a 500.)
-        raise ConfigError(f"{name} must look like https://host[:port][/path], got {url!r}")
+        raise ConfigError(f"{name} must look like https://host[:port][/path], got {shown!r}")
     if parts.scheme == "http" and not is_loopback(parts.hostname):
         # Twilio only calls https:// and only opens wss:// streams; http:// is for local tests.
-        raise ConfigError(f"{name} must be https:// (http:// only for a loopback host), got {url!r}")
+        raise ConfigError(f"{name} must be https:// (http:// only for a loopback host), got {shown!r}")
 
 
 def _stripped_or_blank(value: str | None) -> str | None:
@@ -154,7 +162,8 @@ class ServiceConfig:
         if placeholders := unfilled_placeholders(env):
             raise ConfigError(unfilled_message(placeholders))
         values: dict[str, object] = {
-            "public_url": env.get("PUBLIC_URL", ""),
+            # Stripped as the secrets are: a URL from a ConfigMap or `echo` into a file ends in a newline.
+            "public_url": env.get("PUBLIC_URL", "").strip(),
             # Secrets made with `echo` into a file or a Secret end in a newline: every signature (every bearer
             # token) would be refused with no word of why.
             "twilio_auth_token": (env.get("TWILIO_AUTH_TOKEN") or "").strip() or None,
@@ -163,8 +172,8 @@ class ServiceConfig:
         }
         if env.get("KAME_NODE_ID"):
             values["node_id"] = env["KAME_NODE_ID"]
-        if env.get("KAME_NODE_URL"):
-            values["node_url"] = env["KAME_NODE_URL"]
+        if env.get("KAME_NODE_URL", "").strip():
+            values["node_url"] = env["KAME_NODE_URL"].strip()
         if env.get("KAME_REDIS_PREFIX"):
             values["redis_prefix"] = env["KAME_REDIS_PREFIX"]
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -224,6 +233,11 @@ class ServiceConfig:
         if not MIN_START_TIMEOUT_S <= self.start_timeout_s <= MAX_START_TIMEOUT_S:
             raise ConfigError(f"--start-timeout (KAME_START_TIMEOUT) must be {MIN_START_TIMEOUT_S:g} to "
                               f"{MAX_START_TIMEOUT_S:g} seconds, got {self.start_timeout_s:g}")  # fmt: skip
+        # Redis keeps records for whole milliseconds, as a 64-bit count: 1e300 hours was refused on every write
+        # (each call's record lost, silently), and a fraction of a millisecond failed the store's start.
+        if not MIN_RETENTION_S <= self.retention_s <= MAX_RETENTION_S:
+            raise ConfigError(f"--retention-hours (KAME_RETENTION_HOURS) must be {MIN_RETENTION_S / 3600:g} to "
+                              f"{MAX_RETENTION_S / 3600:g} hours, got {self.retention_s / 3600:g}")  # fmt: skip
         if not (math.isfinite(self.max_call_s) and self.max_call_s >= 0):  # 0: no limit
             raise ConfigError(f"--max-call-minutes (KAME_MAX_CALL_MINUTES) must be 0 (no limit) or more, "
                               f"got {self.max_call_s / 60:g}")  # fmt: skip
@@ -258,11 +272,18 @@ class ServiceConfig:
         if parts.scheme not in ("redis", "rediss", "unix") or not (parts.hostname or parts.path):
             raise ConfigError(f"REDIS_URL must look like redis://[:password@]host:port/db "
                               f"(or rediss://, unix://), got scheme {parts.scheme!r}")
+        from redis.connection import parse_url
+
+        try:
+            parse_url(url)  # its options (?socket_timeout=xyz): else a traceback at the first connection
+        except ValueError as e:
+            why = str(e).replace(parts.password, "***") if parts.password else str(e)
+            raise ConfigError(f"REDIS_URL: {why}") from None
 
     def twilio_summary(self) -> str:
         """What serve says once at start: the URL a Twilio number must call, and whether signatures can work
         (a newcomer whose PUBLIC_URL is wrong otherwise sees only 403s)."""
-        webhook = f"POST {self.base_url}/twilio/voice"
+        webhook = f"POST {hide_password(self.base_url)}/twilio/voice"
         if self.insecure_dev:
             return (f"Twilio voice webhook: {webhook}; --insecure-dev: signatures NOT checked, loopback only "
                     "(a real Twilio number cannot reach it)")  # fmt: skip

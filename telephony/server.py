@@ -33,7 +33,7 @@ from .bot_audio import BotAudioFanout
 from .call_leg import CallLeg
 from .call_store import CallRecord, CallStore, CallStoreUnavailable
 from .cluster import Cluster, LocalCluster, open_cluster
-from .config import ServiceConfig
+from .config import ServiceConfig, hide_password
 from .connection_cap import ConnectionCap, prove
 from .logs import call_id_var
 from .lost_calls import LostCallSweep
@@ -742,7 +742,7 @@ async def run_service(
         sweep.start()
     if config.insecure_dev:
         log.warning("!!! --insecure-dev: Twilio signatures are NOT checked; listening on %s only !!!", config.host)
-    log.info("listening on %s:%d (public %s)", config.host, handle.port, config.base_url)
+    log.info("listening on %s:%d (public %s)", config.host, handle.port, hide_password(config.base_url))
     log.info("%s", config.twilio_summary())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -232,6 +232,8 @@ async def test_a_sip_domain_call_gets_its_agent_through_the_real_webhook_and_str
         ('[agents.a]\ninstructions = "x"\n[[agents.a.tools]]\nname = "t"\ndescription = "d"\n'
          'url = "https://[crm.internal/x"\n', "key 'tools.t.url': an https:// URL (http:// only on loopback), got "
          "one that does not parse"),
+        # Nested thousands deep: a reload refused it, a start was a traceback of 3,000 lines (review, session 30).
+        ('[agents.a]\ninstructions = "x"\ngreeting = ' + "[" * 5000 + "]" * 5000 + "\n", "nested too deep"),
     ],
 )  # fmt: skip
 def test_a_bad_file_is_refused_in_one_line_naming_file_agent_and_key(tmp_path: Path, text: str, says: str) -> None:

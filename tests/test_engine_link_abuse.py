@@ -263,6 +263,12 @@ def test_a_port_in_use_and_a_missing_listen_address_end_in_one_line() -> None:
     assert code == 2 and err.strip() == "kame-phone engine-serve: --listen (or KAME_ENGINE_LISTEN) is required"
     code, err = _run("engine-serve", env={"KAME_ENGINE_LISTEN": "nowhere"})  # the variable is read
     assert code == 2 and "'nowhere'" in err and "Traceback" not in err, err
+    # Each found out at the bind, once the model had loaded, with a traceback (review, session 30).
+    code, err = _run("engine-serve", "--listen", "tcp://127.0.0.1:99999")
+    assert code == 2 and err.strip().endswith("the port must be 0-65535"), err
+    code, err = _run("engine-serve", "--listen", "unix:/nonexistent/dir/e.sock")
+    assert code == 2 and err.strip() == "kame-phone engine-serve: --listen unix:/nonexistent/dir/e.sock: its folder " \
+        "does not exist", err
     code, err = _run("engine-serve", "--listen", "tcp://0.0.0.0:9", env={"KAME_ENGINE_TOKEN": "hunter2"})
     assert code == 2 and "KAME_ENGINE_TOKEN must be at least 16 characters" in err and "hunter2" not in err, err
 

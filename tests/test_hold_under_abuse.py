@@ -154,6 +154,20 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
                      "KAME_STT_MAX_STREAMS must be an integer of at least 1, got 'abc'", id="stt-rows"),  # fmt: skip
         pytest.param({"OPENAI_BASE_URL": "api.openai.com/v1"}, ["--insecure-dev", "--device", "cpu"],
                      "OPENAI_BASE_URL must look like https://", id="llm-url"),  # fmt: skip
+        # Review, session 30: each started and then failed (every call, every record), or was a traceback.
+        pytest.param({"TWILIO_AUTH_TOKEN": "t", "PUBLIC_URL": "https://voice.example.com/a\tb"}, [],
+                     "PUBLIC_URL holds a blank or a control character", id="public-url-tab"),  # fmt: skip
+        pytest.param({"TWILIO_AUTH_TOKEN": "t", "PUBLIC_URL": "http://bob:Xk9secret@voice.example.com"}, [],
+                     "PUBLIC_URL must be https://", id="public-url-password-not-quoted"),  # fmt: skip
+        pytest.param({"KAME_RETENTION_HOURS": "1e300"}, ["--insecure-dev"], "must be 0.0166667 to 87840 hours",
+                     id="retention-huge"),  # fmt: skip
+        pytest.param({"KAME_RETENTION_HOURS": "1e-7"}, ["--insecure-dev"], "KAME_RETENTION_HOURS", id="retention-tiny"),
+        pytest.param({"REDIS_URL": "redis://:Xk9pw@127.0.0.1:6379/0?socket_timeout=xyz"}, ["--insecure-dev"],
+                     "REDIS_URL: Invalid value for 'socket_timeout'", id="redis-url-option"),  # fmt: skip
+        pytest.param({}, ["--insecure-dev", "--engine", "tcp://127.0.0.1:99999"], "the port must be 0-65535",
+                     id="engine-port"),  # fmt: skip
+        pytest.param({"KAME_ENGINE_CA": "/nonexistent/ca.pem"}, ["--insecure-dev", "--engine", "tls://127.0.0.1:7070"],
+                     "KAME_ENGINE_CA /nonexistent/ca.pem: cannot load it", id="engine-ca"),  # fmt: skip
     ],
 )
 def test_serve_refuses_a_configuration_that_cannot_work_in_one_line(
@@ -202,8 +216,13 @@ def test_secrets_written_with_a_newline_are_read_without_it(clean_env: pytest.Mo
 
     clean_env.setenv("TWILIO_AUTH_TOKEN", "t" * 32 + "\n")
     clean_env.setenv("ADMIN_TOKEN", "a" * 20 + "\r\n")
+    # The URLs too (review, session 30): urlsplit drops a newline, so it passed, and every webhook and stream
+    # URL was built on it (a stream URL of "...example.com&#10;/twilio/media", every signature refused).
+    clean_env.setenv("PUBLIC_URL", "https://voice.example.com\n")
+    clean_env.setenv("KAME_NODE_URL", "https://node-1.example.com\r\n")
     config = ServiceConfig.from_env()
     assert (config.twilio_auth_token, config.admin_token) == ("t" * 32, "a" * 20)
+    assert (config.base_url, config.node_base_url) == ("https://voice.example.com", "https://node-1.example.com")
     clean_env.setenv("ADMIN_TOKEN", "  ")
     with pytest.raises(ConfigError, match="ADMIN_TOKEN is set but blank"):
         ServiceConfig.from_env().check()  # still refused, not taken as "no admin API"

@@ -155,6 +155,11 @@ async def test_env_file_values_are_read_and_the_environment_overrides_them(tmp_p
         rc, _, err = await _kame(["twilio", "setup", "--number", NUMBER], {"KAME_ENV_FILE": "prod.env"}, cwd=tmp_path)
         assert rc == 2 and err.strip() == "kame-phone: KAME_ENV_FILE names prod.env, which is not a file (set it " \
             "empty to read none)", err
+        # UTF-16 (PowerShell's `echo K=V > .env`): a traceback from every command, --help too (review, session 30).
+        (tmp_path / ".env").write_text("PUBLIC_URL=https://from-dotenv.example.com\n", encoding="utf-16")
+        rc, _, err = await _kame(["--help"], default, cwd=tmp_path)
+        assert rc == 2 and err.strip() == "kame-phone: .env: cannot read it as UTF-8 KEY=VALUE lines " \
+            "(UnicodeDecodeError)", err
 
 
 @pytest.mark.parametrize(
