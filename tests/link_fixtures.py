@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,25 @@ async def http_status(http: aiohttp.ClientSession, url: str) -> int:
             return r.status
     except aiohttp.ClientError:
         return 0
+
+
+async def engine_keeps_time(http: aiohttp.ClientSession, engine_base: str, within: float = 60.0) -> None:
+    """Until an engine-serve's /readyz has said 200 (keeping time) for over a status period, so its edges have
+    heard it: behind after the calls before (a slow box), it has its edges answer new calls busy, by design."""
+    from engine.link_wire import STATUS_EVERY_S
+
+    from .polling import until
+
+    since: list[float] = []
+
+    async def steady() -> bool:
+        if await http_status(http, engine_base + "/readyz") != 200:
+            since.clear()
+            return False
+        since.append(time.monotonic())
+        return since[-1] - since[0] > STATUS_EVERY_S + 0.5
+
+    await until(steady, "the engine keeping time", within, every=0.1)
 
 
 def stop_processes(procs: list[subprocess.Popen[bytes]]) -> None:

@@ -49,7 +49,7 @@ def test_paced_ticks_start_on_the_frame_clock_and_a_late_one_does_not_bring_a_bu
     for i, want in ((1, 0.08), (4, 0.32), (5, 0.40), (6, 0.48)):
         assert want - 0.005 <= at[i] <= want + 0.06, (i, at)
     assert 0.16 + 0.12 <= at[3] <= 0.16 + 0.12 + 0.06, at  # at once after tick 2 (started at 0.16, ran 0.12)
-    assert at[7] >= at[6] + 0.25 and at[8] - at[7] >= 0.075, at  # re-anchored: no burst to catch up
+    assert at[7] >= at[6] + 0.25 and at[8] - at[7] >= 0.06, at  # re-anchored: no burst (20 ms for a busy box)
     assert clocks == {"paced": []}  # read after the 10th tick; on CPU there is no clock to read
 
     out = tmp_path / "paced.json"

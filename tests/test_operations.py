@@ -412,4 +412,5 @@ async def test_a_sigterm_early_in_start_up_stops_serve_at_once(tiny_checkpoint: 
         serve.proc.send_signal(signal.SIGTERM)
         code = await serve.exit_code(5)
     assert "listening on" not in serve.said(), serve.said()[-2000:]  # it was still starting up
-    assert code == 143 and caught_after < 1.0, (code, caught_after, serve.said()[-2000:])
+    # Caught before the heavy imports (torch's take seconds on a slow box): 0.05 s here, 0.2 s under load.
+    assert code == 143 and caught_after < 2.0, (code, caught_after, serve.said()[-2000:])
