@@ -44,7 +44,8 @@ class ToolExchange:
     # Made while the caller was still talking: their final, when it comes, goes before it (the words that
     # asked for the call come first, and the request after its result ends with that result).
     mid_utterance: bool = False
-    _calls_chars: int = -1  # its calls rendered, counted once (results are filled in later; calls are not)
+    # Its calls rendered, counted once (results are filled in later; calls are not).
+    _calls_chars: int = field(default=-1, compare=False, repr=False)
 
     def size(self) -> int:
         """Characters as a request charges it (`_size` of its `group`), without rendering its calls again."""
@@ -64,7 +65,8 @@ class ToolExchange:
 # self-hosted model's context every one fails and the call runs front-end only for the rest of its life.
 MAX_HISTORY_CHARS = 16_000
 # A tool exchange rendered is over this many characters (its `tool_calls` entry's keys alone are), so no request
-# sends more than max_history_chars // this of them (and the newest): pruning keeps no more.
+# could send more than max_history_chars // this of them (and the newest). Requests consider only that many of
+# the newest that fit the budget, and pruning keeps no more: an LLM calling tools on every request kept them all.
 MIN_EXCHANGE_CHARS = 64
 # No one turn takes more than this share of it: a caller who talks on with no reply (a recorded message, a
 # dictation) or a bot that talks on alone grows one turn without end, and sent whole it would either be the
@@ -268,16 +270,9 @@ class Conversation:
         each, 70 MB and 36 ms of every request's rendering after 13 minutes, in the review)."""
         keep = KEEP_HISTORY_FACTOR * self.max_history_chars
         newest_exchange = next((t for t in reversed(self.turns) if isinstance(t, ToolExchange)), None)
-        room = self.max_history_chars // MIN_EXCHANGE_CHARS
-        kept_turns: list[Turn | ToolExchange] = []
-        for turn in reversed(self.turns):
-            if isinstance(turn, ToolExchange) and turn is not newest_exchange:
-                if turn.size() > self.max_history_chars or room <= 0:
-                    continue
-                room -= 1
-            kept_turns.append(turn)
-        kept_turns.reverse()
-        self.turns = kept_turns
+        sendable = self._sendable_exchanges()
+        self.turns = [t for t in self.turns if not isinstance(t, ToolExchange) or t is newest_exchange
+                      or id(t) in sendable]  # fmt: skip
         total, cut = 0, 0
         for i in range(len(self.turns) - 1, -1, -1):
             turn = self.turns[i]
@@ -292,6 +287,23 @@ class Conversation:
             kept = [newest_exchange] if any(t is newest_exchange for t in older) else []  # (identity, not ==)
             self.turns = kept + self.turns[cut:]
 
+    def _sendable_exchanges(self) -> set[int]:
+        """The exchanges (by id) a request may send besides the newest: of those no bigger than the budget, the
+        newest max_history_chars // MIN_EXCHANGE_CHARS (no request could hold more). Pruning keeps these alone,
+        and requests consider these alone, so pruned and unpruned conversations send the same."""
+        room = self.max_history_chars // MIN_EXCHANGE_CHARS
+        newest, out = True, set()
+        for turn in reversed(self.turns):
+            if not isinstance(turn, ToolExchange):
+                continue
+            if newest:
+                newest = False
+                continue
+            if room > 0 and turn.size() <= self.max_history_chars:
+                out.add(id(turn))
+                room -= 1
+        return out
+
     # --- rendering ---------------------------------------------------------------------------------
     def messages(self) -> list[dict[str, Any]]:
         """System prompt + the transcript as chat turns; the pending partial is the last user text. Only the
@@ -300,11 +312,14 @@ class Conversation:
         must see the result it asked for; its size is bounded by the tools' own caps, and it is charged at most
         half the budget, so the words before it still go)."""
         groups: list[list[dict[str, Any]]] = []
-        sizes: list[int] = []  # an exchange's size, counted once (its arguments and results do not change)
+        sizes: list[int] = []  # an exchange's size, its calls counted once
+        sendable = self._sendable_exchanges()
+        newest = next((t for t in reversed(self.turns) if isinstance(t, ToolExchange)), None)
         for turn in self.turns:
             if isinstance(turn, ToolExchange):
-                groups.append(turn.group())
-                sizes.append(turn.size())
+                if turn is newest or id(turn) in sendable:
+                    groups.append(turn.group())
+                    sizes.append(turn.size())
                 continue
             text = _clean(turn.text)
             if text:

@@ -129,3 +129,8 @@ def test_an_llm_calling_tools_on_every_request_keeps_a_bounded_history() -> None
     exchanges = [t for t in pruned.turns if isinstance(t, ToolExchange)]
     assert len(exchanges) <= 4_000 // 64 + 64 + 1  # what a request can hold, a prune's worth, the newest
     assert sum(t.size() for t in exchanges) < 4 * 4_000 * 64  # not every 32 KB answer since the call began
+    # Small answers first, then many that each nearly fill the budget: a request sends one of the big ones and
+    # then older small ones, as far back as it considers; pruned or not, the same.
+    steps = [_caller("hi")] + [_tools(n, size=10) for n in range(100)]
+    steps += [_tools(1_000 + n, size=3_500) for n in range(150)] + [_caller("and now")]
+    _same_requests(steps, budget=4_000, every=7)
