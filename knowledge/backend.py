@@ -68,6 +68,19 @@ MAX_TOOL_ROUNDS = 3  # tool answers chained without the caller speaking: then th
 ACTION_QUIET_S = 45.0
 
 
+def _one_action(results: list[ToolResult]) -> list[ToolResult]:
+    """One call action per answer: the first is carried out. The others are told as not done, in the history
+    and to the edge: each said "requested", and the model believed a transfer made that never was."""
+    first = next((r for r in results if r.action is not None), None)
+    if first is None:
+        return results
+    return [r if r is first or r.action is None else
+            replace(r, outcome="error", action=None, say="",
+                    content=f"not done: {first.name} was asked for in the same answer, and one call action is "
+                            "carried out at a time")
+            for r in results]  # fmt: skip
+
+
 def _tool_key(call: ToolCallRequest) -> tuple[str, str]:
     """A tool call's name and arguments, the arguments' formatting aside (two drafts asking the same)."""
     return call.name, _history_arguments(call.arguments, sort_keys=True)
@@ -691,6 +704,7 @@ class CallBackend:
             results: list[ToolResult] = await asyncio.gather(*(tools.run(c, call_id=self.call_id) for c in calls))
         finally:
             self._tools_running.difference_update(keys)
+        results = _one_action(results)
         exchange.results = [(c.id, r.content) for c, r in zip(calls, results, strict=True)]
         for result in results:
             if self._on_tool is not None:

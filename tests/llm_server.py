@@ -65,6 +65,7 @@ class FakeLlm:
     # Send the call's id (a new one each time) and name again with every piece (vLLM's gpt-oss path, LocalAI).
     repeat_call_ids: bool = False
     tool_copies: int = 1  # the same call this many times in one answer (parallel duplicates some models emit)
+    also_call: tuple[str, dict[str, Any]] | None = None  # another call after those, in the same answer
     # Refuse a request carrying tool messages as a strict chat template does (Mistral's: its call ids): a 400
     # naming tools, `param` null (vLLM).
     refuse_tool_history: bool = False
@@ -250,6 +251,10 @@ class FakeLlm:
                         more = {"index": copy, "id": f"chatcmpl-tool-{copy}-{n}-" + "x" * 24, "type": "function",
                                 "function": {"name": name, "arguments": piece}}  # fmt: skip
                     await resp.write(chunk({"tool_calls": [more]}))
+            if self.also_call is not None:
+                other = {"index": self.tool_copies, "id": "call_also", "type": "function",
+                         "function": {"name": self.also_call[0], "arguments": json.dumps(self.also_call[1])}}
+                await resp.write(chunk({"tool_calls": [other]}))
             if self.hold_after_finish:
                 await self._finish_and_hold(resp, model, "tool_calls")
                 return

@@ -1026,6 +1026,35 @@ async def test_a_final_heard_during_a_call_actions_quiet_window_is_answered_afte
     await llm.aclose()
 
 
+async def test_of_two_call_actions_in_one_answer_the_second_is_told_as_not_done(
+    llm_server: FakeLlm, executor
+) -> None:
+    """One answer asking to hang up twice (or to transfer and hang up): the first is carried out, and the history
+    said "requested" for both, so the model believed in an action never taken. The second is "not done" now,
+    in the history and to the edge (no action)."""
+    llm_server.tool_triggers = {"goodbye": ("end_call", {})}
+    llm_server.also_call = ("end_call", {"reason": "the caller said goodbye"})
+    llm = make_llm(llm_server)
+    rec = Recorder()
+    uses: list = []  # type: ignore[type-arg]
+    http = HttpSession()
+    backend = CallBackend(
+        "call-2a", stt_factory=NullSTT, llm=llm, executor=executor, on_transcript=rec.on_transcript,
+        on_oracle=rec.on_oracle, on_error=rec.on_error, policy=FAST_POLICY, on_tool=uses.append,
+        tools=CallTools(Agents.builtin().get(None), ("end",), http),
+    )  # fmt: skip
+    await backend.start()
+    backend._handle_transcript(SttResult("thanks goodbye", final=True), time.monotonic())
+    await wait_until(lambda: len(uses) == 2, limit_s=10)
+    assert [(u.outcome, u.action) for u in uses] == [("requested", "end"), ("error", None)]
+    (exchange,) = [t for t in backend.conversation.turns if isinstance(t, ToolExchange)]
+    assert exchange.results[0][1].startswith("requested: ")
+    assert exchange.results[1][1].startswith("not done: end_call was asked for in the same answer")
+    await backend.aclose()
+    await http.aclose()
+    await llm.aclose()
+
+
 async def test_the_greeting_is_not_an_oracle_lag(executor) -> None:
     """The greeting goes to the engine as the call starts, made by no LLM request: its ~0 s was counted as an
     oracle lag and pulled the dashboard's LLM figure down on every call with a greeting."""
