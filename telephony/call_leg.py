@@ -282,9 +282,8 @@ class CallLeg:
         self.state.started_at = time.monotonic()
         metrics.CALLS_ACTIVE.inc()
         self.ctx.store.adopt(call_sid)  # a copy of the record, should Redis lose it mid-call (read in the background)
-        await self.ctx.store.update(
-            call_sid, stream_sid=stream_sid, state="streaming", started_at=time.time(), node=self.ctx.config.node_id,
-        )  # fmt: skip
+        await self.ctx.store.begin_stream(call_sid, stream_sid=stream_sid, node=self.ctx.config.node_id,
+                                          started_at=time.time())  # fmt: skip
         self._pump = asyncio.create_task(self._pump_outputs(), name=f"pump-{call_sid}")
 
     # ---- caller -> engine ----

@@ -161,6 +161,7 @@ class CallStore(Protocol):
 
     async def create(self, record: CallRecord) -> None: ...
     async def update(self, call_sid: str, **fields: Any) -> None: ...
+    async def begin_stream(self, call_sid: str, *, stream_sid: str, node: str, started_at: float) -> None: ...
     async def append_turn(self, call_sid: str, role: Role, text: str, at: float | None = None) -> None: ...
     async def append_oracle(self, call_sid: str, text: str, at: float | None = None) -> None: ...
     async def append_dtmf(self, call_sid: str, digit: str) -> None: ...
@@ -185,11 +186,12 @@ class CallStore(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class _Op:
-    """One write. `kind`: create (if absent), set (fields), end (once), push (append to a list)."""
+    """One write. `kind`: create (if absent; else it fills in the fields the record lacks), set (fields), begin
+    (set, creating the record if absent: a stream's start), end (once), push (append to a list)."""
 
     seq: int  # per store instance, strictly increasing; makes Redis retries idempotent
     call_sid: str
-    kind: Literal["create", "set", "end", "push"]
+    kind: Literal["create", "set", "begin", "end", "push"]
     fields: dict[str, str | float | None] = field(default_factory=dict)
     list_name: _ListName | None = None
     item: Turn | OracleNote | str | float | None = None
@@ -212,12 +214,19 @@ def _items(cls: type, encoded: Iterable[str]) -> list[Any]:
 
 
 def _apply(record: CallRecord | None, op: _Op) -> CallRecord | None:
-    """Apply `op` to `record` in place (or build it, for create). Ops on an unknown call are dropped:
-    a late write must not resurrect an expired record. Mirrored by `_APPLY_LUA`."""
-    if op.kind == "create":
-        return record if record is not None else CallRecord(call_sid=op.call_sid, **op.fields)  # type: ignore[arg-type]
+    """Apply `op` to `record` in place (or build it, for create and begin). Other ops on an unknown call are
+    dropped: a late write must not resurrect an expired record. Mirrored by `_APPLY_LUA`."""
+    if op.kind in ("create", "begin") and record is None:
+        return CallRecord(call_sid=op.call_sid, **op.fields)  # type: ignore[arg-type]
+    if op.kind == "create":  # the stream's start got there first: what it lacks, the webhook's record gives
+        for name, value in op.fields.items():
+            if value is not None and getattr(record, name) is None:
+                setattr(record, name, value)
+        return record
     if record is None:
         return None
+    if op.kind == "begin":
+        op = dataclasses.replace(op, fields={k: v for k, v in op.fields.items() if k != "created_at"})
     if op.kind == "end" and record.state == "ended":
         return record  # first end wins: the stream stop and the status callback both end a call
     if op.kind == "push":
@@ -263,6 +272,15 @@ class _OpStore:
         ops += [self._push(record.call_sid, "tools", self._tool(t.name, t.arguments, t.outcome, t.at))
                 for t in record.tools]  # fmt: skip
         self._submit(ops)
+
+    async def begin_stream(self, call_sid: str, *, stream_sid: str, node: str, started_at: float) -> None:
+        """The call's media stream started here: its record says so. Should the webhook's record not be there
+        yet (its node's writes held up by a Redis blip), this makes it, and the webhook's create fills in the
+        rest when it lands: as an update, it was dropped as a write to an unknown call, and the live call's
+        record said "ringing" for good, its stream, start and first turns gone."""
+        fields = {"stream_sid": stream_sid, "state": "streaming", "started_at": float(started_at), "node": node,
+                  "created_at": float(started_at)}  # fmt: skip
+        self._submit([self._op(call_sid, "begin", fields=fields)])
 
     async def update(self, call_sid: str, **fields: Any) -> None:
         for name, value in fields.items():
@@ -465,18 +483,27 @@ local kind = ARGV[1]
 if redis.call('EXISTS', h) == 1 then
   -- a batch retried after a dropped reply must not apply twice
   if tonumber(ARGV[3]) <= tonumber(redis.call('HGET', h, ARGV[2]) or '0') then return 0 end
-  if kind == 'create' or (kind == 'end' and redis.call('HGET', h, 'state') == 'ended') then
+  if kind == 'end' and redis.call('HGET', h, 'state') == 'ended' then
     kind = 'noop'
+  elseif kind == 'create' then
+    kind = 'fill'  -- the stream's start (begin) got here first: what it lacks, the webhook's record gives
   end
+elseif kind == 'begin' then
+  kind = 'create'  -- the webhook's create is still on its way (its node's writes held up)
 elseif kind ~= 'create' then
   return -1  -- an unknown call: expired, or lost with the data of a Redis that came back empty
 end
 if kind == 'push' then
   redis.call('RPUSH', KEYS[tonumber(ARGV[8])], ARGV[7])
   redis.call('LTRIM', KEYS[tonumber(ARGV[8])], -MAX_LIST_ITEMS, -1)
+elseif kind == 'fill' then
+  for f, v in pairs(cjson.decode(ARGV[7])) do
+    if v ~= cjson.null then redis.call('HSETNX', h, f, v) end
+  end
 elseif kind ~= 'noop' then
   for f, v in pairs(cjson.decode(ARGV[7])) do
-    if v == cjson.null then redis.call('HDEL', h, f) else redis.call('HSET', h, f, v) end
+    if kind == 'begin' and f == 'created_at' then  -- (a begin on a record: its webhook's time stays)
+    elseif v == cjson.null then redis.call('HDEL', h, f) else redis.call('HSET', h, f, v) end
   end
 end
 local sid, ttl = ARGV[5], ARGV[4]
@@ -752,7 +779,7 @@ class RedisCallStore(_OpStore):
         """The buffer is full: the call holding the most ops loses its oldest (not a create or an end, if it
         has another). One call flooding writes so pushes out its own, never another call's."""
         sid, ops = max(self._by_call.items(), key=lambda kv: len(kv[1]))
-        victim = next((op for op in ops if op.kind not in ("create", "end")), ops[0])
+        victim = next((op for op in ops if op.kind not in ("create", "begin", "end")), ops[0])
         ops.remove(victim)  # usually the head
         if not ops:
             del self._by_call[sid]

@@ -404,6 +404,47 @@ async def test_open_call_store_without_url_is_memory(caplog: pytest.LogCaptureFi
     assert "no REDIS_URL" in caplog.text
 
 
+async def test_a_streams_start_written_before_its_webhooks_record_is_kept_and_the_record_filled_in(
+    prefix: str,
+) -> None:
+    """Node A answered the webhook, but its writes were held up (a Redis blip); B, streaming the call, wrote its
+    start first. That update went to an unknown call and was dropped, with B's first turns: the live call's
+    record said "ringing" for good, in no node's set of streaming calls (review, session 30). B's start now
+    makes the record, and A's create fills in what it lacks when it lands."""
+    store_a, store_b = make_store("redis", prefix), make_store("redis", prefix)
+    held = asyncio.Event()
+    write = store_a._write_batch  # type: ignore[attr-defined]
+
+    async def held_up(batch):  # type: ignore[no-untyped-def]
+        await held.wait()
+        return await write(batch)
+
+    store_a._write_batch = held_up  # type: ignore[attr-defined]
+    try:
+        await store_a.create(CallRecord(call_sid="CA-race", node="node-b", agent="sales", from_number="+15550001111",
+                                        created_at=T0))  # fmt: skip
+        await asyncio.sleep(0.05)
+        store_b.adopt("CA-race")
+        await store_b.begin_stream("CA-race", stream_sid="MZ1", node="node-b", started_at=T0 + 1)
+        await store_b.append_turn("CA-race", "bot", "Hello, how can I help?")
+        await flushed(store_b)
+        held.set()
+        await flushed(store_a)
+        await store_b.append_turn("CA-race", "caller", "I need help")
+        await flushed(store_b)
+        record = await store_b.get("CA-race")
+        assert record is not None
+        assert (record.state, record.node, record.stream_sid, record.started_at) == ("streaming", "node-b", "MZ1",
+                                                                                     T0 + 1)  # fmt: skip
+        assert (record.agent, record.from_number) == ("sales", "+15550001111")  # filled in by the webhook's
+        assert [t.text for t in record.turns] == ["Hello, how can I help?", "I need help"]
+        assert store_b.unapplied_ops == 0  # type: ignore[attr-defined]
+        assert list(await store_b.streaming_on("node-b")) == ["CA-race"]  # a sweep finds it should B die
+    finally:
+        await store_a.aclose()
+        await store_b.aclose()
+
+
 def test_a_redis_url_is_logged_without_its_password_whatever_it_holds() -> None:
     """Unencoded '/' or '@' in a password (as a generated one has, now and then) cut the host part short: the
     rest of the password was logged as the URL's path."""
