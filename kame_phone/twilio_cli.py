@@ -41,7 +41,7 @@ class CliError(Exception):
 def _public_url(args: argparse.Namespace) -> str:
     """PUBLIC_URL as `serve` takes it (a live number pointed at one `serve` refuses answered nothing), and one
     Twilio can reach: a loopback host only for a Twilio stand-in (TWILIO_API_BASE_URL, the tests')."""
-    url = (args.public_url or "").rstrip("/")
+    url = (args.public_url or "").strip().rstrip("/")  # stripped as serve strips it (a ConfigMap's newline)
     if not url:
         raise CliError("PUBLIC_URL is not set: the https:// URL Twilio reaches this service at (your tunnel's)")
     try:

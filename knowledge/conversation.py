@@ -270,9 +270,12 @@ class Conversation:
         each, 70 MB and 36 ms of every request's rendering after 13 minutes, in the review)."""
         keep = KEEP_HISTORY_FACTOR * self.max_history_chars
         newest_exchange = next((t for t in reversed(self.turns) if isinstance(t, ToolExchange)), None)
-        sendable = self._sendable_exchanges()
+        # Twice what a request considers: an exchange's result is filled in after it was added (a tool still
+        # running), and one that grows past the budget leaves the requests' window to an older one, kept here.
+        # A mid-utterance exchange stays whatever its size: the caller's final is placed by it.
+        sendable = self._sendable_exchanges(2 * (self.max_history_chars // MIN_EXCHANGE_CHARS))
         self.turns = [t for t in self.turns if not isinstance(t, ToolExchange) or t is newest_exchange
-                      or id(t) in sendable]  # fmt: skip
+                      or t.mid_utterance or id(t) in sendable]  # fmt: skip
         total, cut = 0, 0
         for i in range(len(self.turns) - 1, -1, -1):
             turn = self.turns[i]
@@ -287,11 +290,10 @@ class Conversation:
             kept = [newest_exchange] if any(t is newest_exchange for t in older) else []  # (identity, not ==)
             self.turns = kept + self.turns[cut:]
 
-    def _sendable_exchanges(self) -> set[int]:
-        """The exchanges (by id) a request may send besides the newest: of those no bigger than the budget, the
-        newest max_history_chars // MIN_EXCHANGE_CHARS (no request could hold more). Pruning keeps these alone,
-        and requests consider these alone, so pruned and unpruned conversations send the same."""
-        room = self.max_history_chars // MIN_EXCHANGE_CHARS
+    def _sendable_exchanges(self, room: int) -> set[int]:
+        """The exchanges (by id) besides the newest that are no bigger than the budget, the newest `room` of them.
+        Requests consider max_history_chars // MIN_EXCHANGE_CHARS of them (no request could hold more), and
+        pruning keeps more, so pruned and unpruned conversations send the same."""
         newest, out = True, set()
         for turn in reversed(self.turns):
             if not isinstance(turn, ToolExchange):
@@ -313,7 +315,7 @@ class Conversation:
         half the budget, so the words before it still go)."""
         groups: list[list[dict[str, Any]]] = []
         sizes: list[int] = []  # an exchange's size, its calls counted once
-        sendable = self._sendable_exchanges()
+        sendable = self._sendable_exchanges(self.max_history_chars // MIN_EXCHANGE_CHARS)
         newest = next((t for t in reversed(self.turns) if isinstance(t, ToolExchange)), None)
         for turn in self.turns:
             if isinstance(turn, ToolExchange):

@@ -65,7 +65,11 @@ def hide_password(url: str | None) -> str | None:
     auth are often set on a Twilio number) is ***; anything else comes back as it was."""
     if not url:
         return url
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # "https://[::1": shown in the error that refuses it, whatever is after the last '@'
+        scheme, sep, rest = url.partition("://")
+        return f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else url
     if "@" not in parts.netloc:
         return url
     userinfo, _, host = parts.netloc.rpartition("@")

@@ -127,10 +127,47 @@ def test_an_llm_calling_tools_on_every_request_keeps_a_bounded_history() -> None
         steps.append(_caller("yes") if n % 3 == 0 else _tools(n, results=4, size=(8_000 if n % 2 else 30)))
     pruned = _same_requests(steps, budget=4_000, every=13)
     exchanges = [t for t in pruned.turns if isinstance(t, ToolExchange)]
-    assert len(exchanges) <= 4_000 // 64 + 64 + 1  # what a request can hold, a prune's worth, the newest
+    assert len(exchanges) <= 2 * (4_000 // 64) + 64 + 1  # twice what a request holds, a prune's worth, the newest
     assert sum(t.size() for t in exchanges) < 4 * 4_000 * 64  # not every 32 KB answer since the call began
     # Small answers first, then many that each nearly fill the budget: a request sends one of the big ones and
     # then older small ones, as far back as it considers; pruned or not, the same.
     steps = [_caller("hi")] + [_tools(n, size=10) for n in range(100)]
     steps += [_tools(1_000 + n, size=3_500) for n in range(150)] + [_caller("and now")]
     _same_requests(steps, budget=4_000, every=7)
+
+
+def test_a_mid_utterance_exchange_too_big_to_send_still_places_the_callers_final() -> None:
+    """The caller's final goes before the first exchange made during the utterance: pruning dropped that one (too
+    big to send) and the pruned conversation put the words after the next one (review of session 30's change).
+    A prune lands anywhere in the sequence, so every padding is run."""
+    for pad in range(140):
+        steps: list[Step] = [step for i in range(pad // 2) for step in (_caller(f"q{i}"), _bot(f"a{i}"))]
+        steps += [_tools(0, size=30)] if pad % 2 else []
+        steps += [_caller("hello"), _bot("sure"), lambda c: c.caller_partial("where is my"),
+                  _tools(1, size=8_000), _bot("checking"), _tools(2), _caller("where is my order")]  # fmt: skip
+        _same_requests(steps, budget=4_000, every=1)
+
+
+def test_an_exchange_whose_result_comes_after_a_prune_leaves_the_same_requests() -> None:
+    """A tool's exchange goes in with a placeholder result, filled in when the tool answers: one that grew past
+    the budget after a prune left its place in the requests' window to an older exchange pruning had dropped."""
+    for pad in range(64):
+        both = [Conversation(system_prompt="S", max_history_chars=400),
+                Conversation(system_prompt="S", max_history_chars=400, prune=False)]  # fmt: skip
+        running = []
+        for c in both:
+            for i in range(pad):
+                c.caller_final(f"q{i}")
+                c.bot_piece(f"▁a{i}")
+            c.caller_final("hi")
+            c.tool_exchange(_exchange(0, size=5))
+            running.append(_exchange(1, size=9))  # "pending"
+            c.tool_exchange(running[-1])
+            for n in range(5):
+                c.tool_exchange(_exchange(10 + n, size=255))
+            c.caller_final("ok")
+            c.tool_exchange(_exchange(99, size=5))
+        assert both[0].messages() == both[1].messages(), pad
+        for exchange in running:
+            exchange.results = [(exchange.results[0][0], "R" * 500)]  # its tool answers, past the budget
+        assert both[0].messages() == both[1].messages(), pad

@@ -159,6 +159,9 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
                      "PUBLIC_URL holds a blank or a control character", id="public-url-tab"),  # fmt: skip
         pytest.param({"TWILIO_AUTH_TOKEN": "t", "PUBLIC_URL": "http://bob:Xk9secret@voice.example.com"}, [],
                      "PUBLIC_URL must be https://", id="public-url-password-not-quoted"),  # fmt: skip
+        pytest.param({"TWILIO_AUTH_TOKEN": "t", "PUBLIC_URL": "https://bob:Xk9@[::1"}, [],
+                     "PUBLIC_URL must look like https://host[:port], got 'https://***@[::1'",
+                     id="public-url-unparsable"),  # fmt: skip
         pytest.param({"KAME_RETENTION_HOURS": "1e300"}, ["--insecure-dev"], "must be 0.0166667 to 87840 hours",
                      id="retention-huge"),  # fmt: skip
         pytest.param({"KAME_RETENTION_HOURS": "1e-7"}, ["--insecure-dev"], "KAME_RETENTION_HOURS", id="retention-tiny"),

@@ -151,6 +151,10 @@ async def test_env_file_values_are_read_and_the_environment_overrides_them(tmp_p
                                  cwd=tmp_path)  # fmt: skip
         assert rc == 0, err
         assert twilio.number_updates[-1]["VoiceUrl"] == "https://from-dotenv.example.com/twilio/voice"
+        # Stripped as serve strips it: a ConfigMap's newline (review, session 30).
+        rc, _, err = await _kame(["twilio", "setup", "--number", NUMBER], {**default, "TWILIO_AUTH_TOKEN": SECRET,
+                                 "PUBLIC_URL": "https://from-env.example.com\n"}, cwd=tmp_path)  # fmt: skip
+        assert rc == 0 and twilio.number_updates[-1]["VoiceUrl"] == "https://from-env.example.com/twilio/voice", err
         # A file named and not there (a typo, a volume not mounted) is one line and exit 2, not a run without it.
         rc, _, err = await _kame(["twilio", "setup", "--number", NUMBER], {"KAME_ENV_FILE": "prod.env"}, cwd=tmp_path)
         assert rc == 2 and err.strip() == "kame-phone: KAME_ENV_FILE names prod.env, which is not a file (set it " \
