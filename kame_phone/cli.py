@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--no-transcripts", "KAME_NO_TRANSCRIPTS", switch=True,
              help="keep timings, not words, in call records")
     env_flag(serve, "--retention-hours", "KAME_RETENTION_HOURS", default=24.0, parse=parse_float,
-             help="how long call records live")
+             help="how long call records live after their last write (1 minute to 10 years; default 24)")
     env_flag(serve, "--log-json", "KAME_LOG_JSON", switch=True, help="JSON log lines")
     env_flag(serve, "--max-unstarted-streams", "KAME_MAX_UNSTARTED_STREAMS", default=16, parse=parse_int,
              help="media sockets upgraded but not started, at most (beyond, a newer upgrade closes the oldest one "
