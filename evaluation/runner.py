@@ -232,8 +232,7 @@ async def run_eval(plan: EvalPlan, progress: bool = True) -> dict[str, Any]:
     try:
         spoken, barge = await _speak_all(plan, audio_dir)
     except BaseException:
-        await plan.judge.aclose()
-        await asyncio.to_thread(plan.transcriber.close)
+        await _close_clients(plan)
         raise
     probes_per_delay = sum(s.first_half is not None for s in spoken)
     total = len(plan.delays) * (len(spoken) + probes_per_delay)
@@ -262,12 +261,17 @@ async def run_eval(plan: EvalPlan, progress: bool = True) -> dict[str, Any]:
         raise
     finally:
         bar.close()
-        await plan.judge.aclose()
-        await asyncio.to_thread(plan.transcriber.close)
+        await _close_clients(plan)
     report = await _write_report(plan, got, probes_per_delay, stopped)
     if stopped is not None:
         raise stopped
     return report
+
+
+async def _close_clients(plan: EvalPlan) -> None:
+    """The judge's HTTP client and the transcriber's workers: once, however the run ends."""
+    await plan.judge.aclose()
+    await asyncio.to_thread(plan.transcriber.close)
 
 
 async def _calls(

@@ -48,7 +48,7 @@ class ToolExchange:
     _calls_chars: int = field(default=-1, compare=False, repr=False)
 
     def size(self) -> int:
-        """Characters as a request charges it (`_size` of its `group`), without rendering its calls again."""
+        """Characters as a request charges it: its calls rendered (counted once) and its results' text."""
         if self._calls_chars < 0:
             self._calls_chars = len(str(self.calls or ""))
         return self._calls_chars + sum(len(str(content or "")) for _, content in self.results)
@@ -93,10 +93,6 @@ def _tail(text: str, limit: int) -> str:
     cut = text[len(text) - limit:]
     space = cut.find(" ")
     return "… " + (cut[space + 1:] if 0 <= space < len(cut) - 1 else cut)
-
-
-def _size(group: list[dict[str, Any]]) -> int:
-    return sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or "")) for m in group)
 
 
 def _letters(text: str) -> str:
@@ -265,17 +261,17 @@ class Conversation:
         counted as `messages` would send of it), but the newest tool exchange, which every request sends whole.
         Exchanges are not counted: `messages` leaves out an older one that does not fit and goes on to older
         words, so only the words' share bounds how far back a request reaches. Of the exchanges, those no
-        request can send go: one bigger than the budget (but the newest), and any past the newest
-        max_history_chars // MIN_EXCHANGE_CHARS. An LLM calling tools on every request kept them all (32 KB
-        each, 70 MB and 36 ms of every request's rendering after 13 minutes, in the review)."""
+        request can send go (`_sendable_exchanges`, with room to spare), but one made mid-utterance. An LLM
+        calling tools on every request kept them all (32 KB each, 70 MB and 36 ms of every request's rendering
+        after 13 minutes, in the review)."""
         keep = KEEP_HISTORY_FACTOR * self.max_history_chars
         newest_exchange = next((t for t in reversed(self.turns) if isinstance(t, ToolExchange)), None)
         # Twice what a request considers: an exchange's result is filled in after it was added (a tool still
         # running), and one that grows past the budget leaves the requests' window to an older one, kept here.
         # A mid-utterance exchange stays whatever its size: the caller's final is placed by it.
         sendable = self._sendable_exchanges(2 * (self.max_history_chars // MIN_EXCHANGE_CHARS))
-        self.turns = [t for t in self.turns if not isinstance(t, ToolExchange) or t is newest_exchange
-                      or t.mid_utterance or id(t) in sendable]  # fmt: skip
+        self.turns = [t for t in self.turns if not isinstance(t, ToolExchange) or t.mid_utterance
+                      or id(t) in sendable]  # fmt: skip
         total, cut = 0, 0
         for i in range(len(self.turns) - 1, -1, -1):
             turn = self.turns[i]
@@ -291,17 +287,16 @@ class Conversation:
             self.turns = kept + self.turns[cut:]
 
     def _sendable_exchanges(self, room: int) -> set[int]:
-        """The exchanges (by id) besides the newest that are no bigger than the budget, the newest `room` of them.
-        Requests consider max_history_chars // MIN_EXCHANGE_CHARS of them (no request could hold more), and
-        pruning keeps more, so pruned and unpruned conversations send the same."""
-        newest, out = True, set()
+        """The exchanges (by id) a request may send: the newest, whatever its size, and of the others no bigger
+        than the budget the newest `room`. Requests consider max_history_chars // MIN_EXCHANGE_CHARS of them (no
+        request could hold more), and pruning keeps more, so pruned and unpruned conversations send the same."""
+        out: set[int] = set()
         for turn in reversed(self.turns):
             if not isinstance(turn, ToolExchange):
                 continue
-            if newest:
-                newest = False
-                continue
-            if room > 0 and turn.size() <= self.max_history_chars:
+            if not out:  # the newest
+                out.add(id(turn))
+            elif room > 0 and turn.size() <= self.max_history_chars:
                 out.add(id(turn))
                 room -= 1
         return out
@@ -316,10 +311,9 @@ class Conversation:
         groups: list[list[dict[str, Any]]] = []
         sizes: list[int] = []  # an exchange's size, its calls counted once
         sendable = self._sendable_exchanges(self.max_history_chars // MIN_EXCHANGE_CHARS)
-        newest = next((t for t in reversed(self.turns) if isinstance(t, ToolExchange)), None)
         for turn in self.turns:
             if isinstance(turn, ToolExchange):
-                if turn is newest or id(turn) in sendable:
+                if id(turn) in sendable:
                     groups.append(turn.group())
                     sizes.append(turn.size())
                 continue

@@ -1087,7 +1087,7 @@ class RedisCallStore(_OpStore):
         to; another node's, one with writes of this store still queued. A webhook this node answered wrote the
         call's record: by the first rule a node never ended a call whose stream another node had, in a
         cluster of two no node did."""
-        if not own_node and any(op.call_sid == call_sid for op in self._pending):
+        if not own_node and call_sid in self._by_call:
             return False  # this run's writes to it are on their way (a stream taken over here): they decide
         args = [node, reason, repr(time.time()), self._seq_field if own_node else "", call_sid]
         keys = [self._call_keys(call_sid)[0], self._streaming_key, *alive_keys]

@@ -88,9 +88,8 @@ class LostCallSweep:
             calls = await self.store.streaming_on(self.node_id)
         except CallStoreUnavailable:
             return 0  # counted by the store; tried again next sweep
-        live = set(self.live())
-        ended, complete = await self._end(self.node_id, [(sid, c) for sid, c in calls.items() if sid not in live],
-                                          "was streaming on this node's last run", own_node=True)  # fmt: skip
+        ended, complete = await self._end(self.node_id, calls, "was streaming on this node's last run",
+                                          own_node=True)  # fmt: skip
         self._leftovers_done = complete
         return ended
 
@@ -121,20 +120,22 @@ class LostCallSweep:
                 calls = await self.store.streaming_on(node)
             except CallStoreUnavailable:
                 break
-            live = set(self.live())  # a stream taken over here since: this run's
-            n, complete = await self._end(node, [(sid, c) for sid, c in calls.items() if sid not in live],
-                                          "was streaming on a node that is gone", self.cluster.heartbeat_keys(node))
+            n, complete = await self._end(node, calls, "was streaming on a node that is gone",
+                                          self.cluster.heartbeat_keys(node))  # fmt: skip
             ended += n
             if not complete:
                 break
         return ended
 
-    async def _end(self, node: str, calls: list[tuple[str, CallBrief]], why: str,
+    async def _end(self, node: str, calls: dict[str, CallBrief], why: str,
                    alive_keys: tuple[str, ...] = (), *, own_node: bool = False) -> tuple[int, bool]:  # fmt: skip
         """End `calls` (streaming on `node`) as node_lost, each once across the nodes and the status callbacks,
-        none once one of `alive_keys` is back; (how many this node ended, whether it went through them all)."""
-        ended = 0
-        for sid, call in calls:
+        none once one of `alive_keys` is back, and none live here (this run's: a stream taken over since, on
+        another node's calls); (how many this node ended, whether it went through them all)."""
+        ended, live = 0, set(self.live())
+        for sid, call in calls.items():
+            if sid in live:
+                continue
             try:
                 if not await self.store.end_lost(sid, node, "node_lost", alive_keys, own_node=own_node):
                     continue  # another node's sweep took it: each call is ended, and counted, once
